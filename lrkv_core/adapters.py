@@ -1,0 +1,113 @@
+"""One table of architecture facts, keyed by ``config.model_type``.
+
+Everything that differs between model families (where the decoder layers live, the attention
+attribute, projection names, RoPE, which kwargs the attention interface wants) is read from here, so
+the methods never branch on module classes or match layer names by substring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import PretrainedConfig
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture has no adapter."""
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """Attention geometry: L layers, hidden d, H query heads, Hkv KV heads, head dim D."""
+
+    L: int
+    d: int
+    H: int
+    Hkv: int
+    D: int
+
+    @property
+    def n_rep(self) -> int:
+        return self.H // self.Hkv
+
+    @property
+    def kv_width(self) -> int:
+        """Width of one of K or V in one layer: Hkv·D."""
+        return self.Hkv * self.D
+
+
+@dataclass(frozen=True)
+class ArchAdapter:
+    """How to find and rebuild the attention of one model family."""
+
+    model_type: str
+    layers_path: str = "model.layers"
+    attn_attr: str = "self_attn"
+    q_name: str = "q_proj"
+    k_name: str = "k_proj"
+    v_name: str = "v_proj"
+    o_name: str = "o_proj"
+    rope: bool = True
+    passes_sliding_window: bool = False  # Mistral hands config.sliding_window to the attention interface
+
+    def shape(self, config: PretrainedConfig) -> AttnShape:
+        H = config.num_attention_heads
+        Hkv = getattr(config, "num_key_value_heads", None) or H
+        D = getattr(config, "head_dim", None) or config.hidden_size // H
+        return AttnShape(L=config.num_hidden_layers, d=config.hidden_size, H=H, Hkv=Hkv, D=D)
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        mod = model
+        for part in self.layers_path.split("."):
+            mod = getattr(mod, part)
+        return mod
+
+    def base_model(self, model: nn.Module) -> nn.Module:
+        """The decoder stack whose forward creates the cache (``model.model`` for Llama)."""
+        mod = model
+        for part in self.layers_path.split(".")[:-1]:
+            mod = getattr(mod, part)
+        return mod
+
+    def attention(self, model: nn.Module, layer: int) -> nn.Module:
+        return getattr(self.layers(model)[layer], self.attn_attr)
+
+    def set_attention(self, model: nn.Module, layer: int, module: nn.Module) -> None:
+        setattr(self.layers(model)[layer], self.attn_attr, module)
+
+    def weight_name(self, layer: int, proj: str) -> str:
+        """State-dict prefix of a projection in the original model, e.g. ``model.layers.3.self_attn.k_proj``."""
+        return f"{self.layers_path}.{layer}.{self.attn_attr}.{getattr(self, proj + '_name')}"
+
+    def rotary_embedding(self, config: PretrainedConfig) -> nn.Module:
+        """A fresh rotary embedding built from the config (theta, scaling and type come from it)."""
+        if self.model_type == "mistral":
+            from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
+
+            return MistralRotaryEmbedding(config=config)
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        return LlamaRotaryEmbedding(config=config)
+
+    def attention_kwargs(self, config: PretrainedConfig) -> dict:
+        if self.passes_sliding_window:
+            return {"sliding_window": getattr(config, "sliding_window", None)}
+        return {}
+
+
+ADAPTERS: dict[str, ArchAdapter] = {
+    "llama": ArchAdapter(model_type="llama"),
+    "mistral": ArchAdapter(model_type="mistral", passes_sliding_window=True),
+}
+
+
+def get_adapter(config: PretrainedConfig) -> ArchAdapter:
+    """The adapter for ``config.model_type``; a clear error naming the supported families otherwise."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise UnsupportedModelError(
+            f"lrkv does not support model_type {model_type!r} yet; supported: {', '.join(sorted(ADAPTERS))}"
+        )
+    return ADAPTERS[model_type]
+

@@ -1,0 +1,121 @@
+"""Attention whose cache holds low-rank latents (Palu's deployment form) for RoPE models.
+
+Per layer, with groups g of s KV heads and ranks r_g:
+- ``k_down`` (R_k × d) and ``v_down`` (R_v × d): all groups' ``A`` stacked, so the cache stores
+  ``H_k = x A_kᵀ`` (B, S, R_k) and ``H_v = x A_vᵀ`` (B, S, R_v) with R = Σ_g r_g;
+- ``k_up[g]`` (s·D × r_g, + k bias rows): keys are rebuilt per group, then RoPE at the cached positions,
+  then q·K;
+- ``o_proj`` (d × Σ_h r_{g(h)}): ``B_v`` folded into the output projection, one block per query head,
+  ``W_o,h B_v,g,h`` (d × r_g), so attention probabilities multiply latents directly and values are never
+  rebuilt. A v bias folds into the o_proj bias (softmax rows sum to 1).
+At full rank the module reproduces the original attention up to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from lrkv_kernels.latent_rope import apply_rope, reconstruct_rope_keys
+
+from .adapters import ArchAdapter, AttnShape
+from .cache import LatentCache
+
+
+@dataclass(frozen=True)
+class LatentLayout:
+    """Ranks of one layer: ``ranks_k[g]``, ``ranks_v[g]`` for groups of ``group_size`` KV heads."""
+
+    group_size: int
+    ranks_k: tuple[int, ...]
+    ranks_v: tuple[int, ...]
+    qkv_bias: bool = False  # q/k_up carry the original q/k biases
+    o_bias: bool = False  # o_proj bias (original o bias + the folded v bias)
+
+
+class LatentAttention(nn.Module):
+    """Drop-in replacement for a Llama-family attention module, caching latents in a LatentCache."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, adapter: ArchAdapter, layout: LatentLayout):
+        super().__init__()
+        shape: AttnShape = adapter.shape(config)
+        s = layout.group_size
+        n_groups = shape.Hkv // s
+        if len(layout.ranks_k) != n_groups or len(layout.ranks_v) != n_groups:
+            raise ValueError(f"layer {layer_idx}: layout has the wrong number of groups (expected {n_groups})")
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layout = layout
+        self.shape = shape
+        self.head_dim = shape.D
+        self.num_key_value_groups = shape.n_rep  # read by transformers' attention interfaces
+        self.scaling = shape.D**-0.5
+        self.attention_dropout = getattr(config, "attention_dropout", 0.0)
+        self.is_causal = True
+        self._interface_kwargs = adapter.attention_kwargs(config)
+        q_heads_per_group = s * shape.n_rep
+        o_width = sum(r * q_heads_per_group for r in layout.ranks_v)
+
+        self.q_proj = nn.Linear(shape.d, shape.H * shape.D, bias=layout.qkv_bias)
+        self.k_down = nn.Linear(shape.d, sum(layout.ranks_k), bias=False)
+        self.v_down = nn.Linear(shape.d, sum(layout.ranks_v), bias=False)
+        self.k_up = nn.ModuleList(nn.Linear(r, s * shape.D, bias=layout.qkv_bias) for r in layout.ranks_k)
+        self.o_proj = nn.Linear(o_width, shape.d, bias=layout.o_bias)
+        self.rotary_emb = adapter.rotary_embedding(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: LatentCache | None = None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        B, T, _ = hidden_states.shape
+        H, D, s, n_rep = self.shape.H, self.shape.D, self.layout.group_size, self.shape.n_rep
+        q = self.q_proj(hidden_states).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        cos, sin = position_embeddings  # (B, T, D)
+        q = apply_rope(q, cos, sin)
+        h_k = self.k_down(hidden_states)  # (B, T, R_k)
+        h_v = self.v_down(hidden_states)  # (B, T, R_v)
+        if position_ids is None:
+            raise ValueError("LatentAttention needs position_ids (the decoder layer passes them)")
+        if past_key_values is not None:
+            if not isinstance(past_key_values, LatentCache):
+                raise TypeError(
+                    f"an lrkv-compressed model caches latents in a LatentCache, got {type(past_key_values).__name__}; "
+                    "pass no cache (one is created) or lrkv_core.LatentCache"
+                )
+            h_k, h_v, pos = past_key_values.update_latents(h_k, h_v, position_ids, self.layer_idx)
+        else:
+            pos = position_ids.expand(B, T)
+        S = h_k.shape[1]
+        cos_k, sin_k = self.rotary_emb(h_k, pos.long())  # (B, S, D)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        outs, ok, ov = [], 0, 0
+        for g, (rk, rv) in enumerate(zip(self.layout.ranks_k, self.layout.ranks_v)):
+            up = self.k_up[g]
+            k_g = reconstruct_rope_keys(h_k[..., ok : ok + rk], up.weight, up.bias, cos_k, sin_k, D)  # (B,s,S,D)
+            v_g = h_v[..., ov : ov + rv].unsqueeze(1).expand(B, s, S, rv)  # (B, s, S, r_g)
+            q_g = q[:, g * s * n_rep : (g + 1) * s * n_rep]  # (B, s·n_rep, T, D)
+            out_g, _ = interface(
+                self,
+                q_g,
+                k_g,
+                v_g,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                **self._interface_kwargs,
+                **kwargs,
+            )  # (B, T, s·n_rep, r_g)
+            outs.append(out_g.reshape(B, T, -1))
+            ok, ov = ok + rk, ov + rv
+        return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)
+

@@ -1,0 +1,274 @@
+"""Datasets: spec strings, token streams, calibration windows (Parquet) and evaluation windows.
+
+A dataset is named by a spec string:
+
+- ``hf:NAME[:CONFIG[:SPLIT]]``  a hub dataset with a ``text`` column (split "train" by default);
+- ``text:PATH``                 a local text file, read whole (newlines kept), tokenized as one stream;
+- ``parquet:PATH``              pre-tokenized rows: an ``input_ids`` list-of-int column (BOS-started samples);
+- ``builtin:NAME:SPLIT``        ``<split>.txt`` beside lrkv's embedded default model NAME (a text source).
+
+Text sources become one long token stream; Parquet sources stay one sequence per row, because such rows
+start at BOS and must be scored from position 0. All loading goes through the ``datasets`` library.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from datasets import load_dataset
+
+from lrkv_core.fingerprint import hash_bytes, hash_json
+
+SPEC_FORMS = "hf:NAME[:CONFIG[:SPLIT]], text:PATH, parquet:PATH, builtin:NAME:SPLIT"
+
+Kind = Literal["hf", "text", "parquet", "builtin"]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A parsed dataset spec; ``str(spec)`` gives back its canonical string form.
+
+    ``name`` is the hub dataset name (hf), the file path (text, parquet) or the model name (builtin).
+    """
+
+    kind: Kind
+    name: str
+    config: str | None = None
+    split: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "hf":
+            return f"hf:{self.name}:{self.config or ''}:{self.split}"
+        if self.kind == "builtin":
+            return f"builtin:{self.name}:{self.split}"
+        return f"{self.kind}:{self.name}"
+
+    @property
+    def is_tokenized(self) -> bool:
+        """True when the source holds token ids (one sequence per row) rather than text."""
+        return self.kind == "parquet"
+
+
+def parse_dataset_spec(spec: str | DatasetSpec) -> DatasetSpec:
+    """Parse ``hf:NAME[:CONFIG[:SPLIT]]``, ``text:PATH``, ``parquet:PATH`` or ``builtin:NAME:SPLIT``.
+
+    Raises
+    ------
+    ValueError
+        For any other form; the message lists the accepted ones.
+    """
+    if isinstance(spec, DatasetSpec):
+        return spec
+    kind, sep, rest = str(spec).partition(":")
+    bad = ValueError(f"bad dataset spec {spec!r}; accepted forms: {SPEC_FORMS}")
+    if not sep or not rest:
+        raise bad
+    if kind in ("text", "parquet"):
+        return DatasetSpec(kind=kind, name=rest)  # a path may itself hold ':'
+    parts = rest.split(":")
+    if kind == "hf":
+        if len(parts) > 3 or not parts[0]:
+            raise bad
+        config = parts[1] if len(parts) > 1 and parts[1] else None
+        split = parts[2] if len(parts) > 2 and parts[2] else "train"
+        return DatasetSpec(kind="hf", name=parts[0], config=config, split=split)
+    if kind == "builtin":
+        if len(parts) != 2 or not all(parts):
+            raise bad
+        return DatasetSpec(kind="builtin", name=parts[0], split=parts[1])
+    raise bad
+
+
+def resolve_spec(spec: str | DatasetSpec) -> DatasetSpec:
+    """Turn ``builtin:NAME:SPLIT`` into ``text:<model_dir>/<split>.txt`` (building the model if needed)."""
+    spec = parse_dataset_spec(spec)
+    if spec.kind != "builtin":
+        return spec
+    from lrkv_core.builtin import ensure_builtin_model  # lazy: building the model is heavy
+
+    model_dir = Path(ensure_builtin_model(spec.name))
+    return DatasetSpec(kind="text", name=str(model_dir / f"{spec.split}.txt"))
+
+
+def _local_file(path: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset file not found: {p}")
+    return p
+
+
+def load_text(spec: str | DatasetSpec) -> str:
+    """The whole text of a text source (text, builtin or hf), exactly as stored.
+
+    Hub rows are joined as they are (wikitext rows already end in a newline).
+    """
+    spec = resolve_spec(spec)
+    if spec.kind == "text":
+        ds = load_dataset("text", data_files=str(_local_file(spec.name)), sample_by="document", split="train")
+        return "".join(ds["text"])
+    if spec.kind == "hf":
+        ds = load_dataset(spec.name, spec.config, split=spec.split)
+        if "text" not in ds.column_names:
+            raise ValueError(f"hub dataset {spec} has no 'text' column (columns: {ds.column_names})")
+        return "".join(ds["text"])
+    raise ValueError(f"{spec} is a pre-tokenized source, not text")
+
+
+def load_token_rows(spec: str | DatasetSpec) -> list[torch.Tensor]:
+    """Rows of a ``parquet:`` source, one (T_i,) LongTensor per row."""
+    spec = resolve_spec(spec)
+    if spec.kind != "parquet":
+        raise ValueError(f"{spec} is a text source, not pre-tokenized rows")
+    ds = load_dataset("parquet", data_files=str(_local_file(spec.name)), split="train")
+    if "input_ids" not in ds.column_names:
+        raise ValueError(f"{spec} has no 'input_ids' column (columns: {ds.column_names})")
+    return [torch.tensor(row, dtype=torch.long) for row in ds["input_ids"]]
+
+
+def token_sequences(spec: str | DatasetSpec, tokenizer: Any | None) -> list[torch.Tensor]:
+    """Token sequences of a source: one (N_tokens,) stream for text, one (T_i,) tensor per Parquet row.
+
+    Text is tokenized whole with ``add_special_tokens=False`` (no BOS/EOS inserted).
+
+    Raises
+    ------
+    ValueError
+        A text source with ``tokenizer=None``.
+    """
+    spec = resolve_spec(spec)
+    if spec.is_tokenized:
+        return load_token_rows(spec)
+    if tokenizer is None:
+        raise ValueError(
+            f"cannot tokenize {spec}: this model has no tokenizer; use a parquet: dataset of input_ids"
+        )
+    ids = tokenizer(load_text(spec), add_special_tokens=False, verbose=False)["input_ids"]
+    return [torch.tensor(ids, dtype=torch.long)]
+
+
+def _draw_windows(
+    seqs: list[torch.Tensor], tokenized: bool, n_samples: int, seq_len: int, rng: np.random.Generator
+) -> np.ndarray:
+    """(n_samples, seq_len) int64: random distinct start offsets in a stream, or random rows' prefixes."""
+    if tokenized:
+        eligible = [i for i, s in enumerate(seqs) if s.numel() >= seq_len]
+        if len(eligible) < n_samples:
+            raise ValueError(
+                f"too little data: {len(seqs)} rows, {len(eligible)} of them with >= {seq_len} tokens; "
+                f"n_samples={n_samples} needs {n_samples} such rows"
+            )
+        picks = rng.choice(len(eligible), size=n_samples, replace=False)
+        return np.stack([seqs[eligible[i]][:seq_len].numpy() for i in picks])
+    stream = seqs[0].numpy()
+    n_starts = stream.shape[0] - seq_len + 1
+    if n_starts < n_samples:
+        raise ValueError(
+            f"too little data: the token stream has {stream.shape[0]} tokens; "
+            f"n_samples={n_samples} distinct windows of seq_len={seq_len} need at least "
+            f"{seq_len + n_samples - 1}"
+        )
+    starts = rng.choice(n_starts, size=n_samples, replace=False)
+    return np.stack([stream[s : s + seq_len] for s in starts])
+
+
+def write_token_rows(rows: np.ndarray, out_path: str | Path) -> Path:
+    """Write (N, T) token ids as a Parquet ``input_ids`` list<int32> column, atomically.
+
+    The table goes to a temporary file beside ``out_path`` and is moved into place with ``os.replace``,
+    so a reader never sees a partial file and an error leaves nothing behind.
+    """
+    if rows.size and (rows.min() < 0 or rows.max() >= 2**31):
+        raise ValueError("token ids must fit in int32")
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n, t = rows.shape
+    offsets = pa.array(np.arange(0, n * t + 1, t, dtype=np.int32))  # (N + 1,) row boundaries
+    column = pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1).astype(np.int32)))  # list<int32>
+    table = pa.table({"input_ids": column})
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def extract_calibration(
+    spec: str | DatasetSpec,
+    tokenizer: Any | None,
+    *,
+    n_samples: int,
+    seq_len: int,
+    seed: int,
+    out_path: str | Path,
+) -> dict[str, Any]:
+    """Draw ``n_samples`` windows of ``seq_len`` tokens and write them to a Parquet file.
+
+    Text streams give windows at distinct random start offsets; Parquet sources give the first
+    ``seq_len`` tokens of randomly chosen rows (without replacement; shorter rows are skipped), so every
+    window keeps the row's position 0 (BOS). Draws use ``numpy.random.default_rng(seed)``.
+
+    Returns
+    -------
+    dict
+        ``path``, ``fingerprint`` (sha256 of the token content, n_samples, seq_len and seed),
+        ``n_samples``, ``seq_len``, ``seed``, ``source`` (canonical spec string) and ``tokens``.
+
+    Raises
+    ------
+    ValueError
+        Too little data (the message gives what there is and what is needed).
+    """
+    if n_samples < 1 or seq_len < 1:
+        raise ValueError(f"n_samples and seq_len must be >= 1, got {n_samples}, {seq_len}")
+    spec = parse_dataset_spec(spec)
+    seqs = token_sequences(spec, tokenizer)
+    rows = _draw_windows(seqs, spec.is_tokenized, n_samples, seq_len, np.random.default_rng(seed))
+    path = write_token_rows(rows, out_path)  # rows: (n_samples, seq_len)
+    params = {"n_samples": n_samples, "seq_len": seq_len, "seed": seed}
+    fingerprint = hash_bytes(rows.astype("<i4").tobytes(), hash_json(params).encode())
+    return {"path": str(path), "fingerprint": fingerprint, **params, "source": str(spec), "tokens": rows.size}
+
+
+def read_token_rows(path: str | Path) -> torch.Tensor:
+    """Read a file written by :func:`extract_calibration` back as a (N, T) LongTensor."""
+    table = pq.read_table(_local_file(str(path)), columns=["input_ids"])
+    column = table.column("input_ids").combine_chunks()
+    lengths = set(pc.list_value_length(column).to_pylist())
+    if len(lengths) > 1:
+        raise ValueError(f"{path}: rows have different lengths {sorted(lengths)}")
+    values = column.flatten().to_numpy().astype(np.int64)  # (N * T,)
+    return torch.from_numpy(values).view(len(column), -1)
+
+
+def eval_windows(
+    spec: str | DatasetSpec, tokenizer: Any | None, *, seq_len: int, max_windows: int | None = None
+) -> torch.Tensor:
+    """Non-overlapping evaluation windows, (N, seq_len) LongTensor.
+
+    A text stream is cut into consecutive windows from its start; each Parquet row is cut into windows
+    starting at its position 0. Short tails are dropped; ``max_windows`` keeps the first N windows.
+    """
+    spec = parse_dataset_spec(spec)
+    seqs = token_sequences(spec, tokenizer)
+    windows = []
+    for seq in seqs:
+        n = seq.numel() // seq_len
+        windows.append(seq[: n * seq_len].view(n, seq_len))  # (n, T)
+    out = torch.cat(windows)
+    if out.shape[0] == 0:
+        longest = max(s.numel() for s in seqs)
+        raise ValueError(f"too little data: {spec} has no {seq_len}-token sequence (longest: {longest})")
+    return out if max_windows is None else out[:max_windows]

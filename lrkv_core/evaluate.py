@@ -1,0 +1,228 @@
+"""Evaluation of the deployed cache: prefill and decode perplexity, KV bytes per token, KL to the base.
+
+Every function takes (N, T) windows of token ids (see :func:`lrkv_core.data.eval_windows`), runs under
+``torch.no_grad()`` with the model in eval mode, and returns a plain dict whose ``protocol`` sub-dict says
+what was measured (seq_len, prefix_len, windows, tokens scored, which targets), so numbers from different
+protocols are never compared by accident.
+
+Prefill scores each window in one forward pass without a cache. Decode prefills a prefix, then feeds the
+remaining tokens one by one through ``past_key_values`` (teacher forcing): a quantized, lazy or
+token-adaptive cache only shows its cost there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lrkv_core.cache import cache_nbytes
+
+Progress = Callable[[int, int], None] | None
+
+
+@contextmanager
+def _inference(model: nn.Module) -> Iterator[torch.device]:
+    """Eval mode + no_grad for the duration; restores the model's training flag; yields its device."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield next(model.parameters()).device
+    finally:
+        model.train(was_training)
+
+
+def _check_windows(windows: torch.Tensor, min_len: int = 2) -> tuple[int, int]:
+    if windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] < min_len:
+        raise ValueError(f"windows must be (N >= 1, T >= {min_len}) token ids, got {tuple(windows.shape)}")
+    return windows.shape[0], windows.shape[1]
+
+
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token NLL in float32: logits (B, S, V), targets (B, S) → scalar float64."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    return nll.double()
+
+
+def _result(nll_sum: float, tokens: int, protocol: dict[str, Any]) -> dict[str, Any]:
+    nll = nll_sum / tokens
+    windows = protocol["windows"]
+    return {"nll": nll, "ppl": math.exp(nll), "tokens": tokens, "windows": windows, "protocol": protocol}
+
+
+def prefill_perplexity(
+    model: nn.Module,
+    windows: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    score_from: int = 1,
+    progress: Progress = None,
+) -> dict[str, Any]:
+    """Next-token NLL with each window scored alone in one forward pass (no cache).
+
+    Parameters
+    ----------
+    model
+        A causal LM returning ``.logits`` (B, T, V).
+    windows
+        (N, T) token ids.
+    score_from
+        First target position scored. The default 1 scores all T-1 predictions; ``score_from=P`` scores
+        targets P..T-1, the same ones as :func:`decode_perplexity` with ``prefix_len=P``.
+
+    Returns
+    -------
+    dict
+        ``nll`` (mean nats/token), ``ppl`` = exp(nll), ``tokens`` scored, ``windows``, ``protocol``.
+    """
+    n, t = _check_windows(windows)
+    if not 1 <= score_from < t:
+        raise ValueError(f"score_from must be in [1, {t - 1}], got {score_from}")
+    total, n_batches = 0.0, math.ceil(n / batch_size)
+    with _inference(model) as device:
+        for b, start in enumerate(range(0, n, batch_size)):
+            ids = windows[start : start + batch_size].to(device)  # (B, T)
+            logits = model(ids, use_cache=False).logits  # (B, T, V)
+            total += _token_nll(logits[:, score_from - 1 : -1], ids[:, score_from:]).item()
+            if progress is not None:
+                progress(b + 1, n_batches)
+    tokens = n * (t - score_from)
+    protocol = {
+        "measure": "prefill_nll",
+        "seq_len": t,
+        "windows": n,
+        "targets": [score_from, t],
+        "tokens_scored": tokens,
+    }
+    return _result(total, tokens, protocol)
+
+
+def decode_perplexity(
+    model: nn.Module,
+    windows: torch.Tensor,
+    *,
+    prefix_len: int,
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> dict[str, Any]:
+    """Next-token NLL of targets ``prefix_len..T-1`` decoded one token at a time through the cache.
+
+    The first ``prefix_len`` tokens are prefilled with ``use_cache=True``; its last position predicts
+    target ``prefix_len``. Each later token is then fed alone with the returned ``past_key_values``
+    (teacher forcing), and its logits predict the next target. Without compression this equals
+    ``prefill_perplexity(..., score_from=prefix_len)`` up to float rounding.
+
+    Parameters
+    ----------
+    windows
+        (N, T) token ids.
+    prefix_len
+        Prefill length P, 1 <= P <= T-1; T-P predictions per window are scored.
+
+    Returns
+    -------
+    dict
+        ``nll``, ``ppl``, ``tokens``, ``windows``, ``cache_class`` and ``protocol``.
+    """
+    n, t = _check_windows(windows)
+    if not 1 <= prefix_len < t:
+        raise ValueError(f"prefix_len must be in [1, {t - 1}], got {prefix_len}")
+    steps = t - prefix_len  # predictions per window
+    total, done, cache_class = 0.0, 0, None
+    n_total = math.ceil(n / batch_size) * steps
+    with _inference(model) as device:
+        for start in range(0, n, batch_size):
+            ids = windows[start : start + batch_size].to(device)  # (B, T)
+            out = model(ids[:, :prefix_len], use_cache=True)
+            cache = out.past_key_values
+            cache_class = type(cache).__name__
+            for pos in range(prefix_len, t):  # target position
+                if pos > prefix_len:
+                    out = model(ids[:, pos - 1 : pos], past_key_values=cache, use_cache=True)
+                    cache = out.past_key_values
+                total += _token_nll(out.logits[:, -1:], ids[:, pos : pos + 1]).item()  # logits (B, 1, V)
+                done += 1
+                if progress is not None:
+                    progress(done, n_total)
+    tokens = n * steps
+    protocol = {
+        "measure": "decode_nll",
+        "seq_len": t,
+        "prefix_len": prefix_len,
+        "windows": n,
+        "targets": [prefix_len, t],
+        "tokens_scored": tokens,
+    }
+    return {**_result(total, tokens, protocol), "cache_class": cache_class}
+
+
+def kv_bytes_per_token(model: nn.Module, windows: torch.Tensor, *, n_rows: int = 1) -> dict[str, Any]:
+    """KV-cache bytes per token, measured from the tensors the cache holds after a prefill.
+
+    Runs ``model(windows[:n_rows], use_cache=True)`` and sums every tensor of ``out.past_key_values``
+    (keys, values, latents, positions, scales, zero-points, ...), never a formula.
+
+    Returns
+    -------
+    dict
+        ``kv_bytes_total``, ``kv_bytes_per_token`` (total / (rows · T)), ``cache_class`` and ``protocol``.
+    """
+    rows = windows[:n_rows]
+    n, t = _check_windows(rows, min_len=1)
+    with _inference(model) as device:
+        cache = model(rows.to(device), use_cache=True).past_key_values
+    total = cache_nbytes(cache)
+    return {
+        "kv_bytes_total": total,
+        "kv_bytes_per_token": total / (n * t),
+        "cache_class": type(cache).__name__,
+        "protocol": {"measure": "kv_bytes_after_prefill", "seq_len": t, "windows": n, "tokens_cached": n * t},
+    }
+
+
+def kl_and_agreement(
+    base_model: nn.Module,
+    model: nn.Module,
+    windows: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> dict[str, Any]:
+    """Mean KL(base ‖ model) per token and top-1 agreement of the next-token distributions.
+
+    Both models score each window in one forward pass (no cache); every one of the T positions of a
+    window gives a next-token distribution. Log-probabilities are taken in float32.
+
+    Returns
+    -------
+    dict
+        ``kl`` (mean nats/token), ``top1_agreement`` (fraction of positions with equal argmax),
+        ``tokens``, ``windows`` and ``protocol``.
+    """
+    n, t = _check_windows(windows, min_len=1)
+    kl_sum, agree, n_batches = 0.0, 0, math.ceil(n / batch_size)
+    with _inference(base_model) as base_device, _inference(model) as device:
+        for b, start in enumerate(range(0, n, batch_size)):
+            ids = windows[start : start + batch_size]  # (B, T)
+            logp = F.log_softmax(base_model(ids.to(base_device), use_cache=False).logits.float(), dim=-1)
+            logq = F.log_softmax(model(ids.to(device), use_cache=False).logits.float(), dim=-1)
+            logq = logq.to(logp.device)  # (B, T, V)
+            kl = F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1)  # (B, T)
+            kl_sum += kl.double().sum().item()
+            agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
+            if progress is not None:
+                progress(b + 1, n_batches)
+    tokens = n * t
+    return {
+        "kl": kl_sum / tokens,
+        "top1_agreement": agree / tokens,
+        "tokens": tokens,
+        "windows": n,
+        "protocol": {"measure": "kl_base_vs_model", "seq_len": t, "windows": n, "tokens_scored": tokens},
+    }

@@ -1,0 +1,98 @@
+"""The compressed model format: a directory that loads back into a ready HF model.
+
+``config.json`` is the original config plus an ``lrkv`` section (method, group size, ranks, rope handling,
+rotation, bits, version); ``model.safetensors`` holds the new tensors; README.md is the model card. No
+pickle, no trust_remote_code: :func:`load_compressed` rebuilds the module shapes from the ``lrkv`` section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_model, save_model
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from .fuse import build_latent_skeleton
+from .models import parse_dtype
+
+WEIGHTS = "model.safetensors"
+
+
+def is_compressed_dir(path: str | Path) -> bool:
+    cfg = Path(path) / "config.json"
+    return cfg.is_file() and "lrkv" in json.loads(cfg.read_text())
+
+
+def save_compressed(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    card: str | None = None,
+) -> Path:
+    """Write the model directory atomically (a temp sibling renamed into place when complete).
+
+    An existing ``out_dir`` is replaced only if it is empty or itself an lrkv model directory.
+    """
+    if not getattr(model.config, "lrkv", None):
+        raise ValueError("model has no lrkv section in its config: compress it first")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not is_compressed_dir(out):
+        raise FileExistsError(f"{out} exists and is not an lrkv model directory; refusing to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / WEIGHTS))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(card or default_card(model.config.lrkv))
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_compressed(
+    path: str | Path, *, dtype: str | None = None, attn_implementation: str | None = None
+) -> nn.Module:
+    """A ready HF model (eval mode, latent cache on) from a directory written by :func:`save_compressed`."""
+    path = Path(path)
+    if "://" in str(path) or str(path).startswith("runs:/"):
+        raise ValueError(f"{path}: load_compressed takes a local directory; fetch remote artifacts first")
+    if not is_compressed_dir(path):
+        raise ValueError(f"{path} is not an lrkv compressed model (config.json without an 'lrkv' section)")
+    config = AutoConfig.from_pretrained(str(path))
+    kwargs = {"dtype": parse_dtype(dtype or getattr(config, "dtype", None) or "float32")}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    build_latent_skeleton(model)
+    missing, unexpected = load_model(model, str(path / WEIGHTS), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the lrkv layout (missing {missing}, unexpected {unexpected})")
+    return model.eval()
+
+
+def default_card(section: dict) -> str:
+    return (
+        "# lrkv compressed model\n\n"
+        f"KV cache stores low-rank latents ({section['decomposition']} SVD, group size {section['group_size']}, "
+        f"{section['allocator']} ranks): kept KV width {section['achieved_ratio']:.4f} of the original "
+        f"(target {section['target_ratio']}).\n\n"
+        "Load with `lrkv_core.load_compressed(path)`.\n"
+    )

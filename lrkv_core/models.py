@@ -1,0 +1,110 @@
+"""Resolve and load models: a hub id, a local directory, or ``builtin:NAME`` (lrkv's embedded model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from .adapters import ArchAdapter, get_adapter
+from .fingerprint import hash_dir
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_model_dir(ref: str) -> Path:
+    """Local directory holding the model files for ``ref`` (downloading a hub snapshot if needed)."""
+    if ref.startswith("builtin:"):
+        from .builtin import ensure_builtin_model
+
+        return ensure_builtin_model(ref.split(":", 1)[1])
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+        raise FileNotFoundError(f"model directory {ref} does not exist")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    return Path(snapshot_download(ref, allow_patterns=patterns))
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Content hash of the files that decide a model's behaviour (config, weights, tokenizer)."""
+    return hash_dir(model_dir)
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer, or None when the directory ships none (token-id-only models)."""
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_model(
+    ref: str | Path, *, dtype: str | torch.dtype = "float32", attn_implementation: str | None = None
+) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+    """Load ``(model, tokenizer)`` in eval mode; lrkv-compressed directories load through load_compressed."""
+    model_dir = resolve_model_dir(str(ref))
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if getattr(config, "lrkv", None):
+        from .io import load_compressed
+
+        return load_compressed(model_dir, dtype=dtype, attn_implementation=attn_implementation), load_tokenizer(
+            model_dir
+        )
+    get_adapter(config)  # fail early, with the list of supported families
+    kwargs = {"dtype": parse_dtype(dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).eval()
+    return model, load_tokenizer(model_dir)
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file (single file or sharded with an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{model_dir} has no model.safetensors (other weight formats are not supported)")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_tensors(model_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read only the named tensors from a model directory's safetensors files."""
+    files = _weight_files(Path(model_dir))
+    out = {}
+    for name in names:
+        if name not in files:
+            raise KeyError(f"tensor {name} not found in {model_dir}")
+        with safe_open(str(files[name]), framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def read_kv_weights(
+    model_dir: str | Path, adapter: ArchAdapter, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_proj and v_proj weights (Hkv·D, d) of one layer, without loading the model."""
+    k, v = adapter.weight_name(layer, "k") + ".weight", adapter.weight_name(layer, "v") + ".weight"
+    t = read_tensors(model_dir, [k, v])
+    return t[k], t[v]

@@ -1,0 +1,221 @@
+"""Dataset specs, token streams, calibration extraction and evaluation windows."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from datasets import Dataset
+
+from lrkv_core import data
+from lrkv_core.data import (
+    DatasetSpec,
+    eval_windows,
+    extract_calibration,
+    load_text,
+    parse_dataset_spec,
+    read_token_rows,
+    resolve_spec,
+    token_sequences,
+)
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
+VALID_TXT = SHARED / "data" / "shakespeare" / "valid.txt"
+STORIES_CALIB = SHARED / "data" / "stories260k" / "calib.parquet"
+STORIES_VALID = SHARED / "data" / "stories260k" / "valid.parquet"
+
+
+def _need(*paths: Path) -> None:
+    for p in paths:
+        if not p.exists():
+            pytest.skip(f"shared asset {p} is absent")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    _need(SHAKESPEARE, VALID_TXT)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(SHAKESPEARE)
+
+
+def _write_rows(path: Path, rows: list[list[int]]) -> Path:
+    pq.write_table(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("hf:wikitext:wikitext-2-raw-v1:test", DatasetSpec("hf", "wikitext", "wikitext-2-raw-v1", "test")),
+        ("hf:wikitext:wikitext-2-raw-v1", DatasetSpec("hf", "wikitext", "wikitext-2-raw-v1", "train")),
+        ("hf:org/name", DatasetSpec("hf", "org/name", None, "train")),
+        ("hf:org/name::validation", DatasetSpec("hf", "org/name", None, "validation")),
+        ("text:/a/b:c.txt", DatasetSpec("text", "/a/b:c.txt")),
+        ("parquet:rel/x.parquet", DatasetSpec("parquet", "rel/x.parquet")),
+        ("builtin:shakespeare:valid", DatasetSpec("builtin", "shakespeare", None, "valid")),
+    ],
+)
+def test_parse_good_specs_round_trip(spec: str, expected: DatasetSpec) -> None:
+    parsed = parse_dataset_spec(spec)
+    assert parsed == expected
+    assert parse_dataset_spec(str(parsed)) == parsed
+    assert parse_dataset_spec(parsed) is parsed
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["", "wikitext", "foo:bar", "hf:", "hf:a:b:c:d", "text:", "builtin:x", "builtin:x:y:z", "builtin::v"],
+)
+def test_parse_bad_specs_list_accepted_forms(spec: str) -> None:
+    with pytest.raises(ValueError, match=r"accepted forms: hf:NAME\[:CONFIG\[:SPLIT\]\], text:PATH"):
+        parse_dataset_spec(spec)
+
+
+def test_missing_files_name_the_path(tmp_path: Path, tok) -> None:
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        token_sequences(f"text:{missing}", tok)
+    with pytest.raises(FileNotFoundError, match="nope.parquet"):
+        token_sequences(f"parquet:{tmp_path / 'nope.parquet'}", None)
+
+
+def test_text_without_tokenizer_is_refused() -> None:
+    _need(VALID_TXT)
+    with pytest.raises(ValueError, match="this model has no tokenizer; use a parquet: dataset of input_ids"):
+        token_sequences(f"text:{VALID_TXT}", None)
+
+
+def test_text_is_one_stream_without_special_tokens(tok) -> None:
+    (stream,) = token_sequences(f"text:{VALID_TXT}", tok)
+    assert stream.dtype == torch.long and stream.numel() == 24524  # README of shakespeare-llama
+    assert tok.bos_token_id not in stream.tolist()
+    assert tok.decode(stream.tolist()) == VALID_TXT.read_text()  # newlines kept, whole file one document
+
+
+def test_hub_rows_are_joined_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return Dataset.from_dict({"text": [" = Title =\n", "\n", "Body line .\n"]})
+
+    monkeypatch.setattr(data, "load_dataset", fake_load_dataset)
+    assert load_text("hf:wikitext:wikitext-2-raw-v1:test") == " = Title =\n\nBody line .\n"
+    assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "test"})]
+
+
+def test_builtin_resolves_to_text_beside_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "valid.txt").write_text("ab\ncd\n")
+    fake = types.ModuleType("lrkv_core.builtin")
+    fake.ensure_builtin_model = lambda name: tmp_path if name == "shakespeare" else None
+    monkeypatch.setitem(sys.modules, "lrkv_core.builtin", fake)
+    assert resolve_spec("builtin:shakespeare:valid") == DatasetSpec("text", str(tmp_path / "valid.txt"))
+    assert load_text("builtin:shakespeare:valid") == "ab\ncd\n"
+
+
+def test_extract_calibration_is_deterministic_per_seed(tmp_path: Path, tok) -> None:
+    spec = f"text:{VALID_TXT}"
+    a = extract_calibration(spec, tok, n_samples=6, seq_len=32, seed=0, out_path=tmp_path / "a.parquet")
+    b = extract_calibration(spec, tok, n_samples=6, seq_len=32, seed=0, out_path=tmp_path / "b.parquet")
+    c = extract_calibration(spec, tok, n_samples=6, seq_len=32, seed=1, out_path=tmp_path / "c.parquet")
+    rows_a, rows_b, rows_c = (read_token_rows(r["path"]) for r in (a, b, c))
+    assert rows_a.shape == (6, 32) and torch.equal(rows_a, rows_b)
+    assert a["fingerprint"] == b["fingerprint"] != c["fingerprint"]
+    assert not torch.equal(rows_a, rows_c)
+    assert {k: a[k] for k in ("n_samples", "seq_len", "seed", "tokens", "source")} == {
+        "n_samples": 6, "seq_len": 32, "seed": 0, "tokens": 192, "source": spec,
+    }  # fmt: skip
+    assert pq.read_schema(a["path"]).field("input_ids").type == pa.list_(pa.int32())
+    (stream,) = token_sequences(spec, tok)
+    all_windows = stream.unfold(0, 32, 1)  # (N_tokens - 31, 32): every window of the stream
+    for row in rows_a:
+        assert (all_windows == row).all(-1).any(), "a calibration row is not a window of the stream"
+
+
+def test_parquet_calibration_keeps_position_zero(tmp_path: Path) -> None:
+    _need(STORIES_CALIB)
+    src = token_sequences(f"parquet:{STORIES_CALIB}", None)
+    assert len(src) == 512 and all(r[0] == 1 for r in src)  # BOS = 1
+    out = tmp_path / "calib.parquet"
+    info = extract_calibration(
+        f"parquet:{STORIES_CALIB}", None, n_samples=16, seq_len=100, seed=3, out_path=out
+    )
+    rows = read_token_rows(info["path"])
+    assert rows.shape == (16, 100) and (rows[:, 0] == 1).all()
+    prefixes = torch.stack([r[:100] for r in src])  # (512, 100)
+    matches = [int((prefixes == row).all(-1).nonzero()[0]) for row in rows]
+    assert len(set(matches)) == 16  # distinct source rows, each taken from its start
+
+
+def test_short_rows_are_skipped_and_too_little_data_is_reported(tmp_path: Path) -> None:
+    src = _write_rows(
+        tmp_path / "rows.parquet", [[1, 5, 6], [1] + list(range(10, 20)), [1, 7], [1] * 12, [1] * 10]
+    )
+    info = extract_calibration(
+        f"parquet:{src}", None, n_samples=3, seq_len=10, seed=0, out_path=tmp_path / "o"
+    )
+    firsts = sorted(read_token_rows(info["path"])[:, 1].tolist())
+    assert firsts == [1, 1, 10]  # exactly the three rows with >= 10 tokens
+    with pytest.raises(ValueError, match=r"5 rows, 3 of them with >= 10 tokens; n_samples=4 needs 4"):
+        extract_calibration(f"parquet:{src}", None, n_samples=4, seq_len=10, seed=0, out_path=tmp_path / "p")
+
+
+def test_too_little_text_leaves_no_file(tmp_path: Path, tok) -> None:
+    out = tmp_path / "sub" / "calib.parquet"
+    with pytest.raises(ValueError, match=r"24524 tokens.*need at least 24779"):
+        extract_calibration(f"text:{VALID_TXT}", tok, n_samples=24524, seq_len=256, seed=0, out_path=out)
+    assert not out.exists()
+
+
+def test_failed_write_leaves_old_file_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _write_rows(tmp_path / "src.parquet", [[1, 2, 3, 4]] * 4)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / "calib.parquet"
+    out.write_bytes(b"previous run")
+    real_write = pq.write_table
+
+    def failing_write(table, where, **kwargs):
+        real_write(table.slice(0, 1), where, **kwargs)  # a partial file, then the crash
+        raise OSError("disk full")
+
+    monkeypatch.setattr(data.pq, "write_table", failing_write)
+    with pytest.raises(OSError, match="disk full"):
+        extract_calibration(f"parquet:{src}", None, n_samples=2, seq_len=4, seed=0, out_path=out)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["calib.parquet"]
+    assert out.read_bytes() == b"previous run"
+
+
+def test_eval_windows_text_are_consecutive_from_the_start(tok) -> None:
+    windows = eval_windows(f"text:{VALID_TXT}", tok, seq_len=256)
+    (stream,) = token_sequences(f"text:{VALID_TXT}", tok)
+    assert windows.shape == (95, 256)  # 24524 // 256, tail dropped
+    assert torch.equal(windows.flatten(), stream[: 95 * 256])
+    assert torch.equal(eval_windows(f"text:{VALID_TXT}", tok, seq_len=256, max_windows=4), windows[:4])
+
+
+def test_eval_windows_parquet_rows_start_at_position_zero(tmp_path: Path) -> None:
+    rows = [list(range(1, 301)), list(range(1000, 1100)), list(range(2000, 2128))]
+    src = _write_rows(tmp_path / "rows.parquet", rows)
+    windows = eval_windows(f"parquet:{src}", None, seq_len=128)
+    expected = torch.tensor([rows[0][:128], rows[0][128:256], rows[2]])  # row 1 too short, tails dropped
+    assert torch.equal(windows, expected)
+    with pytest.raises(ValueError, match="too little data"):
+        eval_windows(f"parquet:{src}", None, seq_len=400)
+
+
+def test_eval_windows_stories_valid() -> None:
+    _need(STORIES_VALID)
+    windows = eval_windows(f"parquet:{STORIES_VALID}", None, seq_len=256)
+    assert windows.shape == (128, 256) and (windows[:, 0] == 1).all()
+    assert np.array_equal(
+        windows[:2].numpy(), np.array(pq.read_table(STORIES_VALID)["input_ids"][:2].to_pylist())
+    )

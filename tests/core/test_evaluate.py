@@ -1,0 +1,166 @@
+"""Prefill/decode perplexity, KV bytes per token and KL, on tiny random Llamas and shakespeare-llama."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lrkv_core.data import eval_windows
+from lrkv_core.evaluate import decode_perplexity, kl_and_agreement, kv_bytes_per_token, prefill_perplexity
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
+VALID_TXT = SHARED / "data" / "shakespeare" / "valid.txt"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """These models are tiny: a second intra-op thread only adds contention on a 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A 2-layer GQA Llama; a large init range makes predictions depend strongly on the context."""
+    kwargs = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**(kwargs | overrides))).eval()
+
+
+def _windows(n: int, t: int, vocab: int = 97, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    if not (SHAKESPEARE.exists() and VALID_TXT.exists()):
+        pytest.skip(f"shared assets absent: {SHAKESPEARE} / {VALID_TXT}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SHAKESPEARE)
+    return AutoModelForCausalLM.from_pretrained(SHAKESPEARE), eval_windows(
+        f"text:{VALID_TXT}", tok, seq_len=256
+    )
+
+
+def _reference_nll(model: LlamaForCausalLM, windows: torch.Tensor, first_target: int) -> float:
+    """Mean NLL over targets first_target..T-1, window by window, in float64 with explicit gathers."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in windows:
+            logp = torch.log_softmax(model(ids[None]).logits[0].double(), dim=-1)  # (T, V)
+            picked = logp[first_target - 1 : -1].gather(-1, ids[first_target:, None])
+            total -= picked.sum().item()
+            count += picked.numel()
+    return total / count
+
+
+def test_prefill_matches_reference_and_ignores_batching() -> None:
+    model, windows = _tiny_llama(), _windows(5, 20)
+    res = prefill_perplexity(model, windows, batch_size=2)
+    assert res["nll"] == pytest.approx(_reference_nll(model, windows, 1), abs=1e-5)
+    assert res["ppl"] == pytest.approx(math.exp(res["nll"]))
+    assert res["tokens"] == 5 * 19 and res["windows"] == 5
+    assert res["protocol"] == {
+        "measure": "prefill_nll", "seq_len": 20, "windows": 5, "targets": [1, 20], "tokens_scored": 95,
+    }  # fmt: skip
+    assert prefill_perplexity(model, windows, batch_size=5)["nll"] == pytest.approx(res["nll"], abs=1e-6)
+    later = prefill_perplexity(model, windows, score_from=12)
+    assert later["nll"] == pytest.approx(_reference_nll(model, windows, 12), abs=1e-5)
+    assert later["tokens"] == 5 * 8
+
+
+def test_decode_equals_prefill_on_the_same_targets() -> None:
+    model, windows = _tiny_llama(), _windows(5, 24)
+    calls = []
+    dec = decode_perplexity(
+        model, windows, prefix_len=7, batch_size=2, progress=lambda d, n: calls.append((d, n))
+    )
+    pre = prefill_perplexity(model, windows, score_from=7)
+    assert abs(dec["nll"] - pre["nll"]) < 1e-5
+    assert dec["tokens"] == pre["tokens"] == 5 * 17
+    assert dec["cache_class"] == "DynamicCache"
+    assert dec["protocol"]["prefix_len"] == 7 and dec["protocol"]["targets"] == pre["protocol"]["targets"]
+    assert calls[-1] == (3 * 17, 3 * 17) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+    # The check has teeth: the same targets predicted without the cached context score very differently.
+    with torch.no_grad():
+        logits = torch.cat([model(windows[:, p - 1 : p]).logits for p in range(7, 24)], dim=1)  # (N, 17, V)
+    no_context = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 7:].flatten()).item()
+    assert abs(no_context - dec["nll"]) > 0.05
+
+
+def test_decode_rejects_bad_prefix() -> None:
+    model, windows = _tiny_llama(), _windows(2, 10)
+    for prefix_len in (0, 10):
+        with pytest.raises(ValueError, match="prefix_len"):
+            decode_perplexity(model, windows, prefix_len=prefix_len)
+
+
+def test_model_training_flag_is_restored() -> None:
+    model = _tiny_llama().train()
+    prefill_perplexity(model, _windows(2, 8))
+    assert model.training
+
+
+@pytest.mark.parametrize(("dtype", "elem"), [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_kv_bytes_of_plain_llama_are_keys_and_values_only(dtype: torch.dtype, elem: int) -> None:
+    model = _tiny_llama(num_hidden_layers=3).to(dtype)
+    res = kv_bytes_per_token(model, _windows(4, 16), n_rows=2)
+    n_layers, n_kv, head_dim = 3, 2, 32 // 4
+    assert res["kv_bytes_per_token"] == 2 * n_layers * n_kv * head_dim * elem
+    assert res["kv_bytes_total"] == 2 * 16 * 2 * n_layers * n_kv * head_dim * elem
+    assert res["cache_class"] == "DynamicCache"
+    assert res["protocol"]["windows"] == 2 and res["protocol"]["tokens_cached"] == 32
+
+
+def test_kl_of_a_model_with_itself_is_zero() -> None:
+    model, windows = _tiny_llama(), _windows(3, 12)
+    res = kl_and_agreement(model, model, windows, batch_size=2)
+    assert res["kl"] == 0.0 and res["top1_agreement"] == 1.0
+    assert res["tokens"] == 36 and res["protocol"]["seq_len"] == 12
+
+
+def test_kl_of_a_different_model_matches_float64_reference() -> None:
+    base, other, windows = _tiny_llama(0), _tiny_llama(0), _windows(3, 12)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        logp = torch.log_softmax(base(windows).logits.double(), -1)  # (N, T, V)
+        logq = torch.log_softmax(other(windows).logits.double(), -1)
+    expected_kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
+    expected_agree = (logp.argmax(-1) == logq.argmax(-1)).double().mean().item()
+    res = kl_and_agreement(base, other, windows, batch_size=2)
+    assert res["kl"] == pytest.approx(expected_kl, rel=1e-4) and res["kl"] > 1e-3
+    assert res["top1_agreement"] == pytest.approx(expected_agree) and res["top1_agreement"] < 1.0
+
+
+def test_shakespeare_prefill_reproduces_readme(shakespeare) -> None:
+    model, windows = shakespeare
+    res = prefill_perplexity(model, windows)
+    assert res["windows"] == 95 and res["tokens"] == 95 * 255
+    assert res["nll"] == pytest.approx(3.1795, abs=5e-5)
+    assert round(res["ppl"], 2) == 24.03
+
+
+def test_shakespeare_decode_equals_prefill(shakespeare) -> None:
+    model, windows = shakespeare
+    few = windows[:3, :96]
+    dec = decode_perplexity(model, few, prefix_len=48)
+    pre = prefill_perplexity(model, few, score_from=48)
+    assert abs(dec["nll"] - pre["nll"]) < 1e-5 and dec["tokens"] == 3 * 48
