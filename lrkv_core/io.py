@@ -71,9 +71,9 @@ def load_compressed(
     path: str | Path, *, dtype: str | None = None, attn_implementation: str | None = None
 ) -> nn.Module:
     """A ready HF model (eval mode, latent cache on) from a directory written by :func:`save_compressed`."""
-    path = Path(path)
-    if "://" in str(path) or str(path).startswith("runs:/"):
+    if "://" in str(path) or str(path).startswith("runs:/"):  # before Path(), which folds "s3://" to "s3:/"
         raise ValueError(f"{path}: load_compressed takes a local directory; fetch remote artifacts first")
+    path = Path(path)
     if not is_compressed_dir(path):
         raise ValueError(f"{path} is not an lrkv compressed model (config.json without an 'lrkv' section)")
     config = AutoConfig.from_pretrained(str(path))

@@ -1,0 +1,186 @@
+"""The ``lrkv`` command line: ``lrkv convert`` (the Prefect flow) and ``lrkv eval`` (direct)."""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Low-rank KV-cache compression (Palu and friends).")
+console = Console()
+
+
+def _parse_set(values: list[str]) -> dict:
+    import yaml
+
+    out = {}
+    for item in values:
+        if "=" not in item:
+            raise typer.BadParameter(f"--set takes key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out
+
+
+def _configure_prefect(store_root: Path, verbose: bool) -> None:
+    """Settings Prefect reads at start-up; set before it is imported, and only where the user has not."""
+    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(store_root / "prefect-results"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+@contextmanager
+def _rich_progress():
+    from lrkv_tasks.progress import set_reporter
+
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=False,
+    ) as progress:
+
+        @contextmanager
+        def factory(description: str):
+            tid = progress.add_task(description, total=None)
+
+            def advance(done: int, total: int) -> None:
+                progress.update(tid, completed=done, total=total)
+
+            yield advance
+
+        set_reporter(factory)
+        try:
+            yield
+        finally:
+            set_reporter(None)
+
+
+@app.command()
+def convert(
+    recipe: Annotated[Optional[Path], typer.Option(help="YAML recipe (strict: unknown keys fail)")] = None,
+    model: Annotated[Optional[str], typer.Option(help="hub id, local dir or builtin:NAME")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="calibration: hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH")] = None,
+    eval_dataset: Annotated[Optional[str], typer.Option(help="evaluation dataset (same forms); 'none' skips evaluation")] = None,
+    ratio: Annotated[Optional[float], typer.Option(help="compressed KV width / original (0.5 halves the cache)")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="KV heads per group: 1 = M-LRD, Hkv = J-LRD")] = None,
+    decomposition: Annotated[Optional[str], typer.Option(help="whitened | plain")] = None,
+    rank_multiple: Annotated[Optional[int], typer.Option(help="round ranks down to a multiple of this")] = None,
+    n_samples: Annotated[Optional[int], typer.Option(help="calibration windows")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="write the compressed model directory here")] = None,
+    store: Annotated[Optional[Path], typer.Option(help="artifact store root (default <LRKV_HOME>/store)")] = None,
+    mlflow_uri: Annotated[Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="recipe override, e.g. --set eval.max_windows=8")] = [],
+    verbose: Annotated[bool, typer.Option(help="show Prefect's logs")] = False,
+) -> None:
+    """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
+    from lrkv_tasks.recipe import load_recipe, recipe_yaml
+    from lrkv_tasks.store import LocalStore
+
+    flags = {
+        "model": model, "calibration.dataset": dataset, "compression.ratio": ratio,
+        "compression.group_size": group_size, "compression.decomposition": decomposition,
+        "compression.rank_multiple": rank_multiple, "calibration.n_samples": n_samples,
+        "calibration.seq_len": seq_len, "eval.seq_len": seq_len, "out": str(out) if out else None,
+        "store": str(store) if store else None, "tracking.mlflow_uri": mlflow_uri,
+        "eval.dataset": None if eval_dataset == "none" else eval_dataset,
+    }
+    overrides = {k: v for k, v in flags.items() if v is not None or (k == "eval.dataset" and eval_dataset == "none")}
+    if seq_len is not None:
+        overrides.setdefault("eval.decode_prefix", seq_len // 2)
+    overrides.update(_parse_set(set_))
+    try:
+        rec = load_recipe(recipe, overrides)
+    except Exception as e:  # pydantic / yaml errors: show them, no traceback
+        console.print(f"[red]invalid recipe:[/red] {e}")
+        raise typer.Exit(2) from None
+    _configure_prefect(LocalStore(rec.store).root, verbose)
+    console.print("[bold]recipe[/bold]\n" + recipe_yaml(rec))
+    from lrkv_flows.convert import convert_flow
+
+    with _rich_progress():
+        result = convert_flow(rec)
+    _print_summary(result)
+
+
+def _print_summary(result: dict) -> None:
+    steps = Table(title="tasks")
+    for col in ("task", "state", "seconds"):
+        steps.add_column(col)
+    for row in result["timings"]:
+        steps.add_row(escape(row["task"]), row["state"], f"{row['seconds']:.2f}")
+    console.print(steps)
+    table = Table(title="result")
+    table.add_column("metric")
+    table.add_column("base", justify="right")
+    table.add_column("compressed", justify="right")
+    base, comp = result["eval"]["base"], result["eval"]["compressed"]
+    if base and comp:
+        for name, key in (("prefill ppl", ("prefill", "ppl")), ("decode ppl", ("decode", "ppl")),
+                          ("KV bytes/token", ("kv", "kv_bytes_per_token"))):
+            table.add_row(name, f"{base[key[0]][key[1]]:.4f}", f"{comp[key[0]][key[1]]:.4f}")
+        ratio = comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"]
+        table.add_row("KV bytes ratio (measured)", "1", f"{ratio:.4f}")
+    plan = result["plan"]
+    table.add_row("KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}")
+    console.print(table)
+    console.print(f"compressed model: {result['compressed']['path']}")
+    if result["exported"]:
+        console.print(f"exported to: {result['exported']['path']}")
+    run = result["mlflow"]
+    console.print(f"MLflow run {run['run_id']} (experiment {run['experiment_id']}) at {run['tracking_uri']}")
+
+
+@app.command("eval")
+def eval_cmd(
+    model_dir: Annotated[str, typer.Argument(help="compressed model dir (or any supported model)")],
+    dataset: Annotated[str, typer.Option(help="hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH | builtin:NAME:SPLIT")],
+    seq_len: int = 256,
+    max_windows: Optional[int] = None,
+    decode_prefix: Optional[int] = None,
+    decode_windows: int = 16,
+    batch_size: int = 8,
+    json_out: Annotated[Optional[Path], typer.Option(help="write the result JSON here")] = None,
+) -> None:
+    """Evaluate a model: prefill PPL, teacher-forced decode PPL, measured KV bytes/token."""
+    from lrkv_core.pipeline import evaluate_dir
+
+    with _rich_progress():
+        from lrkv_tasks.progress import step
+
+        with step("evaluate") as advance:
+            res = evaluate_dir(
+                model_dir, dataset, seq_len=seq_len, max_windows=max_windows,
+                decode_prefix=decode_prefix or seq_len // 2, decode_windows=decode_windows,
+                batch_size=batch_size, progress=advance,
+            )
+    table = Table(title=f"eval {model_dir}")
+    for col in ("measure", "nll", "ppl", "tokens"):
+        table.add_column(col)
+    for name in ("prefill", "decode"):
+        r = res[name]
+        table.add_row(name, f"{r['nll']:.4f}", f"{r['ppl']:.4f}", str(r["tokens"]))
+    console.print(table)
+    console.print(f"KV bytes/token (measured, {res['kv']['cache_class']}): {res['kv']['kv_bytes_per_token']:.1f}")
+    text = json.dumps(res, indent=2)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)
+        console.print(f"wrote {json_out}")
+    else:
+        console.print_json(text)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,137 @@
+"""Path-level steps of a conversion: each reads its inputs from files and writes its output to a file.
+
+These are the single core calls behind the Prefect tasks (and the CLI's direct commands), so the
+tasks stay thin: resolve refs, call one function here, persist, return refs and small metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import evaluate
+from .adapters import get_adapter
+from .data import eval_windows, extract_calibration, read_token_rows
+from .decompose import decompose_layer, load_layer_factors, save_layer_factors
+from .fuse import compress_model
+from .io import save_compressed
+from .models import load_model, load_tokenizer, read_kv_weights
+from .ranks import RankPlan, allocate_ranks
+from .stats import collect_gram, load_gram, save_grams
+
+Progress = Callable[[int, int], None] | None
+
+
+def calibrate(model_dir: str, dataset: str, *, n_samples: int, seq_len: int, seed: int, out_path: str) -> dict:
+    """Draw calibration windows with the model's tokenizer (see :func:`lrkv_core.data.extract_calibration`)."""
+    return extract_calibration(
+        dataset, load_tokenizer(model_dir), n_samples=n_samples, seq_len=seq_len, seed=seed, out_path=out_path
+    )
+
+
+def stats_file(
+    model_dir: str, calib_path: str, out_path: str, *, dtype: str = "float32", batch_size: int = 8, progress: Progress = None
+) -> dict:
+    """Gram matrices of every layer's k/v_proj input, written as safetensors."""
+    model, _ = load_model(model_dir, dtype=dtype)
+    rows = read_token_rows(calib_path)  # (N, T)
+    grams, n_tokens = collect_gram(model, rows, batch_size=batch_size, progress=progress)
+    save_grams(grams, n_tokens, out_path)
+    return {"path": out_path, "n_tokens": n_tokens, "layers": len(grams)}
+
+
+def decompose_file(
+    model_dir: str, stats_path: str | None, layer: int, out_path: str, *, group_size: int, method: str
+) -> dict:
+    """Full-spectrum factors of one layer (k and v, every group), written as safetensors."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    adapter = get_adapter(config)
+    shape = adapter.shape(config)
+    w_k, w_v = read_kv_weights(model_dir, adapter, layer)
+    gram = load_gram(stats_path, layer) if stats_path else None
+    factors = decompose_layer(
+        layer, w_k, w_v, gram, n_kv_heads=shape.Hkv, head_dim=shape.D, group_size=group_size, method=method
+    )
+    save_layer_factors(factors, out_path)
+    top = {kind: [float(f.sigma[0]) for f in factors.groups[kind]] for kind in ("k", "v")}
+    return {"path": out_path, "layer": layer, "info": factors.info, "sigma_max": top}
+
+
+def plan_file(
+    factor_paths: list[str],
+    out_path: str,
+    *,
+    ratio: float,
+    group_size: int,
+    head_dim: int,
+    rank_multiple: int,
+    allocator: str,
+) -> dict:
+    """Allocate ranks from the layers' spectra; writes the RankPlan JSON."""
+    spectra = [load_layer_factors(p).spectra() for p in factor_paths]
+    plan = allocate_ranks(
+        spectra, ratio=ratio, group_size=group_size, head_dim=head_dim, rank_multiple=rank_multiple, allocator=allocator
+    )
+    plan.save(out_path)
+    return {"path": out_path, "target_ratio": plan.target_ratio, "achieved_ratio": plan.achieved_ratio}
+
+
+def build_file(
+    model_dir: str, factor_paths: list[str], plan_path: str, out_dir: str, *, method: str, dtype: str = "float32"
+) -> dict:
+    """Fuse the factors into the model and save the compressed model directory."""
+    model, tokenizer = load_model(model_dir, dtype=dtype)
+    factors = [load_layer_factors(p) for p in factor_paths]
+    plan = RankPlan.load(plan_path)
+    compress_model(model, factors, plan, method)
+    save_compressed(model, out_dir, tokenizer=tokenizer, card=model_card(model.config.lrkv, model_dir))
+    return {"path": out_dir, "achieved_ratio": plan.achieved_ratio}
+
+
+def evaluate_dir(
+    model_dir: str,
+    dataset: str,
+    *,
+    seq_len: int,
+    max_windows: int | None,
+    decode_prefix: int,
+    decode_windows: int,
+    batch_size: int = 8,
+    dtype: str = "float32",
+    progress: Progress = None,
+) -> dict[str, Any]:
+    """Prefill PPL, teacher-forced decode PPL and measured KV bytes/token of a (compressed or base) model."""
+    model, tokenizer = load_model(model_dir, dtype=dtype)
+    windows = eval_windows(dataset, tokenizer, seq_len=seq_len, max_windows=max_windows)  # (N, T)
+    if not 0 < decode_prefix < seq_len:
+        raise ValueError(f"decode prefix {decode_prefix} must be inside the window (1..{seq_len - 1})")
+    prefill = evaluate.prefill_perplexity(model, windows, batch_size=batch_size, progress=progress)
+    decode = evaluate.decode_perplexity(
+        model, windows[:decode_windows], prefix_len=decode_prefix, batch_size=batch_size, progress=progress
+    )
+    kv = evaluate.kv_bytes_per_token(model, windows)
+    for result in (prefill, decode, kv):
+        result["protocol"]["dataset"] = dataset
+    return {"prefill": prefill, "decode": decode, "kv": kv, "model": str(model_dir)}
+
+
+def model_card(section: dict, source: str) -> str:
+    ranks = "\n".join(
+        f"| {i} | {rk} | {rv} |" for i, (rk, rv) in enumerate(zip(section["ranks_k"], section["ranks_v"]))
+    )
+    return (
+        f"# lrkv compressed model\n\nSource model: `{source}`.\n\n"
+        f"The KV cache stores low-rank latents: {section['decomposition']} SVD per group of "
+        f"{section['group_size']} KV head(s) (Palu G-LRD), {section['allocator']} ranks rounded to multiples of "
+        f"{section['rank_multiple']}. Kept KV width: {section['achieved_ratio']:.4f} of the original "
+        f"(target {section['target_ratio']}). Keys are rebuilt per group, then RoPE, then attention; "
+        "the value up-projection is folded into o_proj.\n\n"
+        "| layer | K ranks per group | V ranks per group |\n|---|---|---|\n"
+        f"{ranks}\n\nLoad: `lrkv_core.load_compressed(path)` (no pickle, no trust_remote_code). "
+        f"lrkv {section['version']}, torch {torch.__version__}.\n"
+    )

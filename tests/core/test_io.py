@@ -1,0 +1,161 @@
+"""The compressed model format: save_compressed → load_compressed, atomic and pickle-free."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import lrkv_core
+from lrkv_core import io as lrkv_io
+from lrkv_core import load_compressed, load_model, save_compressed
+from lrkv_core.adapters import get_adapter
+from lrkv_core.attention import LatentAttention
+from lrkv_core.cache import LatentCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXPECTED_FILES = {"config.json", "generation_config.json", "model.safetensors", "README.md"}
+
+
+def _ids(batch: int = 2, length: int = 10) -> torch.Tensor:
+    return torch.randint(3, 61, (batch, length), generator=torch.Generator().manual_seed(3))
+
+
+def _generate(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+@pytest.fixture
+def compressed(make_tiny, compress):
+    """A GQA Llama (Hkv=2) compressed at ratio 0.5 with groups of 2 KV heads, and its plan."""
+    return compress(make_tiny("llama", 2), 2, ratio=0.5, rank_multiple=8)
+
+
+def _siblings(path: Path) -> set[str]:
+    return {p.name for p in path.parent.iterdir()}
+
+
+def test_roundtrip_is_bit_exact(compressed, tmp_path) -> None:
+    model, plan = compressed
+    out = save_compressed(model, tmp_path / "m")
+    assert out == tmp_path / "m"
+    loaded = load_compressed(out)
+    assert not loaded.training and loaded.dtype == torch.float32
+    assert isinstance(get_adapter(loaded.config).attention(loaded, 0), LatentAttention)
+    ids = _ids()
+    with torch.no_grad():
+        ref, got = model(ids).logits, loaded(ids, use_cache=True)
+    assert torch.equal(got.logits, ref)
+    assert isinstance(got.past_key_values, LatentCache)
+    assert torch.equal(_generate(loaded, ids), _generate(model, ids))
+    assert set(model.state_dict()) == set(loaded.state_dict())
+
+
+def test_config_has_the_lrkv_section_and_no_pickle_is_written(compressed, tmp_path) -> None:
+    model, plan = compressed
+    out = save_compressed(model, tmp_path / "m", card="# my card\n")
+    assert {p.name for p in out.iterdir()} == EXPECTED_FILES  # no .bin / .pt / .pkl
+    section = json.loads((out / "config.json").read_text())["lrkv"]
+    assert section["group_size"] == 2
+    assert section["ranks_k"] == plan.ranks["k"] == [[8], [8]] and section["ranks_v"] == plan.ranks["v"]
+    assert section["version"] == lrkv_core.__version__
+    assert section["achieved_ratio"] == plan.achieved_ratio == 0.5
+    assert section["target_ratio"] == 0.5 and section["decomposition"] == "whitened"
+    assert (out / "README.md").read_text() == "# my card\n"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.k_down.weight" in names
+    assert not any(n.endswith(("k_proj.weight", "v_proj.weight")) for n in names)
+
+
+def test_default_card_describes_the_compression(compressed, tmp_path) -> None:
+    out = save_compressed(compressed[0], tmp_path / "m")
+    card = (out / "README.md").read_text()
+    assert "group size 2" in card and "0.5000" in card and "load_compressed" in card
+
+
+def test_refuses_to_overwrite_a_foreign_directory(compressed, tmp_path) -> None:
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not an lrkv model directory"):
+        save_compressed(compressed[0], target)
+    assert [p.name for p in target.iterdir()] == ["notes.txt"]
+    assert _siblings(target) == {"m"}  # no temp dir left behind
+
+
+def test_empty_directory_is_fine(compressed, tmp_path) -> None:
+    (tmp_path / "m").mkdir()
+    save_compressed(compressed[0], tmp_path / "m")
+    assert {p.name for p in (tmp_path / "m").iterdir()} == EXPECTED_FILES
+
+
+def test_resaving_over_an_lrkv_directory_replaces_it(make_tiny, compress, compressed, tmp_path) -> None:
+    target = tmp_path / "m"
+    save_compressed(compressed[0], target)
+    full, _ = compress(make_tiny("llama", 2, seed=1), 1)  # another model, other ranks
+    save_compressed(full, target)
+    assert _siblings(target) == {"m"}  # neither the temp dir nor the old copy remain
+    loaded = load_compressed(target)
+    assert loaded.config.lrkv["ranks_k"] == [[8, 8], [8, 8]]
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, full(ids).logits)
+
+
+def test_failure_during_save_leaves_nothing_behind(compressed, monkeypatch, tmp_path) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(lrkv_io, "save_model", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_compressed(compressed[0], tmp_path / "m")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_while_replacing_keeps_the_old_directory(
+    make_tiny, compress, compressed, monkeypatch, tmp_path
+) -> None:
+    target = tmp_path / "m"
+    save_compressed(compressed[0], target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    monkeypatch.setattr(
+        lrkv_io, "save_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("disk full"))
+    )
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_compressed(compress(make_tiny("llama", 2, seed=1), 1)[0], target)
+    assert _siblings(target) == {"m"}
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+def test_uncompressed_model_is_refused(make_tiny, tmp_path) -> None:
+    with pytest.raises(ValueError, match="compress it first"):
+        save_compressed(make_tiny("llama", 2), tmp_path / "m")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_compressed_rejects_non_lrkv_and_remote_paths(make_tiny, tmp_path) -> None:
+    make_tiny("llama", 2).save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="not an lrkv compressed model"):
+        load_compressed(tmp_path / "plain")
+    with pytest.raises(ValueError, match="local directory"):
+        load_compressed("s3://bucket/model")
+
+
+def test_load_model_dispatches_to_load_compressed(compressed, tmp_path) -> None:
+    model, _ = compressed
+    out = save_compressed(model, tmp_path / "m")
+    loaded, tokenizer = load_model(str(out))
+    assert tokenizer is None
+    assert isinstance(get_adapter(loaded.config).attention(loaded, 1), LatentAttention)
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    as64, _ = load_model(str(out), dtype="float64")
+    assert as64.dtype == torch.float64
+    with torch.no_grad():
+        assert (as64(ids).logits - model(ids).logits.double()).abs().max() <= 1e-4

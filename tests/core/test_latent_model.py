@@ -1,0 +1,352 @@
+"""The exactness matrix of compressed models on tiny random Llama / Mistral configs, and the LatentCache.
+
+Cases: Llama and Mistral (sliding window 6, shorter than the 12-token inputs) × MHA (Hkv = H = 4) and GQA
+(Hkv = 2) × group sizes 1, Hkv and one in between. At ratio 1.0 a compressed model is the original up to
+float rounding: fp32 logits within 1e-4, float64 within 1e-10, identical greedy and beam generations.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+from lrkv_core.adapters import UnsupportedModelError, get_adapter
+from lrkv_core.attention import LatentAttention
+from lrkv_core.cache import LatentCache, LatentLayer
+from lrkv_core.evaluate import kv_bytes_per_token
+from lrkv_core.fuse import _latent_cache_pre_hook, compress_model, enable_latent_cache
+from lrkv_core.ranks import allocate_ranks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SLIDING_WINDOW = 6
+T = 12  # > SLIDING_WINDOW
+CASES = [
+    (family, hkv, group_size)
+    for family in ("llama", "mistral")
+    for hkv in (4, 2)
+    for group_size in sorted({1, 2, hkv})
+]
+IDS = [f"{family}-hkv{hkv}-s{s}" for family, hkv, s in CASES]
+PAD = 0
+
+
+def _overrides(family: str) -> dict:
+    return {"sliding_window": SLIDING_WINDOW} if family == "mistral" else {}
+
+
+def _ids(batch: int, length: int, seed: int = 7) -> torch.Tensor:
+    return torch.randint(3, 61, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _left_padded(lengths: tuple[int, ...], seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths, left-padded: ``(input_ids, attention_mask)``, both (B, max length)."""
+    width = max(lengths)
+    ids = _ids(len(lengths), width, seed)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n :] = 1
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as generate() derives them from a left-padded mask (pads get 1; they are masked)."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _greedy(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    if mask is None:
+        mask = torch.ones_like(ids)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        **kwargs,
+    )
+
+
+# ------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("family,hkv,group_size", CASES, ids=IDS)
+def test_full_rank_fp32_logits_and_latent_cache(make_tiny, compress, family, hkv, group_size) -> None:
+    model = make_tiny(family, hkv, **_overrides(family))
+    comp, plan = compress(model, group_size)
+    assert plan.achieved_ratio == 1.0
+    assert all(isinstance(get_adapter(comp.config).attention(comp, i), LatentAttention) for i in range(2))
+    ids = _ids(2, T)
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = comp(ids, use_cache=True)
+    assert _max_diff(out.logits, ref) <= 1e-4
+    cache = out.past_key_values
+    assert isinstance(cache, LatentCache) and cache.get_seq_length() == T
+    for layer in cache.layers:
+        assert isinstance(layer, LatentLayer)
+        assert torch.equal(layer.positions, torch.arange(T, dtype=torch.int32).expand(2, T))
+
+
+@pytest.mark.parametrize("family,hkv,group_size", CASES, ids=IDS)
+def test_full_rank_float64_is_exact(make_tiny, compress, family, hkv, group_size) -> None:
+    """In float64 the fusion is exact.
+
+    HF's RMSNorm computes in float32 and would hide attention errors below fp32 rounding, so the attention
+    outputs of every layer are compared too (same inputs up to that rounding).
+    """
+    model = make_tiny(family, hkv, **_overrides(family)).double()
+    comp, _ = compress(model, group_size)
+    assert comp.dtype == torch.float64
+    adapter = get_adapter(model.config)
+    captured: dict[str, list[torch.Tensor]] = {"orig": [], "comp": []}
+    handles = [
+        adapter.attention(m, i).register_forward_hook(
+            lambda _m, _a, out, key=key: captured[key].append(out[0])
+        )
+        for key, m in (("orig", model), ("comp", comp))
+        for i in range(2)
+    ]
+    try:
+        ids = _ids(2, T)
+        with torch.no_grad():
+            ref, got = model(ids).logits, comp(ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert _max_diff(got, ref) <= 1e-10
+    for a, b in zip(captured["orig"], captured["comp"], strict=True):
+        assert _max_diff(a, b) <= 1e-12 * (1 + a.abs().max().item())
+
+
+@pytest.mark.parametrize("family,hkv,group_size", CASES, ids=IDS)
+def test_full_rank_greedy_generate_matches_batched_and_left_padded(
+    make_tiny, compress, family, hkv, group_size
+) -> None:
+    model = make_tiny(family, hkv, **_overrides(family))
+    comp, _ = compress(model, group_size)
+    ids = _ids(3, 5)
+    assert torch.equal(_greedy(comp, ids), _greedy(model, ids))
+    ids, mask = _left_padded((9, 5, 2))
+    expected = _greedy(model, ids, mask)
+    assert torch.equal(_greedy(comp, ids, mask), expected)
+    # the padding is really handled: the shortest row alone generates the same continuation
+    alone = _greedy(comp, ids[2:, -2:])
+    assert torch.equal(alone[0, 2:], expected[2, 9:])
+
+
+@pytest.mark.parametrize("family,hkv,group_size", CASES, ids=IDS)
+def test_decode_through_the_cache_equals_one_full_forward(
+    make_tiny, compress, family, hkv, group_size
+) -> None:
+    model = make_tiny(family, hkv, **_overrides(family))
+    comp, _ = compress(model, group_size)
+    ids = _ids(2, T)
+    with torch.no_grad():
+        full = comp(ids).logits  # (B, T, V)
+        out = comp(ids[:, :4], use_cache=True)
+        steps = [out.logits]
+        for t in range(4, T):
+            out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits)
+        ref = model(ids).logits
+    decoded = torch.cat(steps, dim=1)
+    assert _max_diff(decoded, full) <= 1e-5
+    assert _max_diff(decoded, ref) <= 1e-4
+    assert out.past_key_values.get_seq_length() == T
+
+
+def test_mistral_sliding_window_is_in_effect(make_tiny, compress) -> None:
+    """The Mistral cases test something: without the window the original's logits change past position 6."""
+    model = make_tiny("mistral", 2, sliding_window=SLIDING_WINDOW)
+    unwindowed = copy.deepcopy(model)
+    unwindowed.config.sliding_window = None
+    ids = _ids(2, T)
+    with torch.no_grad():
+        windowed, full = model(ids).logits, unwindowed(ids).logits
+        comp_logits = compress(model, 2)[0](ids).logits
+    assert _max_diff(windowed[:, :SLIDING_WINDOW], full[:, :SLIDING_WINDOW]) <= 1e-6
+    assert _max_diff(windowed[:, SLIDING_WINDOW:], full[:, SLIDING_WINDOW:]) > 1e-2
+    assert _max_diff(comp_logits, windowed) <= 1e-4
+
+
+# -------------------------------------------------------------------------------------- memory is real
+
+
+@pytest.mark.parametrize("group_size,multiple", [(1, 1), (2, 8)])
+def test_half_ratio_cache_holds_latents_of_width_r(make_tiny, compress, group_size, multiple) -> None:
+    model = make_tiny("llama", 2)  # L=2, Hkv=2, D=8
+    comp, plan = compress(model, group_size, ratio=0.5, rank_multiple=multiple)
+    assert plan.achieved_ratio == 0.5
+    L, hkv, D, B = 2, 2, 8, 2
+    windows = _ids(B, 16)
+    orig = kv_bytes_per_token(model, windows, n_rows=B)
+    got = kv_bytes_per_token(comp, windows, n_rows=B)
+    assert (orig["cache_class"], got["cache_class"]) == ("DynamicCache", "LatentCache")
+    ranks = [(sum(rk), sum(rv)) for rk, rv in zip(plan.ranks["k"], plan.ranks["v"], strict=True)]
+    assert all(rk == rv == hkv * D // 2 for rk, rv in ranks)
+    assert orig["kv_bytes_per_token"] == L * 2 * hkv * D * 4  # fp32 keys + values
+    assert got["kv_bytes_per_token"] == sum((rk + rv) * 4 + 4 for rk, rv in ranks)  # latents + int32 position
+    assert got["kv_bytes_per_token"] / orig["kv_bytes_per_token"] == pytest.approx(
+        0.5 + 4 / (2 * hkv * D * 4)
+    )
+
+    with torch.no_grad():
+        cache = comp(windows, use_cache=True).past_key_values
+    for i, layer in enumerate(cache.layers):
+        attn = get_adapter(comp.config).attention(comp, i)
+        assert attn.k_down.weight.shape == (ranks[i][0], 32) and attn.v_down.weight.shape == (ranks[i][1], 32)
+        assert layer.keys.shape == (B, 16, ranks[i][0]) and layer.values.shape == (B, 16, ranks[i][1])
+        assert layer.positions.shape == (B, 16) and layer.positions.dtype == torch.int32
+
+
+def test_truncated_model_differs_but_its_cache_path_is_still_exact(make_tiny, compress) -> None:
+    model = make_tiny("llama", 2)
+    comp, _ = compress(model, 1, ratio=0.5)
+    ids, mask = _left_padded((T, 8, 5))
+    pos = _positions(mask)
+    with torch.no_grad():
+        full = comp(ids, attention_mask=mask, position_ids=pos).logits
+        out = comp(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], use_cache=True)
+        steps = [out.logits]
+        for t in range(6, T):
+            kw = dict(attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], use_cache=True)
+            out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, **kw)
+            steps.append(out.logits)
+        ref = model(ids, attention_mask=mask, position_ids=pos).logits
+    valid = mask.bool()
+    assert _max_diff(torch.cat(steps, 1)[valid], full[valid]) <= 1e-5
+    assert _max_diff(full[valid], ref[valid]) > 1e-2  # rank 4 of 8 per head is not the original
+
+
+# -------------------------------------------------------------------------------- cache interoperation
+
+
+def test_filled_dynamic_cache_is_refused(make_tiny, compress) -> None:
+    model = make_tiny("llama", 2)
+    comp, _ = compress(model, 1)
+    with torch.no_grad():
+        filled = model(_ids(1, 5), use_cache=True).past_key_values
+        assert type(filled) is DynamicCache and filled.get_seq_length() == 5
+        with pytest.raises(TypeError, match="LatentCache"):
+            comp(_ids(1, 1), past_key_values=filled, use_cache=True)
+
+
+@pytest.mark.parametrize("empty", [DynamicCache, lambda: None], ids=["empty-DynamicCache", "none"])
+def test_empty_or_missing_cache_becomes_a_latent_cache(make_tiny, compress, empty) -> None:
+    model = make_tiny("llama", 2)
+    comp, _ = compress(model, 1)
+    ids = _ids(2, 6)
+    with torch.no_grad():
+        out = comp(ids, past_key_values=empty(), use_cache=True)
+        no_cache = comp(ids, use_cache=False)
+    assert isinstance(out.past_key_values, LatentCache) and out.past_key_values.get_seq_length() == 6
+    assert no_cache.past_key_values is None
+    assert torch.equal(out.logits, no_cache.logits)
+
+
+def test_latent_cache_hook_is_installed_once(make_tiny, compress) -> None:
+    comp, _ = compress(make_tiny("llama", 2), 1)
+    enable_latent_cache(comp)
+    enable_latent_cache(comp)
+    hooks = list(get_adapter(comp.config).base_model(comp)._forward_pre_hooks.values())
+    assert hooks.count(_latent_cache_pre_hook) == 1
+
+
+def _prefilled(make_tiny, compress):
+    """A compressed model, a left-padded batch of 3 rows (lengths 10, 7, 4) plus 3 more tokens each, its
+    full-forward logits (the reference), and a LatentCache prefilled with all 13 tokens."""
+    model = make_tiny("llama", 2)
+    comp, _ = compress(model, 1, ratio=0.5)
+    prompt, prompt_mask = _left_padded((10, 7, 4))
+    ids = torch.cat([prompt, _ids(3, 3, seed=5)], dim=1)  # (3, 13)
+    mask = torch.cat([prompt_mask, torch.ones(3, 3, dtype=torch.long)], dim=1)
+    pos = _positions(mask)
+    with torch.no_grad():
+        ref = comp(ids, attention_mask=mask, position_ids=pos).logits  # (3, 13, V)
+        cache = comp(ids, attention_mask=mask, position_ids=pos, use_cache=True).past_key_values
+    return comp, ids, mask, pos, ref, cache
+
+
+def _continue(comp, cache, ids, mask, pos, rows: torch.Tensor) -> torch.Tensor:
+    """Feed tokens 10..12 of ``rows`` through ``cache`` (holding tokens 0..9 of those rows)."""
+    with torch.no_grad():
+        return comp(
+            ids[rows, 10:], attention_mask=mask[rows], position_ids=pos[rows, 10:], past_key_values=cache
+        ).logits
+
+
+def test_crop_keeps_latents_and_positions_consistent(make_tiny, compress) -> None:
+    comp, ids, mask, pos, ref, cache = _prefilled(make_tiny, compress)
+    cache.crop(-3)
+    rows = torch.arange(3)
+    for layer in cache.layers:
+        assert layer.keys.shape[1] == layer.values.shape[1] == layer.positions.shape[1] == 10
+        assert torch.equal(layer.positions, pos[:, :10].int())
+    assert _max_diff(_continue(comp, cache, ids, mask, pos, rows), ref[:, 10:]) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "op,rows",
+    [
+        ("batch_select_indices", [2, 0]),
+        ("reorder_cache", [1, 1, 0]),
+        ("batch_repeat_interleave", [0, 0, 1, 1, 2, 2]),
+    ],
+)
+def test_batch_operations_keep_positions_with_their_rows(make_tiny, compress, op, rows) -> None:
+    """Rows have different left padding, hence different positions: a position left behind changes RoPE."""
+    comp, ids, mask, pos, ref, cache = _prefilled(make_tiny, compress)
+    cache.crop(-3)
+    rows = torch.tensor(rows)
+    if op == "batch_repeat_interleave":
+        cache.batch_repeat_interleave(2)
+    else:
+        getattr(cache, op)(rows)
+    for layer in cache.layers:
+        assert layer.keys.shape[0] == layer.values.shape[0] == len(rows)
+        assert torch.equal(layer.positions, pos[rows, :10].int())
+    valid = _continue(comp, cache, ids, mask, pos, rows)
+    assert _max_diff(valid, ref[rows, 10:]) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_beam_search_matches_the_original_at_full_rank(make_tiny, compress, family) -> None:
+    model = make_tiny(family, 2, **_overrides(family))
+    comp, _ = compress(model, 2)
+    ids, mask = _left_padded((7, 4))
+    expected = _greedy(model, ids, mask, num_beams=2)
+    got = comp.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        num_beams=2,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(got.sequences, expected)
+    assert isinstance(got.past_key_values, LatentCache)
+
+
+# -------------------------------------------------------------------------------------------- adapters
+
+
+def test_unsupported_model_names_the_supported_families() -> None:
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=2)).eval()
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral"):
+        get_adapter(gpt2.config)
+    plan = allocate_ranks([{"k": [torch.ones(8)], "v": [torch.ones(8)]}], ratio=1.0, group_size=1, head_dim=8)
+    with pytest.raises(UnsupportedModelError):
+        compress_model(gpt2, [], plan, "whitened")
+    assert isinstance(UnsupportedModelError("x"), ValueError)

@@ -1,0 +1,17 @@
+import os
+import tempfile
+
+import pytest
+
+# Prefect reads these when it starts; results persist under a per-session temporary directory.
+os.environ["PREFECT_LOCAL_STORAGE_PATH"] = tempfile.mkdtemp(prefix="lrkv-prefect-results-")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """Prefect's real API (a temporary local server) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield

@@ -1,0 +1,107 @@
+"""The convert flow under Prefect's real API, logging to a real MLflow server."""
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from lrkv_core import load_compressed, load_model
+from lrkv_core.data import read_token_rows
+from lrkv_flows.convert import convert_flow
+from lrkv_tasks.recipe import load_recipe
+from tests.support.models import SHARED, tiny_llama_dir, token_parquet
+
+
+def _recipe(model, data, store, out, mlflow_uri, ratio=1.0, group_size=2, **extra):
+    return load_recipe(
+        None,
+        {
+            "model": str(model),
+            "calibration": {"dataset": data, "n_samples": 8, "seq_len": 32, "batch_size": 4},
+            "compression": {"ratio": ratio, "group_size": group_size, "rank_multiple": 8},
+            "eval": {"dataset": data, "seq_len": 32, "max_windows": 6, "decode_prefix": 16, "decode_windows": 3},
+            "tracking": {"mlflow_uri": mlflow_uri, "experiment": "flow-test"},
+            "store": str(store),
+            "out": str(out),
+            **extra,
+        },
+    )
+
+
+def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_server, tmp_path):
+    model_dir = tiny_llama_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    recipe = _recipe(model_dir, data, tmp_path / "store", tmp_path / "out", mlflow_server)
+
+    first = convert_flow(recipe)
+    states = {row["task"]: row["state"] for row in first["timings"]}
+    assert set(states.values()) == {"Completed"}, states
+    assert {"collect_stats", "decompose_layer[1]", "build_model", "export_model", "log_run"} <= set(states)
+
+    # the exported model is exact at full rank
+    base, _ = load_model(model_dir)
+    compressed = load_compressed(tmp_path / "out")
+    ids = read_token_rows(data.split(":", 1)[1])[:2]
+    with torch.no_grad():
+        assert (base(ids).logits - compressed(ids).logits).abs().max() < 1e-4
+
+    run = MlflowClient(tracking_uri=mlflow_server).get_run(first["mlflow"]["run_id"])
+    m = run.data.metrics
+    for key in ("base_prefill_ppl", "compressed_prefill_ppl", "base_decode_ppl", "compressed_decode_ppl",
+                "target_ratio", "achieved_ratio", "base_kv_bytes_per_token", "compressed_kv_bytes_per_token"):
+        assert key in m, key
+    assert m["achieved_ratio"] == 1.0 and abs(m["base_prefill_ppl"] - m["compressed_prefill_ppl"]) < 1e-3
+    assert run.data.params["fingerprint.model"] == first["model"]["fingerprint"]
+    assert "version.transformers" in run.data.params
+    artifacts = {a.path for a in MlflowClient(tracking_uri=mlflow_server).list_artifacts(run.info.run_id)}
+    assert {"rank_plan.json", "eval.json", "recipe.json"} <= artifacts
+
+    # an identical re-run recomputes nothing
+    second = convert_flow(recipe)
+    assert {row["state"] for row in second["timings"]} == {"Cached"}, second["timings"]
+    assert second["mlflow"]["run_id"] == first["mlflow"]["run_id"]
+
+    # a deleted export is redone; everything upstream stays cached
+    import shutil
+
+    shutil.rmtree(tmp_path / "out")
+    third = convert_flow(recipe)
+    states = {row["task"]: row["state"] for row in third["timings"]}
+    assert states.pop("export_model") == "Completed" and set(states.values()) == {"Cached"}
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+    # a different ratio reuses calibration, stats and factors
+    half = convert_flow(recipe.model_copy(update={"compression": recipe.compression.model_copy(update={"ratio": 0.5})}))
+    states = {row["task"]: row["state"] for row in half["timings"]}
+    assert states["collect_stats"] == "Cached" and states["decompose_layer[0]"] == "Cached"
+    assert states["plan_ranks"] == "Completed" and half["plan"]["achieved_ratio"] == 0.5
+
+
+def test_convert_flow_on_stories260k_is_exact_at_full_rank(prefect_api, tmp_path):
+    model_dir = SHARED / "models" / "stories260k"
+    if not model_dir.is_dir():
+        pytest.skip(f"shared assets not found at {SHARED}")
+    calib = f"parquet:{SHARED / 'data' / 'stories260k' / 'calib.parquet'}"
+    valid = f"parquet:{SHARED / 'data' / 'stories260k' / 'valid.parquet'}"
+    recipe = load_recipe(
+        None,
+        {
+            "model": str(model_dir),
+            "calibration": {"dataset": calib, "n_samples": 32, "seq_len": 256},
+            "compression": {"ratio": 1.0, "group_size": 2, "rank_multiple": 8},
+            "eval": {"dataset": valid, "seq_len": 256, "max_windows": 8, "decode_prefix": 128, "decode_windows": 2},
+            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+            "store": str(tmp_path / "store"),
+            "out": str(tmp_path / "out"),
+        },
+    )
+    result = convert_flow(recipe)
+    base, comp = result["eval"]["base"], result["eval"]["compressed"]
+    assert abs(base["prefill"]["nll"] - comp["prefill"]["nll"]) < 1e-5
+    assert abs(base["decode"]["nll"] - comp["decode"]["nll"]) < 1e-5
+    original, _ = load_model(model_dir)
+    compressed = load_compressed(tmp_path / "out")
+    bos = torch.tensor([[1]])
+    assert torch.equal(
+        original.generate(bos, max_new_tokens=40, do_sample=False),
+        compressed.generate(bos, max_new_tokens=40, do_sample=False),
+    )

@@ -1,0 +1,66 @@
+"""Each convert task through ``task.fn()`` on a tiny saved Llama: refs in, refs + metrics out."""
+
+import json
+
+import pytest
+import torch
+
+from lrkv_core import load_compressed, load_model
+from lrkv_tasks import convert as t
+from tests.support.models import tiny_llama_dir, token_parquet
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tasks")
+    model_dir = tiny_llama_dir(root)
+    data = token_parquet(root / "calib.parquet", rows=12, seq_len=32)
+    return {"root": root, "model_dir": model_dir, "data": f"parquet:{data}", "store": str(root / "store")}
+
+
+def test_task_chain_produces_an_exact_full_rank_model(setup):
+    store = setup["store"]
+    model = t.resolve_model.fn(str(setup["model_dir"]))
+    assert model["shape"] == {"L": 2, "d": 32, "H": 4, "Hkv": 2, "D": 8} and len(model["fingerprint"]) == 64
+    calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
+    assert calib["path"].startswith(store) and calib["n_samples"] == 8
+    stats = t.collect_stats.fn(model, calib, "float32", 4, store)
+    assert stats["n_tokens"] == 8 * 32
+    layers = [t.decompose_layer.fn(model, stats, i, 2, "whitened", store) for i in range(2)]
+    comp = {"ratio": 1.0, "group_size": 2, "rank_multiple": 8, "allocator": "uniform"}
+    plan = t.plan_ranks.fn(model, layers, comp, store)
+    assert plan["achieved_ratio"] == 1.0
+    assert json.loads(open(plan["path"]).read())["ranks"]["k"] == [[16], [16]]
+    built = t.build_model.fn(model, layers, plan, "whitened", "float32", store)
+    assert built["path"].startswith(store) and len(built["fingerprint"]) == 64
+
+    base, _ = load_model(setup["model_dir"])
+    compressed = load_compressed(built["path"])
+    ids = torch.randint(3, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (base(ids).logits - compressed(ids).logits).abs().max() < 1e-4
+
+    out = setup["root"] / "export"
+    assert not t.export_is_current(built, str(out))
+    t.export_model.fn(built, str(out))
+    assert t.export_is_current(built, str(out))
+    (out / "README.md").write_text("edited card")  # not part of the fingerprint: still current
+    assert t.export_is_current(built, str(out))
+
+    ev = {"dataset": setup["data"], "seq_len": 32, "max_windows": 6, "decode_prefix": 16, "decode_windows": 3,
+          "batch_size": 4}
+    base_eval = t.evaluate.fn(model, ev, "float32", "base")
+    comp_eval = t.evaluate.fn(built, ev, "float32", "compressed")
+    assert base_eval["prefill"]["protocol"]["dataset"] == setup["data"]
+    assert abs(base_eval["prefill"]["nll"] - comp_eval["prefill"]["nll"]) < 1e-4
+    assert abs(base_eval["decode"]["nll"] - comp_eval["decode"]["nll"]) < 1e-4
+    assert comp_eval["kv"]["cache_class"] == "LatentCache"
+
+
+def test_export_refuses_to_clobber_foreign_directories(setup, tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep")
+    with pytest.raises(FileExistsError):
+        t.export_model.fn({"path": str(setup["model_dir"]), "fingerprint": "x"}, str(foreign))
+    assert (foreign / "precious.txt").read_text() == "keep"
