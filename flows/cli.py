@@ -107,11 +107,28 @@ def convert(
         raise typer.Exit(2) from None
     _configure_prefect(LocalStore(rec.store).root, verbose)
     console.print("[bold]recipe[/bold]\n" + recipe_yaml(rec))
-    from lrkv_flows.convert import convert_flow
+    from lrkv_core.adapters import UnsupportedModelError
 
-    with _rich_progress():
-        result = convert_flow(rec)
+    try:
+        _preflight(rec.model)
+        from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
+
+        with _rich_progress():
+            result = convert_flow(rec)
+    except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError) as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(1) from None
     _print_summary(result)
+
+
+def _preflight(model_ref: str) -> None:
+    """Fail fast, before Prefect starts: the model must exist and be a supported architecture."""
+    from transformers import AutoConfig
+
+    from lrkv_core.adapters import get_adapter
+    from lrkv_core.models import resolve_model_dir
+
+    get_adapter(AutoConfig.from_pretrained(str(resolve_model_dir(model_ref))))
 
 
 def _print_summary(result: dict) -> None:

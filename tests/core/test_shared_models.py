@@ -51,7 +51,7 @@ class Setup:
     windows: torch.Tensor  # (N, T) evaluation token ids
 
 
-# ------------------------------------------------------------------------------------------------- stories260k
+# ---------------------------------------------------------------------------------------------- stories260k
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,9 @@ def test_stories_full_rank_float64_is_exact(stories, stories64, compress, group_
     adapter = get_adapter(comp.config)
     captured: dict[str, list[torch.Tensor]] = {"orig": [], "comp": []}
     handles = [
-        adapter.attention(m, i).register_forward_hook(lambda _m, _a, out, key=key: captured[key].append(out[0]))
+        adapter.attention(m, i).register_forward_hook(
+            lambda _m, _a, out, key=key: captured[key].append(out[0])
+        )
         for key, m in (("orig", stories64), ("comp", comp))
         for i in range(adapter.shape(comp.config).L)
     ]
@@ -126,7 +128,7 @@ def test_stories_greedy_generation_and_save_load(stories, compress, tmp_path, gr
     assert torch.equal(loaded.generate(bos, **kwargs), expected)
 
 
-# ------------------------------------------------------------------------------------------- shakespeare-llama
+# ----------------------------------------------------------------------------------------- shakespeare-llama
 
 
 @pytest.fixture(scope="module")
@@ -159,15 +161,25 @@ def test_shakespeare_full_rank_logits_and_generation(shakespeare, compress, grou
     assert diff <= 1e-4, f"max abs logit diff {diff:.3e}"  # measured 1.7e-5
 
     tok = shakespeare.tokenizer
-    prompts = ["ROMEO:\nWhat, ho!", "KING HENRY VI:\nNow", "First Citizen:\nBefore we proceed any further, hear"]
+    prompts = [
+        "ROMEO:\nWhat, ho!",
+        "KING HENRY VI:\nNow",
+        "First Citizen:\nBefore we proceed any further, hear",
+    ]
     batch = _generate_prompts(shakespeare.model, tok, prompts)
-    assert (tok(prompts, padding=True, return_tensors="pt")["attention_mask"] == 0).any()  # padding is exercised
+    assert (
+        tok(prompts, padding=True, return_tensors="pt")["attention_mask"] == 0
+    ).any()  # padding is exercised
     assert torch.equal(_generate_prompts(comp, tok, prompts), batch)
-    assert torch.equal(_generate_prompts(comp, tok, prompts[1:2]), _generate_prompts(shakespeare.model, tok, prompts[1:2]))
+    assert torch.equal(
+        _generate_prompts(comp, tok, prompts[1:2]), _generate_prompts(shakespeare.model, tok, prompts[1:2])
+    )
 
 
 @pytest.mark.parametrize("group_size", [1, 2])
-def test_shakespeare_half_ratio_memory_and_perplexity(shakespeare, shakespeare_ppl, compress, group_size) -> None:
+def test_shakespeare_half_ratio_memory_and_perplexity(
+    shakespeare, shakespeare_ppl, compress, group_size
+) -> None:
     """Measured: KV bytes ratio 0.5078 (latents + int32 positions); ppl 19.53 → 21.03 (s=1), 20.06 (s=2)."""
     comp, plan = compress(shakespeare.model, group_size, ratio=0.5, grams=shakespeare.grams, rank_multiple=8)
     assert plan.achieved_ratio == 0.5
