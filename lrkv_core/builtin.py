@@ -258,8 +258,9 @@ def build_builtin_model(
     valid_ids = torch.tensor(encode(valid_text).ids, dtype=torch.long)  # (N_valid,)
     logger.info("corpus %d chars: %d train, %d valid tokens", len(corpus), len(train_ids), len(valid_ids))
 
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(spec.llama_config())
+    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's global RNG
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(spec.llama_config())
     t_train = time.perf_counter()
     losses = _train_model(model, train_ids, spec, steps, seed, progress)
     train_seconds = time.perf_counter() - t_train

@@ -84,6 +84,7 @@ class GroupFactors:
         return int(self.sigma.numel())
 
 
+@torch.no_grad()
 def fit_group(weight: torch.Tensor, whitening: Whitening | None = None) -> GroupFactors:
     """Factor one group slice of k_proj/v_proj.
 
