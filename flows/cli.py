@@ -14,7 +14,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Low-rank KV-cache compression (Palu and friends).")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Low-rank KV-cache compression (Palu and friends)."
+)
 console = Console()
 
 
@@ -46,8 +48,12 @@ def _rich_progress():
     from lrkv_tasks.progress import set_reporter
 
     with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=False,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
     ) as progress:
 
         @contextmanager
@@ -70,18 +76,34 @@ def _rich_progress():
 def convert(
     recipe: Annotated[Optional[Path], typer.Option(help="YAML recipe (strict: unknown keys fail)")] = None,
     model: Annotated[Optional[str], typer.Option(help="hub id, local dir or builtin:NAME")] = None,
-    dataset: Annotated[Optional[str], typer.Option(help="calibration: hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH")] = None,
-    eval_dataset: Annotated[Optional[str], typer.Option(help="evaluation dataset (same forms); 'none' skips evaluation")] = None,
-    ratio: Annotated[Optional[float], typer.Option(help="compressed KV width / original (0.5 halves the cache)")] = None,
-    group_size: Annotated[Optional[int], typer.Option(help="KV heads per group: 1 = M-LRD, Hkv = J-LRD")] = None,
+    dataset: Annotated[
+        Optional[str], typer.Option(help="calibration: hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH")
+    ] = None,
+    eval_dataset: Annotated[
+        Optional[str], typer.Option(help="evaluation dataset (same forms); 'none' skips evaluation")
+    ] = None,
+    ratio: Annotated[
+        Optional[float], typer.Option(help="compressed KV width / original (0.5 halves the cache)")
+    ] = None,
+    group_size: Annotated[
+        Optional[int], typer.Option(help="KV heads per group: 1 = M-LRD, Hkv = J-LRD")
+    ] = None,
     decomposition: Annotated[Optional[str], typer.Option(help="whitened | plain")] = None,
-    rank_multiple: Annotated[Optional[int], typer.Option(help="round ranks down to a multiple of this")] = None,
+    rank_multiple: Annotated[
+        Optional[int], typer.Option(help="round ranks down to a multiple of this")
+    ] = None,
     n_samples: Annotated[Optional[int], typer.Option(help="calibration windows")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
     out: Annotated[Optional[Path], typer.Option(help="write the compressed model directory here")] = None,
-    store: Annotated[Optional[Path], typer.Option(help="artifact store root (default <LRKV_HOME>/store)")] = None,
-    mlflow_uri: Annotated[Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")] = None,
-    set_: Annotated[list[str], typer.Option("--set", help="recipe override, e.g. --set eval.max_windows=8")] = [],
+    store: Annotated[
+        Optional[Path], typer.Option(help="artifact store root (default <LRKV_HOME>/store)")
+    ] = None,
+    mlflow_uri: Annotated[
+        Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
+    ] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="recipe override, e.g. --set eval.max_windows=8")
+    ] = None,
     verbose: Annotated[bool, typer.Option(help="show Prefect's logs")] = False,
 ) -> None:
     """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
@@ -89,17 +111,26 @@ def convert(
     from lrkv_tasks.store import LocalStore
 
     flags = {
-        "model": model, "calibration.dataset": dataset, "compression.ratio": ratio,
-        "compression.group_size": group_size, "compression.decomposition": decomposition,
-        "compression.rank_multiple": rank_multiple, "calibration.n_samples": n_samples,
-        "calibration.seq_len": seq_len, "eval.seq_len": seq_len, "out": str(out) if out else None,
-        "store": str(store) if store else None, "tracking.mlflow_uri": mlflow_uri,
+        "model": model,
+        "calibration.dataset": dataset,
+        "compression.ratio": ratio,
+        "compression.group_size": group_size,
+        "compression.decomposition": decomposition,
+        "compression.rank_multiple": rank_multiple,
+        "calibration.n_samples": n_samples,
+        "calibration.seq_len": seq_len,
+        "eval.seq_len": seq_len,
+        "out": str(out) if out else None,
+        "store": str(store) if store else None,
+        "tracking.mlflow_uri": mlflow_uri,
         "eval.dataset": None if eval_dataset == "none" else eval_dataset,
     }
-    overrides = {k: v for k, v in flags.items() if v is not None or (k == "eval.dataset" and eval_dataset == "none")}
+    overrides = {
+        k: v for k, v in flags.items() if v is not None or (k == "eval.dataset" and eval_dataset == "none")
+    }
     if seq_len is not None:
         overrides.setdefault("eval.decode_prefix", seq_len // 2)
-    overrides.update(_parse_set(set_))
+    overrides.update(_parse_set(set_ or []))
     try:
         rec = load_recipe(recipe, overrides)
     except Exception as e:  # pydantic / yaml errors: show them, no traceback
@@ -122,8 +153,19 @@ def convert(
 
 
 def _preflight(model_ref: str) -> None:
-    """Fail fast, before Prefect starts: the model must exist and be a supported architecture."""
+    """Fail fast, before Prefect starts: the model must exist and be a supported architecture.
+
+    A ``builtin:`` model is built here on first use (about two minutes), with a progress bar.
+    """
     from transformers import AutoConfig
+
+    if model_ref.startswith("builtin:"):
+        from lrkv_core.builtin import ensure_builtin_model
+        from lrkv_tasks.progress import step
+
+        with _rich_progress(), step(f"{model_ref} (built on first use)") as advance:
+            name = model_ref.split(":", 1)[1]
+            ensure_builtin_model(name, progress=lambda done, total, _loss: advance(done, total))
 
     from lrkv_core.adapters import get_adapter
     from lrkv_core.models import resolve_model_dir
@@ -144,13 +186,18 @@ def _print_summary(result: dict) -> None:
     table.add_column("compressed", justify="right")
     base, comp = result["eval"]["base"], result["eval"]["compressed"]
     if base and comp:
-        for name, key in (("prefill ppl", ("prefill", "ppl")), ("decode ppl", ("decode", "ppl")),
-                          ("KV bytes/token", ("kv", "kv_bytes_per_token"))):
+        for name, key in (
+            ("prefill ppl", ("prefill", "ppl")),
+            ("decode ppl", ("decode", "ppl")),
+            ("KV bytes/token", ("kv", "kv_bytes_per_token")),
+        ):
             table.add_row(name, f"{base[key[0]][key[1]]:.4f}", f"{comp[key[0]][key[1]]:.4f}")
         ratio = comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"]
         table.add_row("KV bytes ratio (measured)", "1", f"{ratio:.4f}")
     plan = result["plan"]
-    table.add_row("KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}")
+    table.add_row(
+        "KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}"
+    )
     console.print(table)
     console.print(f"compressed model: {result['compressed']['path']}")
     if result["exported"]:
@@ -162,7 +209,9 @@ def _print_summary(result: dict) -> None:
 @app.command("eval")
 def eval_cmd(
     model_dir: Annotated[str, typer.Argument(help="compressed model dir (or any supported model)")],
-    dataset: Annotated[str, typer.Option(help="hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH | builtin:NAME:SPLIT")],
+    dataset: Annotated[
+        str, typer.Option(help="hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH | builtin:NAME:SPLIT")
+    ],
     seq_len: int = 256,
     max_windows: Optional[int] = None,
     decode_prefix: Optional[int] = None,
@@ -178,9 +227,14 @@ def eval_cmd(
 
         with step("evaluate") as advance:
             res = evaluate_dir(
-                model_dir, dataset, seq_len=seq_len, max_windows=max_windows,
-                decode_prefix=decode_prefix or seq_len // 2, decode_windows=decode_windows,
-                batch_size=batch_size, progress=advance,
+                model_dir,
+                dataset,
+                seq_len=seq_len,
+                max_windows=max_windows,
+                decode_prefix=decode_prefix or seq_len // 2,
+                decode_windows=decode_windows,
+                batch_size=batch_size,
+                progress=advance,
             )
     table = Table(title=f"eval {model_dir}")
     for col in ("measure", "nll", "ppl", "tokens"):
@@ -189,7 +243,9 @@ def eval_cmd(
         r = res[name]
         table.add_row(name, f"{r['nll']:.4f}", f"{r['ppl']:.4f}", str(r["tokens"]))
     console.print(table)
-    console.print(f"KV bytes/token (measured, {res['kv']['cache_class']}): {res['kv']['kv_bytes_per_token']:.1f}")
+    console.print(
+        f"KV bytes/token (measured, {res['kv']['cache_class']}): {res['kv']['kv_bytes_per_token']:.1f}"
+    )
     text = json.dumps(res, indent=2)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

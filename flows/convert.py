@@ -35,7 +35,11 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     )
     stats = None
     if comp.decomposition == "whitened":
-        stats = _record(timings, "collect_stats", t.collect_stats.submit(model, calib, recipe.dtype, cal.batch_size, store))
+        stats = _record(
+            timings,
+            "collect_stats",
+            t.collect_stats.submit(model, calib, recipe.dtype, cal.batch_size, store),
+        )
     futures = t.decompose_layer.map(
         model=unmapped(model),
         stats=unmapped(stats),
@@ -46,18 +50,26 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     )
     layers = [_record(timings, f"decompose_layer[{i}]", f) for i, f in enumerate(futures)]
     plan = _record(timings, "plan_ranks", t.plan_ranks.submit(model, layers, comp.model_dump(), store))
-    built = _record(timings, "build_model", t.build_model.submit(model, layers, plan, comp.decomposition, recipe.dtype, store))
+    built = _record(
+        timings,
+        "build_model",
+        t.build_model.submit(model, layers, plan, comp.decomposition, recipe.dtype, store),
+    )
     exported = None
     if recipe.out:
         refresh = not t.export_is_current(built, recipe.out)  # a deleted or edited export is redone
         exported = _record(
-            timings, "export_model", t.export_model.with_options(refresh_cache=refresh).submit(built, recipe.out)
+            timings,
+            "export_model",
+            t.export_model.with_options(refresh_cache=refresh).submit(built, recipe.out),
         )
     base_eval = comp_eval = None
     if recipe.eval.dataset:
         ev = recipe.eval.model_dump()
         base_eval = _record(timings, "evaluate[base]", t.evaluate.submit(model, ev, recipe.dtype, "base"))
-        comp_eval = _record(timings, "evaluate[compressed]", t.evaluate.submit(built, ev, recipe.dtype, "compressed"))
+        comp_eval = _record(
+            timings, "evaluate[compressed]", t.evaluate.submit(built, ev, recipe.dtype, "compressed")
+        )
     run = _record(
         timings,
         "log_run",

@@ -77,7 +77,7 @@ class ArchAdapter:
         setattr(self.layers(model)[layer], self.attn_attr, module)
 
     def weight_name(self, layer: int, proj: str) -> str:
-        """State-dict prefix of a projection in the original model, e.g. ``model.layers.3.self_attn.k_proj``."""
+        """State-dict prefix of a projection in the original model (``model.layers.3.self_attn.k_proj``)."""
         return f"{self.layers_path}.{layer}.{self.attn_attr}.{getattr(self, proj + '_name')}"
 
     def rotary_embedding(self, config: PretrainedConfig) -> nn.Module:
@@ -110,4 +110,3 @@ def get_adapter(config: PretrainedConfig) -> ArchAdapter:
             f"lrkv does not support model_type {model_type!r} yet; supported: {', '.join(sorted(ADAPTERS))}"
         )
     return ADAPTERS[model_type]
-

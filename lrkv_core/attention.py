@@ -47,7 +47,9 @@ class LatentAttention(nn.Module):
         s = layout.group_size
         n_groups = shape.Hkv // s
         if len(layout.ranks_k) != n_groups or len(layout.ranks_v) != n_groups:
-            raise ValueError(f"layer {layer_idx}: layout has the wrong number of groups (expected {n_groups})")
+            raise ValueError(
+                f"layer {layer_idx}: layout has the wrong number of groups (expected {n_groups})"
+            )
         self.config = config
         self.layer_idx = layer_idx
         self.layout = layout
@@ -89,7 +91,8 @@ class LatentAttention(nn.Module):
         if past_key_values is not None:
             if not isinstance(past_key_values, LatentCache):
                 raise TypeError(
-                    f"an lrkv-compressed model caches latents in a LatentCache, got {type(past_key_values).__name__}; "
+                    "an lrkv-compressed model caches latents in a LatentCache, "
+                    f"got {type(past_key_values).__name__}; "
                     "pass no cache (one is created) or lrkv_core.LatentCache"
                 )
             h_k, h_v, pos = past_key_values.update_latents(h_k, h_v, position_ids, self.layer_idx)
@@ -97,11 +100,15 @@ class LatentAttention(nn.Module):
             pos = position_ids.expand(B, T)
         S = h_k.shape[1]
         cos_k, sin_k = self.rotary_emb(h_k, pos.long())  # (B, S, D)
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         outs, ok, ov = [], 0, 0
         for g, (rk, rv) in enumerate(zip(self.layout.ranks_k, self.layout.ranks_v)):
             up = self.k_up[g]
-            k_g = reconstruct_rope_keys(h_k[..., ok : ok + rk], up.weight, up.bias, cos_k, sin_k, D)  # (B,s,S,D)
+            k_g = reconstruct_rope_keys(
+                h_k[..., ok : ok + rk], up.weight, up.bias, cos_k, sin_k, D
+            )  # (B,s,S,D)
             v_g = h_v[..., ov : ov + rv].unsqueeze(1).expand(B, s, S, rv)  # (B, s, S, r_g)
             q_g = q[:, g * s * n_rep : (g + 1) * s * n_rep]  # (B, s·n_rep, T, D)
             out_g, _ = interface(
@@ -118,4 +125,3 @@ class LatentAttention(nn.Module):
             outs.append(out_g.reshape(B, T, -1))
             ok, ov = ok + rk, ov + rv
         return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)
-

@@ -39,8 +39,18 @@ BOS_TOKEN, EOS_TOKEN = "<|bos|>", "<|eos|>"  # ids 0 and 1
 DOC_SEPARATOR = "\n\n"
 SAMPLE_PROMPT = "Return the"
 SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip",
-     "__pycache__", "__phello__"}
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "turtledemo",
+        "ensurepip",
+        "__pycache__",
+        "__phello__",
+    }
 )
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 _PARTIAL = ".partial-"
@@ -75,10 +85,21 @@ class BuiltinSpec:
 
     def llama_config(self) -> LlamaConfig:
         """The ``LlamaConfig`` of this spec (GQA, RoPE, tied embeddings, bos 0, eos 1)."""
-        arch = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings")
+        arch = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        )
         return LlamaConfig(
-            **{k: getattr(self, k) for k in arch}, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+            **{k: getattr(self, k) for k in arch},
+            tie_word_embeddings=True,
+            bos_token_id=0,
+            eos_token_id=1,
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
         )
 
@@ -149,13 +170,19 @@ def train_tokenizer(train_text: str, vocab_size: int, model_max_length: int) -> 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[BOS_TOKEN, EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([train_text], trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -168,7 +195,11 @@ def _lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
 
 
 def _train_model(
-    model: LlamaForCausalLM, train_ids: torch.Tensor, spec: BuiltinSpec, steps: int, seed: int,
+    model: LlamaForCausalLM,
+    train_ids: torch.Tensor,
+    spec: BuiltinSpec,
+    steps: int,
+    seed: int,
     progress: ProgressFn | None,
 ) -> list[float]:
     """AdamW with warmup + cosine on random (B, T) windows of ``train_ids`` (N,); returns per-step losses."""
@@ -217,7 +248,11 @@ def evaluate_nll(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, batch
 
 
 def build_builtin_model(
-    out_dir: Path, *, steps: int | None = None, seed: int = 0, progress: ProgressFn | None = None,
+    out_dir: Path,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    progress: ProgressFn | None = None,
     spec: BuiltinSpec = BUILTIN_MODELS[DEFAULT_BUILTIN],
 ) -> Path:
     """Build the model in ``out_dir``: corpus split, tokenizer, training, evaluation, model card.
@@ -272,17 +307,27 @@ def build_builtin_model(
     tail = max(1, len(losses) // 10)
     info = {
         "name": next((k for k, v in BUILTIN_MODELS.items() if v == spec), None),
-        "spec": asdict(spec), "steps": steps, "seed": seed,
+        "spec": asdict(spec),
+        "steps": steps,
+        "seed": seed,
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "corpus_chars": len(corpus), "train_chars": len(train_text), "valid_chars": len(valid_text),
-        "train_tokens": len(train_ids), "valid_tokens": len(valid_ids),
-        "train_loss_first": losses[0], "train_loss_last": sum(losses[-tail:]) / tail,
+        "corpus_chars": len(corpus),
+        "train_chars": len(train_text),
+        "valid_chars": len(valid_text),
+        "train_tokens": len(train_ids),
+        "valid_tokens": len(valid_ids),
+        "train_loss_first": losses[0],
+        "train_loss_last": sum(losses[-tail:]) / tail,
         "loss_curve": losses[:: max(1, steps // 50)],
-        "valid_nll": valid_nll, "valid_ppl": math.exp(valid_nll),
+        "valid_nll": valid_nll,
+        "valid_ppl": math.exp(valid_nll),
         "valid_windows": len(valid_ids) // spec.seq_len,
-        "sample_prompt": SAMPLE_PROMPT, "sample": tokenizer.decode(sample_ids[0]),
-        "train_seconds": train_seconds, "threads": torch.get_num_threads(),
-        "python": platform.python_version(), "torch": torch.__version__,
+        "sample_prompt": SAMPLE_PROMPT,
+        "sample": tokenizer.decode(sample_ids[0]),
+        "train_seconds": train_seconds,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
     model.save_pretrained(out_dir)
@@ -297,36 +342,38 @@ def build_builtin_model(
 def _model_card(info: dict) -> str:
     """README.md for a build, from the numbers measured in it."""
     s, n = info["spec"], info["num_parameters"] / 1e6
-    return "\n".join([
-        f"# {info['name'] or 'lrkv builtin model'}\n",
-        f"A {n:.2f}M-parameter Llama trained from scratch by lrkv on the docstrings of the Python "
-        f"{info['python']} standard library: lrkv's offline default model, built on a CPU in minutes from "
-        "text every Python install has. A test subject for KV-cache compression, not a useful LM.\n",
-        "## Architecture",
-        f"Llama, {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, {s['num_attention_heads']} "
-        f"query heads and {s['num_key_value_heads']} key/value heads (GQA) of dim {s['head_dim']}, MLP "
-        f"{s['intermediate_size']}, RoPE theta {s['rope_theta']:g}, {s['max_position_embeddings']} "
-        f"positions, tied embeddings, float32. Tokenizer: byte-level BPE, vocab {s['vocab_size']}, "
-        "`<|bos|>` = 0, `<|eos|>` = 1, none added on encode.\n",
-        "## How it was built",
-        "- Corpus: module, class and function docstrings of the stdlib, read with `ast` (never imported), in "
-        f"sorted path order, joined by blank lines: {info['corpus_chars']:,} characters.",
-        f"- Split: first {1 - s['valid_fraction']:.0%} `train.txt` ({info['train_chars']:,} chars, "
-        f"{info['train_tokens']:,} tokens), last {s['valid_fraction']:.0%} `valid.txt` "
-        f"({info['valid_chars']:,} chars, {info['valid_tokens']:,} tokens); the tokenizer saw train only.",
-        f"- Training: {info['steps']} AdamW steps on {s['batch_size']} x {s['seq_len']}-token random "
-        f"windows, peak lr {s['lr']:g}, warmup + cosine, grad clip {s['grad_clip']:g}, seed {info['seed']}.",
-        f"- Time: {info['train_seconds']:.1f} s training, {info['seconds']:.1f} s whole build "
-        f"(torch {info['torch']}, transformers {info['transformers']}, {info['threads']} threads).\n",
-        "## Measured in this build",
-        f"- Train loss: {info['train_loss_first']:.3f} at the first step, {info['train_loss_last']:.3f} "
-        "averaged over the last tenth of the steps.",
-        f"- Valid: mean NLL {info['valid_nll']:.4f} nats/token, perplexity **{info['valid_ppl']:.2f}** over "
-        f"{info['valid_windows']} non-overlapping {s['seq_len']}-token windows (uniform guessing: "
-        f"{s['vocab_size']}).",
-        f"- Greedy sample: `{info['sample']!r}`\n",
-        "All numbers are in `build_info.json`.\n",
-    ])
+    return "\n".join(
+        [
+            f"# {info['name'] or 'lrkv builtin model'}\n",
+            f"A {n:.2f}M-parameter Llama trained from scratch by lrkv on the docstrings of the Python "
+            f"{info['python']} standard library: lrkv's offline default model, built on a CPU in minutes from "
+            "text every Python install has. A test subject for KV-cache compression, not a useful LM.\n",
+            "## Architecture",
+            f"Llama, {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, {s['num_attention_heads']} "
+            f"query heads and {s['num_key_value_heads']} key/value heads (GQA) of dim {s['head_dim']}, MLP "
+            f"{s['intermediate_size']}, RoPE theta {s['rope_theta']:g}, {s['max_position_embeddings']} "
+            f"positions, tied embeddings, float32. Tokenizer: byte-level BPE, vocab {s['vocab_size']}, "
+            "`<|bos|>` = 0, `<|eos|>` = 1, none added on encode.\n",
+            "## How it was built",
+            "- Corpus: module, class and function docstrings of the stdlib, read with `ast` (never imported), in "
+            f"sorted path order, joined by blank lines: {info['corpus_chars']:,} characters.",
+            f"- Split: first {1 - s['valid_fraction']:.0%} `train.txt` ({info['train_chars']:,} chars, "
+            f"{info['train_tokens']:,} tokens), last {s['valid_fraction']:.0%} `valid.txt` "
+            f"({info['valid_chars']:,} chars, {info['valid_tokens']:,} tokens); the tokenizer saw train only.",
+            f"- Training: {info['steps']} AdamW steps on {s['batch_size']} x {s['seq_len']}-token random "
+            f"windows, peak lr {s['lr']:g}, warmup + cosine, grad clip {s['grad_clip']:g}, seed {info['seed']}.",
+            f"- Time: {info['train_seconds']:.1f} s training, {info['seconds']:.1f} s whole build "
+            f"(torch {info['torch']}, transformers {info['transformers']}, {info['threads']} threads).\n",
+            "## Measured in this build",
+            f"- Train loss: {info['train_loss_first']:.3f} at the first step, {info['train_loss_last']:.3f} "
+            "averaged over the last tenth of the steps.",
+            f"- Valid: mean NLL {info['valid_nll']:.4f} nats/token, perplexity **{info['valid_ppl']:.2f}** over "
+            f"{info['valid_windows']} non-overlapping {s['seq_len']}-token windows (uniform guessing: "
+            f"{s['vocab_size']}).",
+            f"- Greedy sample: `{info['sample']!r}`\n",
+            "All numbers are in `build_info.json`.\n",
+        ]
+    )
 
 
 def _remove_stale_partials(parent: Path, name: str) -> None:
@@ -392,6 +439,7 @@ def _check_complete(target: Path, build_kwargs: dict) -> Path:
     info = json.loads(info_path.read_text(encoding="utf-8"))
     for key in ("steps", "seed"):
         if key in build_kwargs and build_kwargs[key] != info.get(key):
-            logger.warning("%s was built with %s=%s; %s=%s ignored", target, key, info.get(key), key,
-                           build_kwargs[key])
+            logger.warning(
+                "%s was built with %s=%s; %s=%s ignored", target, key, info.get(key), key, build_kwargs[key]
+            )
     return target

@@ -75,7 +75,10 @@ def decompose_layer(
     whitening = DECOMPOSITIONS[method](gram)
     slices = group_slices(n_kv_heads, head_dim, group_size)
     groups = {kind: [fit_group(w[sl], whitening) for sl in slices] for kind, w in (("k", w_k), ("v", w_v))}
-    info = {"whitening": whitening.method if whitening else "none", "damping": whitening.damping if whitening else 0}
+    info = {
+        "whitening": whitening.method if whitening else "none",
+        "damping": whitening.damping if whitening else 0,
+    }
     return LayerFactors(layer=layer, group_size=group_size, method=method, groups=groups, info=info)
 
 

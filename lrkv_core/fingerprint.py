@@ -28,7 +28,9 @@ def hash_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def hash_dir(path: str | Path, suffixes: tuple[str, ...] = (".json", ".safetensors", ".txt", ".model")) -> str:
+def hash_dir(
+    path: str | Path, suffixes: tuple[str, ...] = (".json", ".safetensors", ".txt", ".model")
+) -> str:
     """Fingerprint of the files in a model directory that decide its behaviour (names + contents)."""
     root = Path(path)
     parts = []

@@ -53,7 +53,9 @@ def fuse_attention(
 
     w_o = o.weight.to(torch.float64)  # (d, H·D)
     blocks = []
-    o_bias = o.bias.to(torch.float64).clone() if o.bias is not None else torch.zeros(shape.d, dtype=torch.float64)
+    o_bias = (
+        o.bias.to(torch.float64).clone() if o.bias is not None else torch.zeros(shape.d, dtype=torch.float64)
+    )
     for g, (_, b_v) in enumerate(v_parts):
         for h in range(g * s * n_rep, (g + 1) * s * n_rep):
             j = h // n_rep - g * s  # KV head of query head h, within the group
@@ -96,12 +98,16 @@ def compress_model(model: nn.Module, factors: list[LayerFactors], plan: RankPlan
     adapter = get_adapter(config)
     first = adapter.attention(model, 0)
     qkv_bias = getattr(first, adapter.k_name).bias is not None
-    o_bias = getattr(first, adapter.o_name).bias is not None or getattr(first, adapter.v_name).bias is not None
+    o_bias = (
+        getattr(first, adapter.o_name).bias is not None or getattr(first, adapter.v_name).bias is not None
+    )
     layouts = layouts_from_plan(plan, qkv_bias, o_bias)
     if len(layouts) != len(factors) or len(layouts) != adapter.shape(config).L:
         raise ValueError("plan, factors and model disagree on the number of layers")
     for i, (f, layout) in enumerate(zip(factors, layouts)):
-        adapter.set_attention(model, i, fuse_attention(adapter.attention(model, i), f, layout, adapter, config, i))
+        adapter.set_attention(
+            model, i, fuse_attention(adapter.attention(model, i), f, layout, adapter, config, i)
+        )
     config.lrkv = lrkv_section(plan, method, qkv_bias, o_bias)
     enable_latent_cache(model)
     return model
@@ -113,7 +119,9 @@ def build_latent_skeleton(model: nn.Module) -> nn.Module:
     section = config.lrkv
     adapter = get_adapter(config)
     for i, (rk, rv) in enumerate(zip(section["ranks_k"], section["ranks_v"])):
-        layout = LatentLayout(section["group_size"], tuple(rk), tuple(rv), section["qkv_bias"], section["o_bias"])
+        layout = LatentLayout(
+            section["group_size"], tuple(rk), tuple(rv), section["qkv_bias"], section["o_bias"]
+        )
         ref = adapter.attention(model, i)
         p = next(ref.parameters())
         adapter.set_attention(model, i, LatentAttention(config, i, adapter, layout).to(p.device, p.dtype))
@@ -133,7 +141,8 @@ def _latent_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tupl
     elif not isinstance(past, LatentCache):
         if past.get_seq_length() != 0:
             raise TypeError(
-                f"an lrkv-compressed model cannot continue from a filled {type(past).__name__}; use a LatentCache"
+                f"an lrkv-compressed model cannot continue from a filled {type(past).__name__}; "
+                "use a LatentCache"
             )
         kwargs["past_key_values"] = LatentCache(module.config.num_hidden_layers)
     return args, kwargs

@@ -46,6 +46,7 @@ def save_compressed(
         raise FileExistsError(f"{out} exists and is not an lrkv model directory; refusing to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the final directory is an ordinary one
     try:
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
@@ -84,14 +85,17 @@ def load_compressed(
     build_latent_skeleton(model)
     missing, unexpected = load_model(model, str(path / WEIGHTS), strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the lrkv layout (missing {missing}, unexpected {unexpected})")
+        raise ValueError(
+            f"{path}: weights do not match the lrkv layout (missing {missing}, unexpected {unexpected})"
+        )
     return model.eval()
 
 
 def default_card(section: dict) -> str:
     return (
         "# lrkv compressed model\n\n"
-        f"KV cache stores low-rank latents ({section['decomposition']} SVD, group size {section['group_size']}, "
+        f"KV cache stores low-rank latents ({section['decomposition']} SVD, "
+        f"group size {section['group_size']}, "
         f"{section['allocator']} ranks): kept KV width {section['achieved_ratio']:.4f} of the original "
         f"(target {section['target_ratio']}).\n\n"
         "Load with `lrkv_core.load_compressed(path)`.\n"

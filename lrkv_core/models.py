@@ -13,7 +13,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from .adapters import ArchAdapter, get_adapter
 from .fingerprint import hash_dir
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -65,9 +70,9 @@ def load_model(
     if getattr(config, "lrkv", None):
         from .io import load_compressed
 
-        return load_compressed(model_dir, dtype=dtype, attn_implementation=attn_implementation), load_tokenizer(
-            model_dir
-        )
+        return load_compressed(
+            model_dir, dtype=dtype, attn_implementation=attn_implementation
+        ), load_tokenizer(model_dir)
     get_adapter(config)  # fail early, with the list of supported families
     kwargs = {"dtype": parse_dtype(dtype)}
     if attn_implementation:
@@ -84,7 +89,9 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         return {name: model_dir / fname for name, fname in weight_map.items()}
     single = model_dir / "model.safetensors"
     if not single.is_file():
-        raise FileNotFoundError(f"{model_dir} has no model.safetensors (other weight formats are not supported)")
+        raise FileNotFoundError(
+            f"{model_dir} has no model.safetensors (other weight formats are not supported)"
+        )
     with safe_open(str(single), framework="pt") as f:
         return {name: single for name in f.keys()}
 

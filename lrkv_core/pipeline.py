@@ -7,7 +7,6 @@ tasks stay thin: resolve refs, call one function here, persist, return refs and 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,15 +24,23 @@ from .stats import collect_gram, load_gram, save_grams
 Progress = Callable[[int, int], None] | None
 
 
-def calibrate(model_dir: str, dataset: str, *, n_samples: int, seq_len: int, seed: int, out_path: str) -> dict:
-    """Draw calibration windows with the model's tokenizer (see :func:`lrkv_core.data.extract_calibration`)."""
+def calibrate(
+    model_dir: str, dataset: str, *, n_samples: int, seq_len: int, seed: int, out_path: str
+) -> dict:
+    """Draw calibration windows with the model's tokenizer (:func:`lrkv_core.data.extract_calibration`)."""
     return extract_calibration(
         dataset, load_tokenizer(model_dir), n_samples=n_samples, seq_len=seq_len, seed=seed, out_path=out_path
     )
 
 
 def stats_file(
-    model_dir: str, calib_path: str, out_path: str, *, dtype: str = "float32", batch_size: int = 8, progress: Progress = None
+    model_dir: str,
+    calib_path: str,
+    out_path: str,
+    *,
+    dtype: str = "float32",
+    batch_size: int = 8,
+    progress: Progress = None,
 ) -> dict:
     """Gram matrices of every layer's k/v_proj input, written as safetensors."""
     model, _ = load_model(model_dir, dtype=dtype)
@@ -75,14 +82,25 @@ def plan_file(
     """Allocate ranks from the layers' spectra; writes the RankPlan JSON."""
     spectra = [load_layer_factors(p).spectra() for p in factor_paths]
     plan = allocate_ranks(
-        spectra, ratio=ratio, group_size=group_size, head_dim=head_dim, rank_multiple=rank_multiple, allocator=allocator
+        spectra,
+        ratio=ratio,
+        group_size=group_size,
+        head_dim=head_dim,
+        rank_multiple=rank_multiple,
+        allocator=allocator,
     )
     plan.save(out_path)
     return {"path": out_path, "target_ratio": plan.target_ratio, "achieved_ratio": plan.achieved_ratio}
 
 
 def build_file(
-    model_dir: str, factor_paths: list[str], plan_path: str, out_dir: str, *, method: str, dtype: str = "float32"
+    model_dir: str,
+    factor_paths: list[str],
+    plan_path: str,
+    out_dir: str,
+    *,
+    method: str,
+    dtype: str = "float32",
 ) -> dict:
     """Fuse the factors into the model and save the compressed model directory."""
     model, tokenizer = load_model(model_dir, dtype=dtype)
@@ -127,7 +145,8 @@ def model_card(section: dict, source: str) -> str:
     return (
         f"# lrkv compressed model\n\nSource model: `{source}`.\n\n"
         f"The KV cache stores low-rank latents: {section['decomposition']} SVD per group of "
-        f"{section['group_size']} KV head(s) (Palu G-LRD), {section['allocator']} ranks rounded to multiples of "
+        f"{section['group_size']} KV head(s) (Palu G-LRD), {section['allocator']} ranks rounded to "
+        "multiples of "
         f"{section['rank_multiple']}. Kept KV width: {section['achieved_ratio']:.4f} of the original "
         f"(target {section['target_ratio']}). Keys are rebuilt per group, then RoPE, then attention; "
         "the value up-projection is folded into o_proj.\n\n"

@@ -65,7 +65,9 @@ def round_rank(r: float, multiple: int, max_rank: int) -> int:
     return min(int(math.floor(r / multiple + 1e-9)) * multiple, max_rank)
 
 
-def allocate_uniform(spectra: Spectra, ratio: float, multiple: int, group_width: int) -> dict[str, list[list[int]]]:
+def allocate_uniform(
+    spectra: Spectra, ratio: float, multiple: int, group_width: int
+) -> dict[str, list[list[int]]]:
     """Every group keeps ``ratio × group width`` dimensions, rounded down to the multiple."""
     ranks: dict[str, list[list[int]]] = {"k": [], "v": []}
     for layer in spectra:
@@ -98,7 +100,8 @@ def allocate_ranks(
     zero = [(kind, i) for kind in ("k", "v") for i, layer in enumerate(ranks[kind]) if min(layer) < 1]
     if zero:
         raise ValueError(
-            f"ratio {ratio} with rank multiple {rank_multiple} leaves rank 0 for {zero[:4]} (group width {width}); "
+            f"ratio {ratio} with rank multiple {rank_multiple} leaves rank 0 for {zero[:4]} "
+            f"(group width {width}); "
             "use a smaller --rank-multiple, a larger --group-size or a larger ratio"
         )
     plan = RankPlan(allocator, group_size, width, rank_multiple, ratio, ranks)

@@ -69,7 +69,9 @@ def collect_gram(
 
 
 def save_grams(grams: list[torch.Tensor], n_tokens: int, path: str | Path) -> None:
-    save_file({f"gram.{i}": g.contiguous() for i, g in enumerate(grams)}, str(path), {"n_tokens": str(n_tokens)})
+    save_file(
+        {f"gram.{i}": g.contiguous() for i, g in enumerate(grams)}, str(path), {"n_tokens": str(n_tokens)}
+    )
 
 
 def load_gram(path: str | Path, layer: int) -> torch.Tensor:

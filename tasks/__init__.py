@@ -1,1 +1,1 @@
-"""lrkv_tasks: Prefect tasks (thin wrappers over lrkv_core), the recipe schema, the artifact store and MLflow."""
+"""lrkv_tasks: Prefect tasks (thin wrappers over lrkv_core), recipes, the artifact store, MLflow."""

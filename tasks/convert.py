@@ -80,11 +80,15 @@ def resolve_model(ref: str) -> dict:
 
 
 @task(name="extract_calibration", cache_key_fn=_calib_key, **CACHED)
-def extract_calibration(model: dict, dataset: str, n_samples: int, seq_len: int, seed: int, store: str) -> dict:
+def extract_calibration(
+    model: dict, dataset: str, n_samples: int, seq_len: int, seed: int, store: str
+) -> dict:
     """Draw calibration windows and store them as Parquet."""
     st = LocalStore(store)
     with st.staging(".parquet") as tmp:
-        info = pipeline.calibrate(model["dir"], dataset, n_samples=n_samples, seq_len=seq_len, seed=seed, out_path=str(tmp))
+        info = pipeline.calibrate(
+            model["dir"], dataset, n_samples=n_samples, seq_len=seq_len, seed=seed, out_path=str(tmp)
+        )
         info["path"], _ = st.put(tmp, "calibration")
     return info
 
@@ -94,18 +98,27 @@ def collect_stats(model: dict, calib: dict, dtype: str, batch_size: int, store: 
     """Per-layer Gram matrices of the k/v_proj inputs."""
     st = LocalStore(store)
     with st.staging(".safetensors") as tmp, step("collect stats") as advance:
-        info = pipeline.stats_file(model["dir"], calib["path"], str(tmp), dtype=dtype, batch_size=batch_size, progress=advance)
+        info = pipeline.stats_file(
+            model["dir"], calib["path"], str(tmp), dtype=dtype, batch_size=batch_size, progress=advance
+        )
         info["path"], info["sha256"] = st.put(tmp, "stats")
     return info
 
 
 @task(name="decompose_layer", cache_key_fn=_key, **CACHED)
-def decompose_layer(model: dict, stats: dict | None, layer: int, group_size: int, method: str, store: str) -> dict:
+def decompose_layer(
+    model: dict, stats: dict | None, layer: int, group_size: int, method: str, store: str
+) -> dict:
     """Full-spectrum factors of one layer's K and V, per group of KV heads."""
     st = LocalStore(store)
     with st.staging(".safetensors") as tmp:
         info = pipeline.decompose_file(
-            model["dir"], stats["path"] if stats else None, layer, str(tmp), group_size=group_size, method=method
+            model["dir"],
+            stats["path"] if stats else None,
+            layer,
+            str(tmp),
+            group_size=group_size,
+            method=method,
         )
         info["path"], info["sha256"] = st.put(tmp, "factors")
     return info
@@ -134,7 +147,9 @@ def build_model(model: dict, layers: list[dict], plan: dict, method: str, dtype:
     """Fuse factors into the model and save the compressed model directory."""
     st = LocalStore(store)
     with st.staging() as tmp:
-        info = pipeline.build_file(model["dir"], [f["path"] for f in layers], plan["path"], str(tmp), method=method, dtype=dtype)
+        info = pipeline.build_file(
+            model["dir"], [f["path"] for f in layers], plan["path"], str(tmp), method=method, dtype=dtype
+        )
         info["path"], info["fingerprint"] = st.put(tmp, "models")
     return info
 
@@ -173,7 +188,15 @@ def evaluate(model: dict, eval_cfg: dict, dtype: str, label: str) -> dict:
 
 
 @task(name="log_run", cache_key_fn=_key, **CACHED)
-def log_run(recipe: dict, model: dict, calib: dict, plan: dict, built: dict, base_eval: dict | None, eval_: dict | None) -> dict:
+def log_run(
+    recipe: dict,
+    model: dict,
+    calib: dict,
+    plan: dict,
+    built: dict,
+    base_eval: dict | None,
+    eval_: dict | None,
+) -> dict:
     """Log params, metrics and artifacts of the conversion to MLflow."""
     from .recipe import flatten
     from .tracking import log_conversion, versions
@@ -181,8 +204,11 @@ def log_run(recipe: dict, model: dict, calib: dict, plan: dict, built: dict, bas
     params = {f"recipe.{k}": v for k, v in flatten(recipe).items()}
     params.update({f"version.{k}": v for k, v in versions().items()})
     params.update(
-        {"fingerprint.model": model["fingerprint"], "fingerprint.calibration": calib["fingerprint"],
-         "fingerprint.compressed": built["fingerprint"]}
+        {
+            "fingerprint.model": model["fingerprint"],
+            "fingerprint.calibration": calib["fingerprint"],
+            "fingerprint.compressed": built["fingerprint"],
+        }
     )
     metrics = {"target_ratio": plan["target_ratio"], "achieved_ratio": plan["achieved_ratio"]}
     evals = {"base": base_eval, "compressed": eval_}

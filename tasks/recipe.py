@@ -68,7 +68,7 @@ class ConvertRecipe(Strict):
 
 
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> ConvertRecipe:
-    """A recipe from YAML (or the defaults), with dotted-key overrides applied (``{"compression.ratio": 0.5}``)."""
+    """A recipe from YAML (or the defaults) with dotted-key overrides (``{"compression.ratio": 0.5}``)."""
     data: dict = {}
     if path is not None:
         text = Path(path).read_text()

@@ -7,7 +7,8 @@ import sys
 def test_core_imports_no_prefect_mlflow_boto3():
     code = (
         "import sys, lrkv_core, lrkv_core.pipeline, lrkv_kernels.latent_rope;"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'prefect', 'mlflow', 'boto3', 'botocore'});"
+        "top = {'prefect', 'mlflow', 'boto3', 'botocore'};"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in top);"
         "print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,7 +18,11 @@ def _lrkv(args, home, timeout=300):
     env.pop("PREFECT_API_URL", None)
     env.pop("PREFECT_LOCAL_STORAGE_PATH", None)
     return subprocess.run(
-        [sys.executable, "-m", "lrkv_flows.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "lrkv_flows.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
 
 
@@ -27,9 +31,29 @@ def test_convert_then_eval(tmp_path):
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
     out = tmp_path / "out"
     res = _lrkv(
-        ["convert", "--model", str(model_dir), "--dataset", data, "--eval-dataset", data, "--ratio", "0.5",
-         "--group-size", "2", "--n-samples", "8", "--seq-len", "32", "--out", str(out), "--set", "eval.max_windows=4",
-         "--set", "eval.decode_windows=2"],
+        [
+            "convert",
+            "--model",
+            str(model_dir),
+            "--dataset",
+            data,
+            "--eval-dataset",
+            data,
+            "--ratio",
+            "0.5",
+            "--group-size",
+            "2",
+            "--n-samples",
+            "8",
+            "--seq-len",
+            "32",
+            "--out",
+            str(out),
+            "--set",
+            "eval.max_windows=4",
+            "--set",
+            "eval.decode_windows=2",
+        ],
         tmp_path / "home",
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -39,7 +63,9 @@ def test_convert_then_eval(tmp_path):
     assert compressed.config.lrkv["achieved_ratio"] == 0.5
 
     report = tmp_path / "eval.json"
-    res = _lrkv(["eval", str(out), "--dataset", data, "--seq-len", "32", "--json-out", str(report)], tmp_path / "home")
+    res = _lrkv(
+        ["eval", str(out), "--dataset", data, "--seq-len", "32", "--json-out", str(report)], tmp_path / "home"
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["kv"]["cache_class"] == "LatentCache"
@@ -63,7 +89,9 @@ def test_unsupported_architecture_is_named(tmp_path):
     gpt2 = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(gpt2)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=4, seq_len=16, vocab=50)}"
-    res = _lrkv(["convert", "--model", str(gpt2), "--dataset", data, "--n-samples", "2", "--seq-len", "16"],
-                tmp_path / "home")
+    res = _lrkv(
+        ["convert", "--model", str(gpt2), "--dataset", data, "--n-samples", "2", "--seq-len", "16"],
+        tmp_path / "home",
+    )
     assert res.returncode == 1
     assert "gpt2" in res.stdout and "llama" in res.stdout and "mistral" in res.stdout

@@ -18,7 +18,13 @@ def _recipe(model, data, store, out, mlflow_uri, ratio=1.0, group_size=2, **extr
             "model": str(model),
             "calibration": {"dataset": data, "n_samples": 8, "seq_len": 32, "batch_size": 4},
             "compression": {"ratio": ratio, "group_size": group_size, "rank_multiple": 8},
-            "eval": {"dataset": data, "seq_len": 32, "max_windows": 6, "decode_prefix": 16, "decode_windows": 3},
+            "eval": {
+                "dataset": data,
+                "seq_len": 32,
+                "max_windows": 6,
+                "decode_prefix": 16,
+                "decode_windows": 3,
+            },
             "tracking": {"mlflow_uri": mlflow_uri, "experiment": "flow-test"},
             "store": str(store),
             "out": str(out),
@@ -46,8 +52,16 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
 
     run = MlflowClient(tracking_uri=mlflow_server).get_run(first["mlflow"]["run_id"])
     m = run.data.metrics
-    for key in ("base_prefill_ppl", "compressed_prefill_ppl", "base_decode_ppl", "compressed_decode_ppl",
-                "target_ratio", "achieved_ratio", "base_kv_bytes_per_token", "compressed_kv_bytes_per_token"):
+    for key in (
+        "base_prefill_ppl",
+        "compressed_prefill_ppl",
+        "base_decode_ppl",
+        "compressed_decode_ppl",
+        "target_ratio",
+        "achieved_ratio",
+        "base_kv_bytes_per_token",
+        "compressed_kv_bytes_per_token",
+    ):
         assert key in m, key
     assert m["achieved_ratio"] == 1.0 and abs(m["base_prefill_ppl"] - m["compressed_prefill_ppl"]) < 1e-3
     assert run.data.params["fingerprint.model"] == first["model"]["fingerprint"]
@@ -70,7 +84,9 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
     # a different ratio reuses calibration, stats and factors
-    half = convert_flow(recipe.model_copy(update={"compression": recipe.compression.model_copy(update={"ratio": 0.5})}))
+    half = convert_flow(
+        recipe.model_copy(update={"compression": recipe.compression.model_copy(update={"ratio": 0.5})})
+    )
     states = {row["task"]: row["state"] for row in half["timings"]}
     assert states["collect_stats"] == "Cached" and states["decompose_layer[0]"] == "Cached"
     assert states["plan_ranks"] == "Completed" and half["plan"]["achieved_ratio"] == 0.5
@@ -88,7 +104,13 @@ def test_convert_flow_on_stories260k_is_exact_at_full_rank(prefect_api, tmp_path
             "model": str(model_dir),
             "calibration": {"dataset": calib, "n_samples": 32, "seq_len": 256},
             "compression": {"ratio": 1.0, "group_size": 2, "rank_multiple": 8},
-            "eval": {"dataset": valid, "seq_len": 256, "max_windows": 8, "decode_prefix": 128, "decode_windows": 2},
+            "eval": {
+                "dataset": valid,
+                "seq_len": 256,
+                "max_windows": 8,
+                "decode_prefix": 128,
+                "decode_windows": 2,
+            },
             "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
             "store": str(tmp_path / "store"),
             "out": str(tmp_path / "out"),

@@ -17,8 +17,15 @@ def tiny_llama_dir(root: Path, *, n_kv_heads: int = 2, seed: int = 0) -> Path:
     """A saved 2-layer GQA Llama (no tokenizer) at ``root / 'tiny-llama'``."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=n_kv_heads, head_dim=8, max_position_embeddings=128, initializer_range=0.2,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=n_kv_heads,
+        head_dim=8,
+        max_position_embeddings=128,
+        initializer_range=0.2,
     )
     out = root / "tiny-llama"
     LlamaForCausalLM(config).save_pretrained(out)

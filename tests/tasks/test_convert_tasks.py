@@ -47,8 +47,14 @@ def test_task_chain_produces_an_exact_full_rank_model(setup):
     (out / "README.md").write_text("edited card")  # not part of the fingerprint: still current
     assert t.export_is_current(built, str(out))
 
-    ev = {"dataset": setup["data"], "seq_len": 32, "max_windows": 6, "decode_prefix": 16, "decode_windows": 3,
-          "batch_size": 4}
+    ev = {
+        "dataset": setup["data"],
+        "seq_len": 32,
+        "max_windows": 6,
+        "decode_prefix": 16,
+        "decode_windows": 3,
+        "batch_size": 4,
+    }
     base_eval = t.evaluate.fn(model, ev, "float32", "base")
     comp_eval = t.evaluate.fn(built, ev, "float32", "compressed")
     assert base_eval["prefill"]["protocol"]["dataset"] == setup["data"]

@@ -15,7 +15,12 @@ def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("model: some/model\ncompression:\n  ratio: 0.7\n  group_size: 2\n")
     r = load_recipe(p, {"compression.ratio": 0.3, "eval.max_windows": 4})
-    assert (r.model, r.compression.ratio, r.compression.group_size, r.eval.max_windows) == ("some/model", 0.3, 2, 4)
+    assert (r.model, r.compression.ratio, r.compression.group_size, r.eval.max_windows) == (
+        "some/model",
+        0.3,
+        2,
+        4,
+    )
 
 
 @pytest.mark.parametrize(
