@@ -38,20 +38,10 @@ DEFAULT_BUILTIN = "pydoc-llama"
 BOS_TOKEN, EOS_TOKEN = "<|bos|>", "<|eos|>"  # ids 0 and 1
 DOC_SEPARATOR = "\n\n"
 SAMPLE_PROMPT = "Return the"
-SKIP_DIRS = frozenset(
-    {
-        "site-packages",
-        "dist-packages",
-        "test",
-        "tests",
-        "idlelib",
-        "lib2to3",
-        "turtledemo",
-        "ensurepip",
-        "__pycache__",
-        "__phello__",
-    }
+_SKIPPED = (
+    "site-packages dist-packages test tests idlelib lib2to3 turtledemo ensurepip __pycache__ __phello__"
 )
+SKIP_DIRS = frozenset(_SKIPPED.split())
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 _PARTIAL = ".partial-"
 _STALE_PARTIAL_S = 24 * 3600.0
@@ -72,7 +62,7 @@ class BuiltinSpec:
     intermediate_size: int = 344
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
-    steps: int = 500
+    steps: int = 600
     batch_size: int = 16  # B
     seq_len: int = 128  # T, for training and for the valid windows
     lr: float = 3e-3
@@ -339,40 +329,44 @@ def build_builtin_model(
     return out_dir
 
 
+_MODEL_CARD = """# {name}
+
+A {mparams:.2f}M-parameter Llama trained from scratch by lrkv on the docstrings of the Python {python}
+standard library: lrkv's offline default model, built on a CPU in minutes from text every Python install
+has. A test subject for KV-cache compression, not a useful language model.
+
+## Architecture
+Llama, {spec[num_hidden_layers]} layers, hidden {spec[hidden_size]}, {spec[num_attention_heads]} query heads
+and {spec[num_key_value_heads]} key/value heads (GQA) of dim {spec[head_dim]}, MLP {spec[intermediate_size]},
+RoPE theta {spec[rope_theta]:g}, {spec[max_position_embeddings]} positions, tied embeddings, float32.
+Tokenizer: byte-level BPE, vocab {spec[vocab_size]}, `<|bos|>` = 0, `<|eos|>` = 1, none added on encode.
+
+## How it was built
+- Corpus: module, class and function docstrings of the stdlib, read with `ast` (never imported), in sorted
+  path order, joined by blank lines: {corpus_chars:,} characters.
+- Split: first {train_share:.0%} `train.txt` ({train_chars:,} chars, {train_tokens:,} tokens), last
+  {valid_share:.0%} `valid.txt` ({valid_chars:,} chars, {valid_tokens:,} tokens); tokenizer trained on train.
+- Training: {steps} AdamW steps on {spec[batch_size]} x {spec[seq_len]}-token random windows, peak lr
+  {spec[lr]:g}, warmup + cosine, grad clip {spec[grad_clip]:g}, seed {seed}.
+- Time: {train_seconds:.1f} s training, {seconds:.1f} s whole build (torch {torch}, transformers
+  {transformers}, {threads} threads).
+
+## Measured in this build
+- Train loss: {train_loss_first:.3f} at the first step, {train_loss_last:.3f} averaged over the last tenth.
+- Valid: mean NLL {valid_nll:.4f} nats/token, perplexity **{valid_ppl:.2f}** over {valid_windows}
+  non-overlapping {spec[seq_len]}-token windows (uniform guessing: {spec[vocab_size]}).
+- Greedy sample: `{sample!r}`
+
+All numbers are in `build_info.json`.
+"""
+
+
 def _model_card(info: dict) -> str:
     """README.md for a build, from the numbers measured in it."""
-    s, n = info["spec"], info["num_parameters"] / 1e6
-    return "\n".join(
-        [
-            f"# {info['name'] or 'lrkv builtin model'}\n",
-            f"A {n:.2f}M-parameter Llama trained from scratch by lrkv on the docstrings of the Python "
-            f"{info['python']} standard library: lrkv's offline default model, built on a CPU in minutes from "
-            "text every Python install has. A test subject for KV-cache compression, not a useful LM.\n",
-            "## Architecture",
-            f"Llama, {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, {s['num_attention_heads']} "
-            f"query heads and {s['num_key_value_heads']} key/value heads (GQA) of dim {s['head_dim']}, MLP "
-            f"{s['intermediate_size']}, RoPE theta {s['rope_theta']:g}, {s['max_position_embeddings']} "
-            f"positions, tied embeddings, float32. Tokenizer: byte-level BPE, vocab {s['vocab_size']}, "
-            "`<|bos|>` = 0, `<|eos|>` = 1, none added on encode.\n",
-            "## How it was built",
-            "- Corpus: module, class and function docstrings of the stdlib, read with `ast` (never imported), in "
-            f"sorted path order, joined by blank lines: {info['corpus_chars']:,} characters.",
-            f"- Split: first {1 - s['valid_fraction']:.0%} `train.txt` ({info['train_chars']:,} chars, "
-            f"{info['train_tokens']:,} tokens), last {s['valid_fraction']:.0%} `valid.txt` "
-            f"({info['valid_chars']:,} chars, {info['valid_tokens']:,} tokens); the tokenizer saw train only.",
-            f"- Training: {info['steps']} AdamW steps on {s['batch_size']} x {s['seq_len']}-token random "
-            f"windows, peak lr {s['lr']:g}, warmup + cosine, grad clip {s['grad_clip']:g}, seed {info['seed']}.",
-            f"- Time: {info['train_seconds']:.1f} s training, {info['seconds']:.1f} s whole build "
-            f"(torch {info['torch']}, transformers {info['transformers']}, {info['threads']} threads).\n",
-            "## Measured in this build",
-            f"- Train loss: {info['train_loss_first']:.3f} at the first step, {info['train_loss_last']:.3f} "
-            "averaged over the last tenth of the steps.",
-            f"- Valid: mean NLL {info['valid_nll']:.4f} nats/token, perplexity **{info['valid_ppl']:.2f}** over "
-            f"{info['valid_windows']} non-overlapping {s['seq_len']}-token windows (uniform guessing: "
-            f"{s['vocab_size']}).",
-            f"- Greedy sample: `{info['sample']!r}`\n",
-            "All numbers are in `build_info.json`.\n",
-        ]
+    share = info["spec"]["valid_fraction"]
+    fields = {"name": "lrkv builtin model"} | {k: v for k, v in info.items() if v is not None}
+    return _MODEL_CARD.format(
+        **fields, mparams=info["num_parameters"] / 1e6, train_share=1 - share, valid_share=share
     )
 
 

@@ -16,7 +16,8 @@ def test_reference_equals_projection_then_rope():
     q_, _ = torch.linalg.qr(torch.randn(s * D, s * D, dtype=torch.float64))  # orthonormal up, full rank
     down, up = q_.T @ w, q_  # W = up @ down
     positions = torch.stack([torch.arange(S), torch.arange(S) + 5])  # rows at different offsets
-    rope = LlamaRotaryEmbedding(LlamaConfig(hidden_size=d, num_attention_heads=3, head_dim=D, rope_theta=500.0))
+    config = LlamaConfig(hidden_size=d, num_attention_heads=3, head_dim=D, rope_theta=500.0)
+    rope = LlamaRotaryEmbedding(config)
     cos, sin = rope(x, positions)
 
     keys = reconstruct_rope_keys_ref(x @ down.T, up, bias, cos, sin, D)  # (B, s, S, D)
