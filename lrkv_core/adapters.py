@@ -2,12 +2,15 @@
 
 Everything that differs between model families (where the decoder layers live, the attention
 attribute, projection names, RoPE, which kwargs the attention interface wants) is read from here, so
-the methods never branch on module classes or match layer names by substring.
+the methods never branch on module classes or match layer names by substring. Biases need no entry:
+fusion reads them from the projections themselves (Qwen2: q/k/v; OPT: q/k/v/out).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 from transformers import PretrainedConfig
@@ -48,8 +51,17 @@ class ArchAdapter:
     k_name: str = "k_proj"
     v_name: str = "v_proj"
     o_name: str = "o_proj"
-    rope: bool = True
-    passes_sliding_window: bool = False  # Mistral hands config.sliding_window to the attention interface
+    # "module:Class" of the rotary embedding built from the config; None for models without RoPE (OPT's
+    # learned absolute positions are added to the embeddings, outside attention)
+    rotary: str | None = "transformers.models.llama.modeling_llama:LlamaRotaryEmbedding"
+    # how the attention interface gets ``sliding_window``: not at all, config.sliding_window for every
+    # layer (Mistral), or only for layers whose ``config.layer_types`` entry is "sliding_attention" (Qwen2)
+    sliding_window: Literal["none", "all", "layer_types"] = "none"
+
+    @property
+    def rope(self) -> bool:
+        """Whether keys are rotated inside attention (then they are rebuilt from latents at decode)."""
+        return self.rotary is not None
 
     def shape(self, config: PretrainedConfig) -> AttnShape:
         H = config.num_attention_heads
@@ -82,23 +94,39 @@ class ArchAdapter:
 
     def rotary_embedding(self, config: PretrainedConfig) -> nn.Module:
         """A fresh rotary embedding built from the config (theta, scaling and type come from it)."""
-        if self.model_type == "mistral":
-            from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
+        if self.rotary is None:
+            raise ValueError(f"{self.model_type} has no rotary embedding")
+        module, name = self.rotary.split(":")
+        return getattr(importlib.import_module(module), name)(config=config)
 
-            return MistralRotaryEmbedding(config=config)
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        return LlamaRotaryEmbedding(config=config)
-
-    def attention_kwargs(self, config: PretrainedConfig) -> dict:
-        if self.passes_sliding_window:
+    def attention_kwargs(self, config: PretrainedConfig, layer_idx: int) -> dict:
+        """Extra keyword arguments the original attention hands to the attention interface."""
+        if self.sliding_window == "all":
             return {"sliding_window": getattr(config, "sliding_window", None)}
+        if self.sliding_window == "layer_types":
+            sliding = config.layer_types[layer_idx] == "sliding_attention"
+            return {"sliding_window": config.sliding_window if sliding else None}
         return {}
 
 
 ADAPTERS: dict[str, ArchAdapter] = {
     "llama": ArchAdapter(model_type="llama"),
-    "mistral": ArchAdapter(model_type="mistral", passes_sliding_window=True),
+    "mistral": ArchAdapter(
+        model_type="mistral",
+        rotary="transformers.models.mistral.modeling_mistral:MistralRotaryEmbedding",
+        sliding_window="all",
+    ),
+    "qwen2": ArchAdapter(
+        model_type="qwen2",
+        rotary="transformers.models.qwen2.modeling_qwen2:Qwen2RotaryEmbedding",
+        sliding_window="layer_types",
+    ),
+    "opt": ArchAdapter(
+        model_type="opt",
+        layers_path="model.decoder.layers",
+        o_name="out_proj",
+        rotary=None,
+    ),
 }
 
 

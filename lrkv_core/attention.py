@@ -9,6 +9,10 @@ Per layer, with groups g of s KV heads and ranks r_g:
   ``W_o,h B_v,g,h`` (d × r_g), so attention probabilities multiply latents directly and values are never
   rebuilt. A v bias folds into the o_proj bias (softmax rows sum to 1).
 At full rank the module reproduces the original attention up to float rounding.
+
+:class:`LatentAttentionBase` holds what every latent attention shares (down projections, the folded
+output projection, the cache and the attention interface); models without RoPE use
+:class:`lrkv_core.attention_norope.NoRopeLatentAttention`.
 """
 
 from __future__ import annotations
@@ -34,18 +38,17 @@ class LatentLayout:
     group_size: int
     ranks_k: tuple[int, ...]
     ranks_v: tuple[int, ...]
-    qkv_bias: bool = False  # q/k_up carry the original q/k biases
+    qkv_bias: bool = False  # q_proj (and k_up, with RoPE) carry the original q/k biases
     o_bias: bool = False  # o_proj bias (original o bias + the folded v bias)
 
 
-class LatentAttention(nn.Module):
-    """Drop-in replacement for a Llama-family attention module, caching latents in a LatentCache."""
+class LatentAttentionBase(nn.Module):
+    """Shared parts of latent attentions: ``k_down``, ``v_down``, ``o_proj`` (``B_v`` folded), the cache."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, adapter: ArchAdapter, layout: LatentLayout):
         super().__init__()
         shape: AttnShape = adapter.shape(config)
-        s = layout.group_size
-        n_groups = shape.Hkv // s
+        n_groups = shape.Hkv // layout.group_size
         if len(layout.ranks_k) != n_groups or len(layout.ranks_v) != n_groups:
             raise ValueError(
                 f"layer {layer_idx}: layout has the wrong number of groups (expected {n_groups})"
@@ -59,15 +62,67 @@ class LatentAttention(nn.Module):
         self.scaling = shape.D**-0.5
         self.attention_dropout = getattr(config, "attention_dropout", 0.0)
         self.is_causal = True
-        self._interface_kwargs = adapter.attention_kwargs(config)
-        q_heads_per_group = s * shape.n_rep
-        o_width = sum(r * q_heads_per_group for r in layout.ranks_v)
+        self._interface_kwargs = adapter.attention_kwargs(config, layer_idx)
+        self.q_heads_per_group = layout.group_size * shape.n_rep
+        o_width = sum(r * self.q_heads_per_group for r in layout.ranks_v)
 
-        self.q_proj = nn.Linear(shape.d, shape.H * shape.D, bias=layout.qkv_bias)
         self.k_down = nn.Linear(shape.d, sum(layout.ranks_k), bias=False)
         self.v_down = nn.Linear(shape.d, sum(layout.ranks_v), bias=False)
-        self.k_up = nn.ModuleList(nn.Linear(r, s * shape.D, bias=layout.qkv_bias) for r in layout.ranks_k)
         self.o_proj = nn.Linear(o_width, shape.d, bias=layout.o_bias)
+
+    def cached_latents(
+        self,
+        h_k: torch.Tensor,
+        h_v: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_key_values: LatentCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Append this step's latents (B, T, R) to the cache; all latents (B, S, R) and positions (B, S)."""
+        if past_key_values is None:
+            B, T = h_k.shape[:2]
+            return h_k, h_v, None if position_ids is None else position_ids.expand(B, T)
+        if not isinstance(past_key_values, LatentCache):
+            raise TypeError(
+                "an lrkv-compressed model caches latents in a LatentCache, "
+                f"got {type(past_key_values).__name__}; "
+                "pass no cache (one is created) or lrkv_core.LatentCache"
+            )
+        return past_key_values.update_latents(h_k, h_v, position_ids, self.layer_idx)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The model's attention interface on one group; (B, T, heads·r_v) with heads = q.shape[1]."""
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, _ = interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **self._interface_kwargs,
+            **kwargs,
+        )  # (B, T, heads, r_v)
+        return out.reshape(*out.shape[:2], -1)
+
+
+class LatentAttention(LatentAttentionBase):
+    """Drop-in replacement for a RoPE attention module (Llama, Mistral, Qwen2), caching latents."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, adapter: ArchAdapter, layout: LatentLayout):
+        super().__init__(config, layer_idx, adapter, layout)
+        shape, s = self.shape, layout.group_size
+        self.q_proj = nn.Linear(shape.d, shape.H * shape.D, bias=layout.qkv_bias)
+        self.k_up = nn.ModuleList(nn.Linear(r, s * shape.D, bias=layout.qkv_bias) for r in layout.ranks_k)
         self.rotary_emb = adapter.rotary_embedding(config)
 
     def forward(
@@ -80,48 +135,25 @@ class LatentAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
-        H, D, s, n_rep = self.shape.H, self.shape.D, self.layout.group_size, self.shape.n_rep
+        H, D, s = self.shape.H, self.shape.D, self.layout.group_size
         q = self.q_proj(hidden_states).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         cos, sin = position_embeddings  # (B, T, D)
         q = apply_rope(q, cos, sin)
-        h_k = self.k_down(hidden_states)  # (B, T, R_k)
-        h_v = self.v_down(hidden_states)  # (B, T, R_v)
         if position_ids is None:
             raise ValueError("LatentAttention needs position_ids (the decoder layer passes them)")
-        if past_key_values is not None:
-            if not isinstance(past_key_values, LatentCache):
-                raise TypeError(
-                    "an lrkv-compressed model caches latents in a LatentCache, "
-                    f"got {type(past_key_values).__name__}; "
-                    "pass no cache (one is created) or lrkv_core.LatentCache"
-                )
-            h_k, h_v, pos = past_key_values.update_latents(h_k, h_v, position_ids, self.layer_idx)
-        else:
-            pos = position_ids.expand(B, T)
+        h_k = self.k_down(hidden_states)  # (B, T, R_k)
+        h_v = self.v_down(hidden_states)  # (B, T, R_v)
+        h_k, h_v, pos = self.cached_latents(h_k, h_v, position_ids, past_key_values)
         S = h_k.shape[1]
         cos_k, sin_k = self.rotary_emb(h_k, pos.long())  # (B, S, D)
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        outs, ok, ov = [], 0, 0
+        outs, ok, ov, nq = [], 0, 0, self.q_heads_per_group
         for g, (rk, rv) in enumerate(zip(self.layout.ranks_k, self.layout.ranks_v)):
             up = self.k_up[g]
             k_g = reconstruct_rope_keys(
                 h_k[..., ok : ok + rk], up.weight, up.bias, cos_k, sin_k, D
             )  # (B,s,S,D)
             v_g = h_v[..., ov : ov + rv].unsqueeze(1).expand(B, s, S, rv)  # (B, s, S, r_g)
-            q_g = q[:, g * s * n_rep : (g + 1) * s * n_rep]  # (B, s·n_rep, T, D)
-            out_g, _ = interface(
-                self,
-                q_g,
-                k_g,
-                v_g,
-                attention_mask,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                scaling=self.scaling,
-                **self._interface_kwargs,
-                **kwargs,
-            )  # (B, T, s·n_rep, r_g)
-            outs.append(out_g.reshape(B, T, -1))
+            q_g = q[:, g * nq : (g + 1) * nq]  # (B, s·n_rep, T, D)
+            outs.append(self.attend(q_g, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_g)
             ok, ov = ok + rk, ov + rv
         return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)

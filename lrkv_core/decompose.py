@@ -1,8 +1,8 @@
 """Decompose one layer's K and V projections per group of KV heads, and persist the factors.
 
 Granularity (Palu): group size s counts KV heads; s=1 is M-LRD (per head), s=Hkv is J-LRD (joint),
-anything between is G-LRD. Methods are entries of :data:`DECOMPOSITIONS`: each only chooses the
-metric handed to :func:`lrkv_core.linalg.fit_group`.
+anything between is G-LRD. Methods are entries of :data:`DECOMPOSITIONS`: each says how a layer's
+groups are fitted by the shared math of :mod:`lrkv_core.linalg`, given the layer's input Gram.
 """
 
 from __future__ import annotations
@@ -16,25 +16,72 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .linalg import GroupFactors, Whitening, fit_group, fit_whitening, group_slices
+from .linalg import (
+    GroupFactors,
+    fit_group,
+    fit_on_shared_basis,
+    fit_output_pca,
+    fit_shared_basis,
+    fit_whitening,
+    group_slices,
+)
 
 KINDS = ("k", "v")
 
+Groups = dict[str, list[GroupFactors]]
+# (w_k, w_v, gram, group row slices, head_dim) -> (groups["k"|"v"][g], info)
+LayerFit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, list[slice], int], tuple[Groups, dict]]
 
-def _whitened(gram: torch.Tensor | None) -> Whitening | None:
+
+def _require_gram(gram: torch.Tensor | None, what: str) -> torch.Tensor:
     if gram is None:
-        raise ValueError("whitened SVD needs the Gram matrix of the k/v_proj inputs (collect stats first)")
-    return fit_whitening(gram)
+        raise ValueError(f"{what} needs the Gram matrix of the k/v_proj inputs (collect stats first)")
+    return gram
 
 
-def _plain(gram: torch.Tensor | None) -> None:
-    return None
+def _whitened(
+    w_k: torch.Tensor, w_v: torch.Tensor, gram: torch.Tensor | None, slices: list[slice], head_dim: int
+) -> tuple[Groups, dict]:
+    """SVD-LLM / Palu: SVD of ``W_g S`` per group."""
+    wh = fit_whitening(_require_gram(gram, "whitened SVD"))
+    groups = {kind: [fit_group(w[sl], wh) for sl in slices] for kind, w in (("k", w_k), ("v", w_v))}
+    return groups, {"whitening": wh.method, "damping": wh.damping}
 
 
-# name -> how the metric is obtained from the layer's input Gram (None: data-free)
-DECOMPOSITIONS: dict[str, Callable[[torch.Tensor | None], Whitening | None]] = {
+def _plain(
+    w_k: torch.Tensor, w_v: torch.Tensor, gram: torch.Tensor | None, slices: list[slice], head_dim: int
+) -> tuple[Groups, dict]:
+    """LoRC: SVD of ``W_g`` per group, data-free."""
+    groups = {kind: [fit_group(w[sl], None) for sl in slices] for kind, w in (("k", w_k), ("v", w_v))}
+    return groups, {"whitening": "none", "damping": 0}
+
+
+def _pca(
+    w_k: torch.Tensor, w_v: torch.Tensor, gram: torch.Tensor | None, slices: list[slice], head_dim: int
+) -> tuple[Groups, dict]:
+    """Eigen Attention (Saxena et al. 2024) for RoPE models: activation PCA of the K/V outputs.
+
+    Values: eigenvectors of each group's output covariance ``W_v,g G W_v,gᵀ`` (the whitened-SVD subspace,
+    see :func:`~lrkv_core.linalg.fit_output_pca`). Keys: one basis ``U_k`` (D × D) from
+    ``Σ_h W_k,h G W_k,hᵀ`` over the layer's KV heads, shared by every head (``B_h = U_k``), interleaved
+    per group (:func:`~lrkv_core.linalg.fit_on_shared_basis`). The key basis lives in the per-head key
+    space, before RoPE, which the latent attention applies after rebuilding keys. Non-RoPE models use a
+    joint K∪Q basis with Q projected (Eigen Attention's OPT path); this entry does not build that.
+    """
+    gram = _require_gram(gram, "activation PCA")
+    basis = fit_shared_basis(w_k, gram, head_dim)  # (D, D)
+    groups = {
+        "k": [fit_on_shared_basis(w_k[sl], gram, basis) for sl in slices],
+        "v": [fit_output_pca(w_v[sl], gram) for sl in slices],
+    }
+    return groups, {"whitening": "none", "damping": 0, "key_basis": "shared per layer"}
+
+
+# name -> how a layer's groups are fitted from its weights and input Gram (None: data-free)
+DECOMPOSITIONS: dict[str, LayerFit] = {
     "whitened": _whitened,  # SVD-LLM / Palu
     "plain": _plain,  # LoRC
+    "pca": _pca,  # Eigen Attention (RoPE models)
 }
 
 
@@ -69,16 +116,12 @@ def decompose_layer(
     ----------
     w_k, w_v : (Hkv·D, d) projection weights.
     gram : (d, d) ``Σ x xᵀ`` of the k/v_proj input (shared by K and V), or None for data-free methods.
+    method : a key of :data:`DECOMPOSITIONS`. "pca" is Eigen Attention for RoPE models (shared key basis).
     """
     if method not in DECOMPOSITIONS:
         raise ValueError(f"unknown decomposition {method!r}; choose from {sorted(DECOMPOSITIONS)}")
-    whitening = DECOMPOSITIONS[method](gram)
     slices = group_slices(n_kv_heads, head_dim, group_size)
-    groups = {kind: [fit_group(w[sl], whitening) for sl in slices] for kind, w in (("k", w_k), ("v", w_v))}
-    info = {
-        "whitening": whitening.method if whitening else "none",
-        "damping": whitening.damping if whitening else 0,
-    }
+    groups, info = DECOMPOSITIONS[method](w_k, w_v, gram, slices, head_dim)
     return LayerFactors(layer=layer, group_size=group_size, method=method, groups=groups, info=info)
 
 

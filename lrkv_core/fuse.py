@@ -1,17 +1,27 @@
-"""Apply factors to a model: swap each attention for a LatentAttention and fold ``B_v`` into ``o_proj``.
+"""Apply factors to a model: swap each attention for its latent form and fold ``B_v`` into ``o_proj``.
 
 The math (factors, ranks) is computed elsewhere; this module only edits the model, and it is the one
-place that does. Layers are addressed through the architecture adapter.
+place that does. Layers are addressed through the architecture adapter, and the adapter's ``rope`` flag
+picks the attention kind (:data:`ATTENTION_KINDS`): its module class and how its keys are fused.
+
+- RoPE models: ``q_proj`` is copied, ``B_k`` (+ k bias) becomes ``k_up`` (keys rebuilt, then rotated).
+- Non-RoPE models: ``B_k`` is folded into ``q_proj`` (rows ``B_k,g,jᵀ W_q,h``, bias ``B_k,g,jᵀ b_q,h``);
+  the k bias only adds ``q·b_k``, constant per query row, and is dropped (softmax cancels it).
+- All models: ``W_o,h B_v,g,j`` per query head h becomes ``o_proj``; ``W_o,h b_v,j`` joins its bias.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from . import __version__
-from .adapters import ArchAdapter, get_adapter
-from .attention import LatentAttention, LatentLayout
+from .adapters import ArchAdapter, AttnShape, get_adapter
+from .attention import LatentAttention, LatentAttentionBase, LatentLayout
+from .attention_norope import NoRopeLatentAttention
 from .cache import LatentCache
 from .decompose import LayerFactors
 from .linalg import truncate
@@ -25,52 +35,104 @@ def layouts_from_plan(plan: RankPlan, qkv_bias: bool, o_bias: bool) -> list[Late
     ]
 
 
+def _f64(t: torch.Tensor | None, n: int) -> torch.Tensor:
+    """A bias in float64, or zeros (n,) when the projection has none."""
+    return torch.zeros(n, dtype=torch.float64) if t is None else t.detach().to(torch.float64).cpu()
+
+
+def _set_linear(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    linear.weight.copy_(weight.to(linear.weight.dtype))
+    if linear.bias is not None:
+        linear.bias.copy_(bias.to(linear.bias.dtype) if bias is not None else torch.zeros_like(linear.bias))
+
+
+def _heads(g: int, shape: AttnShape, s: int) -> list[tuple[int, int]]:
+    """``(h, j)`` for each query head h of group g, with j its KV head within the group."""
+    return [(h, h // shape.n_rep - g * s) for h in range(g * s * shape.n_rep, (g + 1) * s * shape.n_rep)]
+
+
+def _fuse_keys_rope(new: LatentAttention, q: nn.Linear, k: nn.Linear, k_parts, shape: AttnShape) -> None:
+    """Keys rebuilt per group: ``q_proj`` as is, ``k_up[g] = B_k,g`` with the group's k bias rows."""
+    width = new.layout.group_size * shape.D
+    _set_linear(new.q_proj, q.weight, q.bias)
+    k_bias = _f64(k.bias, shape.kv_width)
+    for g, (_, b_k) in enumerate(k_parts):
+        _set_linear(new.k_up[g], b_k, k_bias[g * width : (g + 1) * width])
+
+
+def _fuse_keys_into_q(
+    new: NoRopeLatentAttention, q: nn.Linear, k: nn.Linear, k_parts, shape: AttnShape
+) -> None:
+    """``q'_h = B_k,g,jᵀ (W_q,h x + b_q,h)``; the k bias cancels in softmax and is dropped."""
+    D, s = shape.D, new.layout.group_size
+    w_q = q.weight.detach().to(torch.float64).cpu()  # (H·D, d)
+    b_q = _f64(q.bias, shape.H * D)
+    rows, bias = [], []
+    for g, (_, b_k) in enumerate(k_parts):
+        for h, j in _heads(g, shape, s):
+            b_kh = b_k[j * D : (j + 1) * D]  # (D, r_g)
+            rows.append(b_kh.T @ w_q[h * D : (h + 1) * D])  # (r_g, d)
+            bias.append(b_kh.T @ b_q[h * D : (h + 1) * D])  # (r_g,)
+    _set_linear(new.q_proj, torch.cat(rows), torch.cat(bias))
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """A latent attention module, how its keys are fused, and its name in ``config.lrkv["rope"]``."""
+
+    name: str
+    module: type[LatentAttentionBase]
+    fuse_keys: Callable[..., None]
+
+
+# keyed by ArchAdapter.rope: the one place the attention kind is chosen
+ATTENTION_KINDS: dict[bool, AttentionKind] = {
+    True: AttentionKind("reconstruct-then-rope", LatentAttention, _fuse_keys_rope),
+    False: AttentionKind("keys-fused-into-q", NoRopeLatentAttention, _fuse_keys_into_q),
+}
+
+
+def attention_kind(adapter: ArchAdapter) -> AttentionKind:
+    return ATTENTION_KINDS[adapter.rope]
+
+
 @torch.no_grad()
 def fuse_attention(
     attn: nn.Module, factors: LayerFactors, layout: LatentLayout, adapter: ArchAdapter, config, layer_idx: int
-) -> LatentAttention:
-    """A LatentAttention holding ``attn``'s weights through the truncated factors (float64 fusion)."""
+) -> LatentAttentionBase:
+    """The latent attention holding ``attn``'s weights through the truncated factors (float64 fusion)."""
     shape = adapter.shape(config)
-    s, D, n_rep = layout.group_size, shape.D, shape.n_rep
-    q = getattr(attn, adapter.q_name)
-    k = getattr(attn, adapter.k_name)
-    v = getattr(attn, adapter.v_name)
-    o = getattr(attn, adapter.o_name)
-    new = LatentAttention(config, layer_idx, adapter, layout).to(device=q.weight.device, dtype=q.weight.dtype)
-    dtype = q.weight.dtype
+    s, D = layout.group_size, shape.D
+    q, k, v, o = (getattr(attn, getattr(adapter, f"{p}_name")) for p in "qkvo")
+    kind = attention_kind(adapter)
+    new = kind.module(config, layer_idx, adapter, layout)  # filled in float64 on the CPU, then moved
+    new = new.to(dtype=torch.float64)
 
-    new.q_proj.weight.copy_(q.weight)
-    if q.bias is not None:
-        new.q_proj.bias.copy_(q.bias)
     k_parts = [truncate(f, r) for f, r in zip(factors.groups["k"], layout.ranks_k)]
     v_parts = [truncate(f, r) for f, r in zip(factors.groups["v"], layout.ranks_v)]
-    new.k_down.weight.copy_(torch.cat([a for a, _ in k_parts]).to(dtype))
-    new.v_down.weight.copy_(torch.cat([a for a, _ in v_parts]).to(dtype))
-    for g, (_, b) in enumerate(k_parts):
-        new.k_up[g].weight.copy_(b.to(dtype))
-        if k.bias is not None:
-            new.k_up[g].bias.copy_(k.bias[g * s * D : (g + 1) * s * D])
+    k_parts = [(a.to(torch.float64).cpu(), b.to(torch.float64).cpu()) for a, b in k_parts]
+    v_parts = [(a.to(torch.float64).cpu(), b.to(torch.float64).cpu()) for a, b in v_parts]
+    _set_linear(new.k_down, torch.cat([a for a, _ in k_parts]))
+    _set_linear(new.v_down, torch.cat([a for a, _ in v_parts]))
+    kind.fuse_keys(new, q, k, k_parts, shape)
 
-    w_o = o.weight.to(torch.float64)  # (d, H·D)
+    w_o = o.weight.detach().to(torch.float64).cpu()  # (d, H·D)
+    b_v = _f64(v.bias, shape.kv_width)
+    o_bias = _f64(o.bias, shape.d)
     blocks = []
-    o_bias = (
-        o.bias.to(torch.float64).clone() if o.bias is not None else torch.zeros(shape.d, dtype=torch.float64)
-    )
-    for g, (_, b_v) in enumerate(v_parts):
-        for h in range(g * s * n_rep, (g + 1) * s * n_rep):
-            j = h // n_rep - g * s  # KV head of query head h, within the group
+    for g, (_, up_v) in enumerate(v_parts):
+        for h, j in _heads(g, shape, s):
             w_oh = w_o[:, h * D : (h + 1) * D]  # (d, D)
-            blocks.append(w_oh @ b_v[j * D : (j + 1) * D])  # (d, r_g)
-            if v.bias is not None:
-                kv = h // n_rep
-                o_bias += w_oh @ v.bias[kv * D : (kv + 1) * D].to(torch.float64)
-    new.o_proj.weight.copy_(torch.cat(blocks, dim=1).to(dtype))
-    if new.o_proj.bias is not None:
-        new.o_proj.bias.copy_(o_bias.to(dtype))
-    return new
+            blocks.append(w_oh @ up_v[j * D : (j + 1) * D])  # (d, r_g)
+            kv = h // shape.n_rep
+            o_bias += w_oh @ b_v[kv * D : (kv + 1) * D]  # softmax rows sum to 1
+    _set_linear(new.o_proj, torch.cat(blocks, dim=1), o_bias)
+    return new.to(device=q.weight.device, dtype=q.weight.dtype)
 
 
-def lrkv_section(plan: RankPlan, method: str, qkv_bias: bool, o_bias: bool, **extra) -> dict:
+def lrkv_section(
+    plan: RankPlan, method: str, qkv_bias: bool, o_bias: bool, rope: str = "reconstruct-then-rope", **extra
+) -> dict:
     """The ``lrkv`` section of config.json: everything needed to rebuild the module shapes."""
     return {
         "version": __version__,
@@ -83,7 +145,7 @@ def lrkv_section(plan: RankPlan, method: str, qkv_bias: bool, o_bias: bool, **ex
         "target_ratio": plan.target_ratio,
         "achieved_ratio": plan.achieved_ratio,
         "allocator": plan.allocator,
-        "rope": "reconstruct-then-rope",
+        "rope": rope,
         "qkv_bias": qkv_bias,
         "o_bias": o_bias,
         "rotation": None,
@@ -97,10 +159,9 @@ def compress_model(model: nn.Module, factors: list[LayerFactors], plan: RankPlan
     config = model.config
     adapter = get_adapter(config)
     first = adapter.attention(model, 0)
-    qkv_bias = getattr(first, adapter.k_name).bias is not None
-    o_bias = (
-        getattr(first, adapter.o_name).bias is not None or getattr(first, adapter.v_name).bias is not None
-    )
+    has_bias = {p: getattr(first, getattr(adapter, f"{p}_name")).bias is not None for p in "qkvo"}
+    qkv_bias = has_bias["q"] or has_bias["k"]
+    o_bias = has_bias["o"] or has_bias["v"]  # the v bias folds into the output bias
     layouts = layouts_from_plan(plan, qkv_bias, o_bias)
     if len(layouts) != len(factors) or len(layouts) != adapter.shape(config).L:
         raise ValueError("plan, factors and model disagree on the number of layers")
@@ -108,23 +169,29 @@ def compress_model(model: nn.Module, factors: list[LayerFactors], plan: RankPlan
         adapter.set_attention(
             model, i, fuse_attention(adapter.attention(model, i), f, layout, adapter, config, i)
         )
-    config.lrkv = lrkv_section(plan, method, qkv_bias, o_bias)
+    config.lrkv = lrkv_section(plan, method, qkv_bias, o_bias, attention_kind(adapter).name)
     enable_latent_cache(model)
     return model
 
 
 def build_latent_skeleton(model: nn.Module) -> nn.Module:
-    """Swap attentions for empty LatentAttentions shaped by ``model.config.lrkv`` (weights loaded after)."""
+    """Swap attentions for empty latent attentions shaped by ``model.config.lrkv`` (weights loaded after)."""
     config = model.config
     section = config.lrkv
     adapter = get_adapter(config)
+    kind = attention_kind(adapter)
+    if section.get("rope", kind.name) != kind.name:
+        raise ValueError(
+            f"lrkv section says rope handling {section['rope']!r}, "
+            f"but {adapter.model_type} models need {kind.name!r}"
+        )
     for i, (rk, rv) in enumerate(zip(section["ranks_k"], section["ranks_v"])):
         layout = LatentLayout(
             section["group_size"], tuple(rk), tuple(rv), section["qkv_bias"], section["o_bias"]
         )
         ref = adapter.attention(model, i)
         p = next(ref.parameters())
-        adapter.set_attention(model, i, LatentAttention(config, i, adapter, layout).to(p.device, p.dtype))
+        adapter.set_attention(model, i, kind.module(config, i, adapter, layout).to(p.device, p.dtype))
     enable_latent_cache(model)
     return model
 

@@ -10,8 +10,17 @@ that picks the subspace:
   :func:`fit_group`). Truncating to rank r minimises ``‖(W − B_r A_r) X‖_F`` over the
   calibration activations X (SVD-LLM, Thm. 1), and the error equals ``Σ_{i>r} σ_i²`` (Eckart–Young).
 
-:func:`fit_group` returns the full ordered spectrum, so rank search and per-token levels are prefixes
-(:func:`truncate`). Everything is computed in float64.
+- activation PCA (Eigen Attention, Saxena et al. 2024, §3): eigenvectors of the output covariance
+  ``W G Wᵀ`` (``G = Σ x xᵀ``). For values, per group (:func:`fit_output_pca`): the same subspace as
+  whitened SVD, computed by eigh of the small s·D × s·D covariance. For keys of RoPE models, one basis
+  ``U_k`` (D × D) shared by the KV heads of a layer (:func:`fit_shared_basis`), applied per head and
+  interleaved across a group's heads (:func:`fit_on_shared_basis`).
+
+Every method keeps the full ordered spectrum, so rank search and per-token levels are prefixes
+(:func:`truncate`). The up-projection is orthonormal in all of them, so one rule holds throughout: with
+``a_j`` the j-th row of ``down``, ``sigma_j² = a_j M a_jᵀ`` is the energy of latent j in the method's
+metric M (``G`` for whitened and pca, ``I`` for plain), and dropping latents r.. costs exactly
+``Σ_{j≥r} σ_j²`` (:func:`truncation_error`). Everything is computed in float64.
 """
 
 from __future__ import annotations
@@ -24,6 +33,15 @@ import torch
 log = logging.getLogger(__name__)
 
 DAMPING_STEPS = (1e-8, 1e-6, 1e-4, 1e-2, 1e-1)
+
+
+def _checked_gram(gram: torch.Tensor) -> torch.Tensor:
+    """The Gram in float64, symmetrised; raises if it is empty or not finite."""
+    g = gram.to(torch.float64)
+    g = (g + g.T) / 2
+    if not torch.isfinite(g).all() or g.diagonal().mean() <= 0:
+        raise ValueError("Gram matrix is empty or not finite: were the calibration activations collected?")
+    return g
 
 
 @dataclass
@@ -47,11 +65,8 @@ def fit_whitening(gram: torch.Tensor) -> Whitening:
     ----------
     gram : (d, d) symmetric PSD ``Σ x xᵀ``.
     """
-    g = gram.to(torch.float64)
-    g = (g + g.T) / 2
+    g = _checked_gram(gram)
     scale = g.diagonal().mean()
-    if not torch.isfinite(g).all() or scale <= 0:
-        raise ValueError("Gram matrix is empty or not finite: were the calibration activations collected?")
     eye = torch.eye(g.shape[0], dtype=torch.float64, device=g.device)
     for lam in (0.0, *DAMPING_STEPS):
         L, info = torch.linalg.cholesky_ex(g + lam * scale * eye)
@@ -70,7 +85,12 @@ def fit_whitening(gram: torch.Tensor) -> Whitening:
 class GroupFactors:
     """Full-spectrum factors of one group: ``W_g = up @ down`` (exactly, up to float64 rounding).
 
-    sigma : (m,) singular values of the metric-weighted weight ``W S``, descending; m = min(s·D, d).
+    sigma : (m,) importance of each latent, in latent order: ``sigma_j² = a_j M a_jᵀ``, the energy of latent
+        j in the method's metric M, so a prefix of rank r loses ``Σ_{j≥r} σ_j²``. For the SVD methods these
+        are the singular values of ``W S`` (descending; m = min(s·D, d)); for pca values the square roots
+        of the output covariance's eigenvalues (descending; m = s·D); for pca keys the square roots of each
+        head's captured variance along each shared direction (m = s·D; descending within each direction's
+        block of s latents, see :func:`fit_on_shared_basis`).
     down : (m, d) rows of ``A = Uᵀ W``, most important first.
     up : (s·D, m) columns of ``B = U`` (orthonormal).
     """
@@ -102,6 +122,97 @@ def fit_group(weight: torch.Tensor, whitening: Whitening | None = None) -> Group
     up = U  # (s·D, m)
     down = U.T @ w  # (m, d)
     return GroupFactors(sigma=sigma, down=down, up=up)
+
+
+def _eigh_descending(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, largest first."""
+    evals, evecs = torch.linalg.eigh((cov + cov.T) / 2)
+    return evals.flip(0).clamp_min(0), evecs.flip(1)
+
+
+@torch.no_grad()
+def fit_output_pca(weight: torch.Tensor, gram: torch.Tensor) -> GroupFactors:
+    """Activation PCA of one group's outputs (Eigen Attention's value basis).
+
+    The outputs ``y = W x`` of the group have (uncentred) covariance ``C = W G Wᵀ`` (s·D × s·D); its
+    eigenvectors ``U`` (descending eigenvalues λ) give ``B = U``, ``A = Uᵀ W`` and ``sigma = √λ``.
+
+    This is the subspace whitened SVD picks: with ``G = S Sᵀ``, ``C = (W S)(W S)ᵀ``, whose eigenvectors
+    are the left singular vectors of ``W S`` and whose eigenvalues are its squared singular values. So
+    every prefix has the same product ``U_r U_rᵀ W`` as :func:`fit_group` with the whitening of ``G``
+    (up to a rotation within equal eigenvalues), and the rank-r truncation minimises ``‖(W − W_r) X‖_F``.
+    PCA needs no Cholesky factor: a singular Gram is fine, and the factors stay exact at full rank
+    because ``U`` is square (m = s·D; directions beyond rank(C) carry zero variance).
+
+    Parameters
+    ----------
+    weight : (s·D, d) rows of the projection for the group's KV heads.
+    gram : (d, d) ``Σ x xᵀ`` of the projection's input.
+    """
+    w = weight.to(torch.float64)
+    g = _checked_gram(gram)
+    evals, U = _eigh_descending(w @ g @ w.T)  # (s·D,), (s·D, s·D)
+    return GroupFactors(sigma=evals.sqrt(), down=U.T @ w, up=U)
+
+
+@torch.no_grad()
+def fit_shared_basis(weight: torch.Tensor, gram: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """One key basis for all KV heads of a layer (Eigen Attention for RoPE models).
+
+    ``C_k = Σ_h W_h G W_hᵀ`` (D × D) sums the heads' output covariances; its eigenvectors, largest
+    eigenvalue first, are the shared basis ``U_k``: the directions of the per-head key space that carry the
+    most key energy over all heads of the layer.
+
+    Parameters
+    ----------
+    weight : (Hkv·D, d) the layer's k_proj weight.
+    gram : (d, d) ``Σ x xᵀ`` of the k_proj input.
+    head_dim : D.
+
+    Returns
+    -------
+    (D, D) orthonormal ``U_k``, columns in descending order of ``C_k``'s eigenvalues.
+    """
+    g = _checked_gram(gram)
+    w = weight.to(torch.float64).reshape(-1, head_dim, weight.shape[-1])  # (Hkv, D, d)
+    cov = torch.einsum("hik,kl,hjl->ij", w, g, w)  # (D, D)
+    return _eigh_descending(cov)[1]
+
+
+@torch.no_grad()
+def fit_on_shared_basis(weight: torch.Tensor, gram: torch.Tensor, basis: torch.Tensor) -> GroupFactors:
+    """Factors of a group of s KV heads on a shared per-head basis ``U_k`` (D × D).
+
+    Each head h gets ``A_h = U_kᵀ W_h`` (D × d) and ``B_h = U_k``; the group's factors are these blocks,
+    with up block-diagonal up to a column order. Latent order (the rule rank prefixes follow): direction
+    major, head minor. Latent ``j`` is shared direction ``i = j // s`` (0-based) of the head that has the
+    ``(j mod s)``-th largest captured variance ``v_{h,i} = u_iᵀ W_h G W_hᵀ u_i`` along that direction (ties:
+    lower head first). A prefix of length r thus keeps the top ``⌊r/s⌋`` shared directions for every head
+    of the group, plus direction ``⌊r/s⌋`` for the ``r mod s`` heads that capture most along it; ranks that
+    are multiples of s keep the heads balanced. ``sigma_j = √v_{h,i}``: descending within each block of s
+    latents, and since ``U_k`` is orthonormal per head, dropping latents r.. costs exactly ``Σ_{j≥r} σ_j²``
+    in ``‖(W − W_r) X‖_F²``.
+
+    Parameters
+    ----------
+    weight : (s·D, d) rows of k_proj for the group's KV heads.
+    gram : (d, d) ``Σ x xᵀ`` of the k_proj input.
+    basis : (D, D) the layer's shared basis (:func:`fit_shared_basis`).
+    """
+    D = basis.shape[0]
+    g = _checked_gram(gram)
+    u = basis.to(torch.float64)
+    w = weight.to(torch.float64).reshape(-1, D, weight.shape[-1])  # (s, D, d)
+    s = w.shape[0]
+    a = u.T @ w  # (s, D, d): A_h = U_kᵀ W_h, row i = direction i of head h
+    var = ((a @ g) * a).sum(-1).clamp_min(0)  # (s, D): v_{h,i}
+    heads = torch.sort(var.T, dim=1, descending=True, stable=True).indices.reshape(-1)  # (D·s,)
+    dirs = torch.arange(D, device=u.device).repeat_interleave(s)  # (D·s,): direction of latent j
+    cols = torch.arange(s * D, device=u.device)
+    up = torch.zeros(s, D, s * D, dtype=torch.float64, device=u.device)
+    up[heads, :, cols] = u[:, dirs].T  # column j: u_{dirs[j]} in the block of head heads[j]
+    up = up.reshape(s * D, s * D)
+    return GroupFactors(sigma=var[heads, dirs].sqrt(), down=a[heads, dirs], up=up)
 
 
 def truncate(factors: GroupFactors, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
