@@ -192,6 +192,9 @@ def _print_summary(result: dict) -> None:
             ("KV bytes/token", ("kv", "kv_bytes_per_token")),
         ):
             table.add_row(name, f"{base[key[0]][key[1]]:.4f}", f"{comp[key[0]][key[1]]:.4f}")
+        if "kl" in comp:
+            table.add_row("KL(base ‖ compressed) nats/token", "0", f"{comp['kl']['kl']:.5f}")
+            table.add_row("top-1 agreement", "1", f"{comp['kl']['top1_agreement']:.4f}")
         ratio = comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"]
         table.add_row("KV bytes ratio (measured)", "1", f"{ratio:.4f}")
     plan = result["plan"]
@@ -218,6 +221,9 @@ def eval_cmd(
     decode_windows: int = 16,
     batch_size: int = 8,
     json_out: Annotated[Optional[Path], typer.Option(help="write the result JSON here")] = None,
+    base: Annotated[
+        Optional[str], typer.Option(help="the original model: adds KL(base ‖ model) and top-1 agreement")
+    ] = None,
 ) -> None:
     """Evaluate a model: prefill PPL, teacher-forced decode PPL, measured KV bytes/token."""
     from lrkv_core.pipeline import evaluate_dir
@@ -234,6 +240,7 @@ def eval_cmd(
                 decode_prefix=decode_prefix or seq_len // 2,
                 decode_windows=decode_windows,
                 batch_size=batch_size,
+                base_dir=base,
                 progress=advance,
             )
     table = Table(title=f"eval {model_dir}")
@@ -246,6 +253,11 @@ def eval_cmd(
     console.print(
         f"KV bytes/token (measured, {res['kv']['cache_class']}): {res['kv']['kv_bytes_per_token']:.1f}"
     )
+    if "kl" in res:
+        kl = res["kl"]
+        console.print(
+            f"KL(base ‖ model): {kl['kl']:.5f} nats/token; top-1 agreement {kl['top1_agreement']:.4f}"
+        )
     text = json.dumps(res, indent=2)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

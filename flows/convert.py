@@ -68,7 +68,7 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         ev = recipe.eval.model_dump()
         base_eval = _record(timings, "evaluate[base]", t.evaluate.submit(model, ev, recipe.dtype, "base"))
         comp_eval = _record(
-            timings, "evaluate[compressed]", t.evaluate.submit(built, ev, recipe.dtype, "compressed")
+            timings, "evaluate[compressed]", t.evaluate.submit(built, ev, recipe.dtype, "compressed", model)
         )
     run = _record(
         timings,

@@ -121,9 +121,13 @@ def evaluate_dir(
     decode_windows: int,
     batch_size: int = 8,
     dtype: str = "float32",
+    base_dir: str | None = None,
     progress: Progress = None,
 ) -> dict[str, Any]:
-    """Prefill PPL, teacher-forced decode PPL and measured KV bytes/token of a (compressed or base) model."""
+    """Prefill PPL, teacher-forced decode PPL and measured KV bytes/token of a (compressed or base) model.
+
+    With ``base_dir``, also KL(base ‖ model) per token and top-1 agreement on the prefill windows.
+    """
     model, tokenizer = load_model(model_dir, dtype=dtype)
     windows = eval_windows(dataset, tokenizer, seq_len=seq_len, max_windows=max_windows)  # (N, T)
     if not 0 < decode_prefix < seq_len:
@@ -133,9 +137,13 @@ def evaluate_dir(
         model, windows[:decode_windows], prefix_len=decode_prefix, batch_size=batch_size, progress=progress
     )
     kv = evaluate.kv_bytes_per_token(model, windows)
-    for result in (prefill, decode, kv):
+    out = {"prefill": prefill, "decode": decode, "kv": kv}
+    if base_dir is not None:
+        base, _ = load_model(base_dir, dtype=dtype)
+        out["kl"] = evaluate.kl_and_agreement(base, model, windows, batch_size=batch_size, progress=progress)
+    for result in out.values():
         result["protocol"]["dataset"] = dataset
-    return {"prefill": prefill, "decode": decode, "kv": kv, "model": str(model_dir)}
+    return out | {"model": str(model_dir)}
 
 
 def model_card(section: dict, source: str) -> str:

@@ -171,8 +171,8 @@ def export_model(built: dict, out: str) -> dict:
 
 
 @task(name="evaluate", cache_key_fn=_key, **CACHED)
-def evaluate(model: dict, eval_cfg: dict, dtype: str, label: str) -> dict:
-    """Prefill and decode perplexity plus measured KV bytes/token of one model."""
+def evaluate(model: dict, eval_cfg: dict, dtype: str, label: str, base: dict | None = None) -> dict:
+    """Prefill and decode perplexity, measured KV bytes/token, and KL against ``base`` when given."""
     with step(f"evaluate {label}") as advance:
         return pipeline.evaluate_dir(
             model["path"] if "path" in model else model["dir"],
@@ -183,6 +183,7 @@ def evaluate(model: dict, eval_cfg: dict, dtype: str, label: str) -> dict:
             decode_windows=eval_cfg["decode_windows"],
             batch_size=eval_cfg["batch_size"],
             dtype=dtype,
+            base_dir=base["dir"] if base else None,
             progress=advance,
         )
 
@@ -218,6 +219,9 @@ def log_run(
         metrics[f"{label}_prefill_ppl"] = ev["prefill"]["ppl"]
         metrics[f"{label}_decode_ppl"] = ev["decode"]["ppl"]
         metrics[f"{label}_kv_bytes_per_token"] = ev["kv"]["kv_bytes_per_token"]
+    if eval_ and "kl" in eval_:
+        metrics["kl_base_compressed"] = eval_["kl"]["kl"]
+        metrics["top1_agreement"] = eval_["kl"]["top1_agreement"]
     if base_eval and eval_:
         metrics["kv_bytes_ratio"] = eval_["kv"]["kv_bytes_per_token"] / base_eval["kv"]["kv_bytes_per_token"]
     tracking = recipe["tracking"]

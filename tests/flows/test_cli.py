@@ -64,12 +64,15 @@ def test_convert_then_eval(tmp_path):
 
     report = tmp_path / "eval.json"
     res = _lrkv(
-        ["eval", str(out), "--dataset", data, "--seq-len", "32", "--json-out", str(report)], tmp_path / "home"
+        ["eval", str(out), "--dataset", data, "--seq-len", "32", "--json-out", str(report)]
+        + ["--base", str(model_dir)],
+        tmp_path / "home",
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["kv"]["cache_class"] == "LatentCache"
     assert result["prefill"]["protocol"]["dataset"] == data and result["prefill"]["windows"] == 12
+    assert 0 < result["kl"]["kl"] and 0 < result["kl"]["top1_agreement"] <= 1  # ratio 0.5: a real, small cost
     # the numbers in the report are the model's: recompute the prefill NLL directly
     base, _ = load_model(out)
     ids = read_token_rows(data.split(":", 1)[1])

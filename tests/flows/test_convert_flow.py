@@ -64,6 +64,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     ):
         assert key in m, key
     assert m["achieved_ratio"] == 1.0 and abs(m["base_prefill_ppl"] - m["compressed_prefill_ppl"]) < 1e-3
+    assert m["kl_base_compressed"] < 1e-8 and m["top1_agreement"] == 1.0  # full rank: same distributions
     assert run.data.params["fingerprint.model"] == first["model"]["fingerprint"]
     assert "version.transformers" in run.data.params
     artifacts = {a.path for a in MlflowClient(tracking_uri=mlflow_server).list_artifacts(run.info.run_id)}
