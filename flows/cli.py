@@ -209,6 +209,60 @@ def _print_summary(result: dict) -> None:
     console.print(f"MLflow run {run['run_id']} (experiment {run['experiment_id']}) at {run['tracking_uri']}")
 
 
+def _csv(value: str | None, cast=str) -> list | None:
+    return None if value is None else [cast(v.strip()) for v in value.split(",") if v.strip()]
+
+
+@app.command()
+def ablate(
+    recipe: Annotated[
+        Optional[Path], typer.Option(help="YAML ablation recipe: base (a convert recipe) + grid")
+    ] = None,
+    model: Annotated[Optional[str], typer.Option(help="hub id, local dir or builtin:NAME")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="calibration dataset")] = None,
+    eval_dataset: Annotated[Optional[str], typer.Option(help="evaluation dataset")] = None,
+    decompositions: Annotated[Optional[str], typer.Option(help="comma list: plain,whitened,pca")] = None,
+    group_sizes: Annotated[Optional[str], typer.Option(help="comma list, e.g. 1,2")] = None,
+    allocators: Annotated[
+        Optional[str], typer.Option(help="comma list: uniform,fisher,lorc,eigen,fisher-greedy")
+    ] = None,
+    ratios: Annotated[Optional[str], typer.Option(help="comma list, e.g. 0.7,0.5,0.3")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option(help="write ablation.csv/.md/.png here")] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="override, e.g. --set base.eval.max_windows=8")
+    ] = None,
+    verbose: Annotated[bool, typer.Option(help="show Prefect's logs")] = False,
+) -> None:
+    """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
+    from lrkv_tasks.recipe import AblateRecipe, apply_overrides, read_yaml
+    from lrkv_tasks.store import LocalStore
+
+    flags = {
+        "base.model": model,
+        "base.calibration.dataset": dataset,
+        "base.eval.dataset": eval_dataset,
+        "decompositions": _csv(decompositions),
+        "group_sizes": _csv(group_sizes, int),
+        "allocators": _csv(allocators),
+        "ratios": _csv(ratios, float),
+    }
+    overrides = {k: v for k, v in flags.items() if v is not None} | _parse_set(set_ or [])
+    try:
+        rec = AblateRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
+    except Exception as e:
+        console.print(f"[red]invalid recipe:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    _configure_prefect(LocalStore(rec.base.store).root, verbose)
+    _preflight(rec.base.model)
+    from lrkv_flows.ablate import ablate_flow
+
+    with _rich_progress():
+        result = ablate_flow(rec, str(out_dir) if out_dir else None)
+    console.print(result["markdown"])
+    run = result["mlflow"]
+    console.print(f"wrote {result['dir']}; MLflow run {run['run_id']} at {run['tracking_uri']}")
+
+
 @app.command("eval")
 def eval_cmd(
     model_dir: Annotated[str, typer.Argument(help="compressed model dir (or any supported model)")],

@@ -27,11 +27,11 @@ class PaluRecipe(Strict):
     """Palu: whitened SVD per group of KV heads (G-LRD), latent cache, B_v folded into o_proj."""
 
     name: Literal["palu"] = "palu"
-    decomposition: Literal["whitened", "plain"] = "whitened"
+    decomposition: Literal["whitened", "plain", "pca"] = "whitened"
     ratio: float = Field(0.5, gt=0, le=1, description="compressed KV width / original; 0.5 halves the cache")
     group_size: int = Field(1, ge=1, description="KV heads decomposed together: 1 = M-LRD, Hkv = J-LRD")
     rank_multiple: int = Field(8, ge=1)
-    allocator: Literal["uniform"] = "uniform"
+    allocator: Literal["uniform", "fisher", "lorc", "eigen", "fisher-greedy"] = "uniform"
 
 
 class EvalRecipe(Strict):
@@ -67,21 +67,30 @@ class ConvertRecipe(Strict):
     out: str | None = Field(None, description="also copy the compressed model directory here")
 
 
-def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> ConvertRecipe:
-    """A recipe from YAML (or the defaults) with dotted-key overrides (``{"compression.ratio": 0.5}``)."""
-    data: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: a recipe is a YAML mapping")
+def read_yaml(path: str | Path | None) -> dict:
+    """A recipe file as a dict ({} for no file)."""
+    if path is None:
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a recipe is a YAML mapping")
+    return data
+
+
+def apply_overrides(data: dict, overrides: dict | None) -> dict:
+    """Set dotted keys in a nested dict, in place (``{"compression.ratio": 0.5}``)."""
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    return ConvertRecipe.model_validate(data)
+    return data
+
+
+def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> ConvertRecipe:
+    """A recipe from YAML (or the defaults) with dotted-key overrides (``{"compression.ratio": 0.5}``)."""
+    return ConvertRecipe.model_validate(apply_overrides(read_yaml(path), overrides))
 
 
 def recipe_yaml(recipe: ConvertRecipe) -> str:
@@ -98,3 +107,23 @@ def flatten(d: dict, prefix: str = "") -> dict[str, object]:
         else:
             out[key] = v
     return out
+
+
+class AblateRecipe(Strict):
+    """A grid of conversions of one model: decomposition × group size × allocator × ratio."""
+
+    base: ConvertRecipe = ConvertRecipe()
+    decompositions: list[Literal["whitened", "plain", "pca"]] = ["plain", "whitened", "pca"]
+    group_sizes: list[int] = [1, 2]
+    allocators: list[Literal["uniform", "fisher", "lorc", "eigen", "fisher-greedy"]] = ["uniform"]
+    ratios: list[float] = [0.7, 0.5, 0.3]
+
+    def grid(self) -> list[PaluRecipe]:
+        base = self.base.compression
+        return [
+            base.model_copy(update={"decomposition": d, "group_size": g, "allocator": a, "ratio": r})
+            for d in self.decompositions
+            for g in self.group_sizes
+            for a in self.allocators
+            for r in self.ratios
+        ]

@@ -1,0 +1,119 @@
+"""The ablation summary: one table (CSV + Markdown), a perplexity-vs-ratio plot, one MLflow run."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from prefect import task
+
+from .store import LocalStore
+
+COLUMNS = [
+    "decomposition",
+    "group_size",
+    "allocator",
+    "ratio",
+    "achieved_ratio",
+    "prefill_ppl",
+    "decode_ppl",
+    "kl",
+    "top1_agreement",
+    "kv_bytes_ratio",
+    "error",
+]
+
+
+def ablation_row(compression: dict, result: dict | None, error: str | None = None) -> dict:
+    """One table row from a convert-flow result (or the error that stopped it)."""
+    row = {k: compression[k] for k in ("decomposition", "group_size", "allocator", "ratio")}
+    if result is None:
+        return row | {"error": error}
+    base, comp = result["eval"]["base"], result["eval"]["compressed"]
+    return row | {
+        "achieved_ratio": result["plan"]["achieved_ratio"],
+        "prefill_ppl": comp["prefill"]["ppl"],
+        "decode_ppl": comp["decode"]["ppl"],
+        "kl": comp["kl"]["kl"],
+        "top1_agreement": comp["kl"]["top1_agreement"],
+        "kv_bytes_ratio": comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"],
+        "base_prefill_ppl": base["prefill"]["ppl"],
+        "base_decode_ppl": base["decode"]["ppl"],
+    }
+
+
+def _fmt(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))
+
+
+def to_markdown(rows: list[dict], base: dict) -> str:
+    head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    lines = ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    ok = [r for r in rows if r.get("error") is None]
+    best = min(ok, key=lambda r: r["prefill_ppl"]) if ok else None
+    note = f"\nOriginal model: prefill PPL {base['prefill_ppl']:.4f}, decode PPL {base['decode_ppl']:.4f}.\n"
+    if best:
+        note += "Best (lowest prefill PPL): " + ", ".join(f"{k}={_fmt(best[k])}" for k in COLUMNS[:5]) + "\n"
+    return head + "\n".join(lines) + "\n" + note
+
+
+def plot_ppl_vs_ratio(rows: list[dict], base_ppl: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r.get("error") is None:
+            label = f"{r['decomposition']} g{r['group_size']} {r['allocator']}"
+            series.setdefault(label, []).append((r["achieved_ratio"], r["prefill_ppl"]))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.axhline(base_ppl, color="black", linestyle="--", linewidth=1, label="original")
+    ax.set_xlabel("kept KV width (achieved ratio)")
+    ax.set_ylabel("prefill perplexity")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@task(name="summarize_ablation")
+def summarize_ablation(rows: list[dict], recipe: dict, store: str, out_dir: str | None) -> dict:
+    """Write the ablation table and plot, and log them to MLflow in one run."""
+    from .recipe import flatten
+    from .tracking import log_conversion, versions
+
+    ok = [r for r in rows if r.get("error") is None]
+    base = {"prefill_ppl": ok[0]["base_prefill_ppl"], "decode_ppl": ok[0]["base_decode_ppl"]} if ok else {}
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    target = Path(out_dir) if out_dir else LocalStore(store).root / "ablations"
+    target.mkdir(parents=True, exist_ok=True)
+    markdown = to_markdown(rows, base) if ok else "no successful row\n"
+    files = {"ablation.csv": buf.getvalue(), "ablation.md": markdown}
+    for name, text in files.items():
+        (target / name).write_text(text)
+    if ok:
+        plot_ppl_vs_ratio(rows, base["prefill_ppl"], target / "ablation_ppl_vs_ratio.png")
+    tracking = recipe["base"]["tracking"]
+    run = log_conversion(
+        tracking_uri=tracking["mlflow_uri"],
+        experiment=tracking["experiment"],
+        run_name=f"ablate-{Path(recipe['base']['model']).name}",
+        params={f"recipe.{k}": v for k, v in flatten(recipe).items()}
+        | {f"version.{k}": v for k, v in versions().items()},
+        metrics={"rows": len(rows), "failed_rows": len(rows) - len(ok)},
+        json_artifacts={"ablation_rows.json": {"rows": rows}},
+        file_artifacts=[str(p) for p in sorted(target.iterdir()) if p.name.startswith("ablation")],
+        tags={"lrkv.kind": "ablation"},
+    )
+    return {"dir": str(target), "mlflow": run, "markdown": files["ablation.md"]}
