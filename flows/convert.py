@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import flow, unmapped
 
+from lrkv_core.decompose import needs_gram
 from lrkv_tasks import convert as t
 from lrkv_tasks.recipe import ConvertRecipe
 from lrkv_tasks.store import LocalStore
@@ -34,7 +35,7 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         t.extract_calibration.submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
     )
     stats = None
-    if comp.decomposition == "whitened":
+    if needs_gram(comp.decomposition):
         stats = _record(
             timings,
             "collect_stats",

@@ -83,6 +83,14 @@ DECOMPOSITIONS: dict[str, LayerFit] = {
     "plain": _plain,  # LoRC
     "pca": _pca,  # Eigen Attention (RoPE models)
 }
+DATA_FREE = frozenset({"plain"})  # methods that need no activation statistics
+
+
+def needs_gram(method: str) -> bool:
+    """Whether a decomposition needs the Gram matrix of the k/v_proj inputs (calibration stats)."""
+    if method not in DECOMPOSITIONS:
+        raise ValueError(f"unknown decomposition {method!r}; choose from {sorted(DECOMPOSITIONS)}")
+    return method not in DATA_FREE
 
 
 @dataclass

@@ -218,19 +218,19 @@ def _greedy(model, ids: torch.Tensor) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
-E2E = [(2, 1), (2, 2), (4, 2), (4, 4)]
+E2E = [("llama", 2, 1), ("llama", 2, 2), ("llama", 4, 2), ("llama", 4, 4), ("mistral", 2, 2)]
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("hkv,group_size", E2E, ids=[f"hkv{h}-s{s}" for h, s in E2E])
-def test_full_rank_model_is_the_original(make_tiny, compress, hkv: int, group_size: int) -> None:
+@pytest.mark.parametrize("family,hkv,group_size", E2E, ids=[f"{f}-hkv{h}-s{s}" for f, h, s in E2E])
+def test_full_rank_model_is_the_original(make_tiny, compress, family: str, hkv: int, group_size: int) -> None:
     ids = _ids(2, 12)
-    model = make_tiny("llama", hkv)
+    model = make_tiny(family, hkv)
     comp, plan = compress(model, group_size, method="pca")
     assert plan.achieved_ratio == 1.0 and comp.config.lrkv["decomposition"] == "pca"
     with torch.no_grad():
         assert (comp(ids).logits - model(ids).logits).abs().max() <= 1e-4
-    model64 = make_tiny("llama", hkv).double()
+    model64 = make_tiny(family, hkv).double()
     comp64, _ = compress(model64, group_size, method="pca")
     with torch.no_grad():
         assert (comp64(ids).logits - model64(ids).logits).abs().max() <= 1e-10
