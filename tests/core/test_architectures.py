@@ -30,12 +30,12 @@ from lrkv_core.attention_norope import NoRopeLatentAttention
 from lrkv_core.cache import LatentCache, LatentLayer
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.io import load_compressed, save_compressed
+from tests.support.inputs import PAD, greedy, ids_for, left_padded, max_diff, positions_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 T = 12
 WINDOW = 6  # Qwen2 layer 1 slides over 6 tokens
-PAD = 0
 COMMON = dict(
     vocab_size=61,
     hidden_size=32,
@@ -82,41 +82,6 @@ def make_model(arch: str, n_kv_heads: int = 4, seed: int = 0, **overrides) -> Pr
     return model.eval()
 
 
-def _ids(batch: int, length: int, seed: int = 7) -> torch.Tensor:
-    return torch.randint(3, 61, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _left_padded(lengths: tuple[int, ...], seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts of different lengths, left-padded: ``(input_ids, attention_mask)``, both (B, max length)."""
-    width = max(lengths)
-    ids = _ids(len(lengths), width, seed)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n :] = 1
-    return ids.masked_fill(mask == 0, PAD), mask
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids as generate() derives them from a left-padded mask (pads get 1; they are masked)."""
-    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
-def _greedy(model, ids: torch.Tensor, mask: torch.Tensor, **kwargs):
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=8,
-        do_sample=False,
-        pad_token_id=PAD,
-        eos_token_id=None,
-        **kwargs,
-    )
-
-
 # ------------------------------------------------------------------------------------------- exactness
 
 
@@ -131,10 +96,10 @@ def test_full_rank_is_exact_in_fp32_and_float64(compress, arch, hkv, group_size,
     expected = LatentAttention if arch == "qwen2" else NoRopeLatentAttention
     adapter = get_adapter(comp.config)
     assert all(type(adapter.attention(comp, i)) is expected for i in range(2))
-    ids = _ids(2, T)
+    ids = ids_for(2, T)
     with torch.no_grad():
         out = comp(ids, use_cache=True)
-        assert _max_diff(out.logits, model(ids).logits) <= 1e-4
+        assert max_diff(out.logits, model(ids).logits) <= 1e-4
     assert isinstance(out.past_key_values, LatentCache) and out.past_key_values.get_seq_length() == T
 
     model = model.double()
@@ -152,9 +117,9 @@ def test_full_rank_is_exact_in_fp32_and_float64(compress, arch, hkv, group_size,
     finally:
         for h in handles:
             h.remove()
-    assert _max_diff(got, ref) <= 1e-10
+    assert max_diff(got, ref) <= 1e-10
     for a, b in zip(captured["orig"], captured["comp"], strict=True):
-        assert _max_diff(a, b) <= 1e-12 * (1 + a.abs().max().item())
+        assert max_diff(a, b) <= 1e-12 * (1 + a.abs().max().item())
 
 
 def test_qwen2_biases_are_kept_and_needed(compress) -> None:
@@ -162,24 +127,24 @@ def test_qwen2_biases_are_kept_and_needed(compress) -> None:
     model = make_model("qwen2", 2)
     comp, _ = compress(model, 1)
     adapter = get_adapter(comp.config)
-    ids = _ids(2, T)
+    ids = ids_for(2, T)
     with torch.no_grad():
         ref = model(ids).logits
-        assert _max_diff(comp(ids).logits, ref) <= 1e-4
+        assert max_diff(comp(ids).logits, ref) <= 1e-4
         no_k_bias, no_v_bias = copy.deepcopy(comp), copy.deepcopy(comp)
         for i in range(2):
             for up in adapter.attention(no_k_bias, i).k_up:
                 up.bias.zero_()  # keeps q's bias: only the k bias is gone
             adapter.attention(no_v_bias, i).o_proj.bias.zero_()  # Qwen2's o_proj has no bias: only b_v's fold
-        assert _max_diff(no_k_bias(ids).logits, ref) > 0.1
-        assert _max_diff(no_v_bias(ids).logits, ref) > 0.1
+        assert max_diff(no_k_bias(ids).logits, ref) > 0.1
+        assert max_diff(no_v_bias(ids).logits, ref) > 0.1
 
 
 def test_opt_key_bias_cancels_and_is_dropped(compress) -> None:
     """With no rotation the k bias only shifts each query row's scores by q·b_k: the original's logits do
     not see it, and the compressed model holds it nowhere (no k_up; k_down has no bias)."""
     model = make_model("opt")
-    ids = _ids(2, T)
+    ids = ids_for(2, T)
     shifted_k, shifted_q = copy.deepcopy(model), copy.deepcopy(model)
     adapter = get_adapter(model.config)
     with torch.no_grad():
@@ -187,10 +152,10 @@ def test_opt_key_bias_cancels_and_is_dropped(compress) -> None:
             adapter.attention(shifted_k, i).k_proj.bias.add_(3.0)
             adapter.attention(shifted_q, i).q_proj.bias.add_(3.0)
         ref = model(ids).logits
-        assert _max_diff(shifted_k(ids).logits, ref) <= 1e-4
-        assert _max_diff(shifted_q(ids).logits, ref) > 0.1  # the q bias is not free: it is fused
+        assert max_diff(shifted_k(ids).logits, ref) <= 1e-4
+        assert max_diff(shifted_q(ids).logits, ref) > 0.1  # the q bias is not free: it is fused
         comp, _ = compress(model, 1)
-        assert _max_diff(comp(ids).logits, ref) <= 1e-4
+        assert max_diff(comp(ids).logits, ref) <= 1e-4
     attn = adapter.attention(comp, 0)
     assert not hasattr(attn, "k_up") and attn.k_down.bias is None
     assert attn.q_proj.weight.shape == (4 * 8, 32)  # H heads × r_g = D at full rank, s = 1
@@ -207,13 +172,13 @@ def test_qwen2_sliding_window_is_in_effect(compress) -> None:
         {"sliding_window": None},
         {"sliding_window": WINDOW},
     ]
-    ids = _ids(2, T)
+    ids = ids_for(2, T)
     with torch.no_grad():
         windowed, unwindowed = model(ids).logits, full(ids).logits
         comp_logits = compress(model, 2)[0](ids).logits
-    assert _max_diff(windowed[:, :WINDOW], unwindowed[:, :WINDOW]) <= 1e-6
-    assert _max_diff(windowed[:, WINDOW:], unwindowed[:, WINDOW:]) > 1e-2
-    assert _max_diff(comp_logits, windowed) <= 1e-4
+    assert max_diff(windowed[:, :WINDOW], unwindowed[:, :WINDOW]) <= 1e-6
+    assert max_diff(windowed[:, WINDOW:], unwindowed[:, WINDOW:]) > 1e-2
+    assert max_diff(comp_logits, windowed) <= 1e-4
 
 
 # -------------------------------------------------------------------------------- generation and cache
@@ -223,15 +188,15 @@ def test_qwen2_sliding_window_is_in_effect(compress) -> None:
 def test_greedy_generate_matches_batched_and_left_padded(compress, arch, hkv, group_size) -> None:
     model = make_model(arch, hkv)
     comp, _ = compress(model, group_size)
-    ids, mask = _left_padded((9, 5, 2))
-    expected = _greedy(model, ids, mask)
-    got = _greedy(comp, ids, mask, return_dict_in_generate=True)
+    ids, mask = left_padded((9, 5, 2))
+    expected = greedy(model, ids, mask)
+    got = greedy(comp, ids, mask, return_dict_in_generate=True)
     assert torch.equal(got.sequences, expected)
     cache = got.past_key_values
     assert isinstance(cache, LatentCache) and all(isinstance(layer, LatentLayer) for layer in cache.layers)
     assert all((layer.positions is None) == (arch == "opt") for layer in cache.layers)
     # the padding is really handled: the shortest row alone generates the same continuation
-    alone = _greedy(comp, ids[2:, -2:], torch.ones(1, 2, dtype=torch.long))
+    alone = greedy(comp, ids[2:, -2:], torch.ones(1, 2, dtype=torch.long))
     assert torch.equal(alone[0, 2:], expected[2, 9:])
 
 
@@ -240,9 +205,9 @@ def test_beam_search_matches_the_original_at_full_rank(compress, arch) -> None:
     """Beam search reorders and expands the cache rows (OPT's layers hold no positions to move)."""
     model = make_model(arch, 2 if arch == "qwen2" else 4)
     comp, _ = compress(model, 2)
-    ids, mask = _left_padded((7, 4))
-    got = _greedy(comp, ids, mask, num_beams=2, return_dict_in_generate=True)
-    assert torch.equal(got.sequences, _greedy(model, ids, mask, num_beams=2))
+    ids, mask = left_padded((7, 4))
+    got = greedy(comp, ids, mask, num_beams=2, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, greedy(model, ids, mask, num_beams=2))
     assert isinstance(got.past_key_values, LatentCache)
 
 
@@ -252,8 +217,8 @@ def test_decode_through_the_cache_equals_one_full_forward(compress, arch, hkv, g
     """Left-padded rows, prefill 6 tokens, then one token at a time; at full rank also the original."""
     model = make_model(arch, hkv)
     comp, _ = compress(model, group_size, ratio=ratio)
-    ids, mask = _left_padded((T, 8, 5))
-    pos = _positions(mask)
+    ids, mask = left_padded((T, 8, 5))
+    pos = positions_for(mask)
     with torch.no_grad():
         full = comp(ids, attention_mask=mask, position_ids=pos).logits
         out = comp(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], use_cache=True)
@@ -265,11 +230,11 @@ def test_decode_through_the_cache_equals_one_full_forward(compress, arch, hkv, g
         ref = model(ids, attention_mask=mask, position_ids=pos).logits
     valid = mask.bool()
     assert out.past_key_values.get_seq_length() == T
-    assert _max_diff(torch.cat(steps, 1)[valid], full[valid]) <= 1e-5
+    assert max_diff(torch.cat(steps, 1)[valid], full[valid]) <= 1e-5
     if ratio == 1.0:
-        assert _max_diff(full[valid], ref[valid]) <= 1e-4
+        assert max_diff(full[valid], ref[valid]) <= 1e-4
     else:
-        assert _max_diff(full[valid], ref[valid]) > 1e-2  # truncated: the check above is not vacuous
+        assert max_diff(full[valid], ref[valid]) > 1e-2  # truncated: the check above is not vacuous
 
 
 def test_latent_layer_refuses_mixing_with_and_without_positions() -> None:
@@ -291,7 +256,7 @@ def test_half_ratio_kv_bytes_are_latents_only(compress, arch, hkv, group_size) -
     comp, plan = compress(model, group_size, ratio=0.5, rank_multiple=4)
     assert plan.achieved_ratio == 0.5
     L, D, B = 2, 8, 2
-    windows = _ids(B, 16)
+    windows = ids_for(B, 16)
     orig = kv_bytes_per_token(model, windows, n_rows=B)
     got = kv_bytes_per_token(comp, windows, n_rows=B)
     assert got["cache_class"] == "LatentCache"
@@ -322,10 +287,10 @@ def test_save_load_roundtrip_is_exact(compress, tmp_path, arch, hkv, group_size)
     assert loaded.config.lrkv == comp.config.lrkv
     assert loaded.config.lrkv["rope"] == ("reconstruct-then-rope" if arch == "qwen2" else "keys-fused-into-q")
     assert all(type(adapter.attention(loaded, i)) is type(adapter.attention(comp, i)) for i in range(2))
-    ids, mask = _left_padded((9, 5))
+    ids, mask = left_padded((9, 5))
     with torch.no_grad():
         assert torch.equal(loaded(ids, attention_mask=mask).logits, comp(ids, attention_mask=mask).logits)
-    assert torch.equal(_greedy(loaded, ids, mask), _greedy(comp, ids, mask))
+    assert torch.equal(greedy(loaded, ids, mask), greedy(comp, ids, mask))
 
 
 def test_unsupported_model_names_every_supported_family() -> None:

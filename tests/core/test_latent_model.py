@@ -19,6 +19,7 @@ from lrkv_core.cache import LatentCache, LatentLayer
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.fuse import _latent_cache_pre_hook, compress_model, enable_latent_cache
 from lrkv_core.ranks import allocate_ranks
+from tests.support.inputs import PAD, greedy, ids_for, left_padded, max_diff, positions_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,48 +32,10 @@ CASES = [
     for group_size in sorted({1, 2, hkv})
 ]
 IDS = [f"{family}-hkv{hkv}-s{s}" for family, hkv, s in CASES]
-PAD = 0
 
 
 def _overrides(family: str) -> dict:
     return {"sliding_window": SLIDING_WINDOW} if family == "mistral" else {}
-
-
-def _ids(batch: int, length: int, seed: int = 7) -> torch.Tensor:
-    return torch.randint(3, 61, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _left_padded(lengths: tuple[int, ...], seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts of different lengths, left-padded: ``(input_ids, attention_mask)``, both (B, max length)."""
-    width = max(lengths)
-    ids = _ids(len(lengths), width, seed)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n :] = 1
-    return ids.masked_fill(mask == 0, PAD), mask
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids as generate() derives them from a left-padded mask (pads get 1; they are masked)."""
-    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
-def _greedy(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-    if mask is None:
-        mask = torch.ones_like(ids)
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=8,
-        do_sample=False,
-        pad_token_id=PAD,
-        eos_token_id=None,
-        **kwargs,
-    )
 
 
 # ------------------------------------------------------------------------------------------- exactness
@@ -84,11 +47,11 @@ def test_full_rank_fp32_logits_and_latent_cache(make_tiny, compress, family, hkv
     comp, plan = compress(model, group_size)
     assert plan.achieved_ratio == 1.0
     assert all(isinstance(get_adapter(comp.config).attention(comp, i), LatentAttention) for i in range(2))
-    ids = _ids(2, T)
+    ids = ids_for(2, T)
     with torch.no_grad():
         ref = model(ids).logits
         out = comp(ids, use_cache=True)
-    assert _max_diff(out.logits, ref) <= 1e-4
+    assert max_diff(out.logits, ref) <= 1e-4
     cache = out.past_key_values
     assert isinstance(cache, LatentCache) and cache.get_seq_length() == T
     for layer in cache.layers:
@@ -116,15 +79,15 @@ def test_full_rank_float64_is_exact(make_tiny, compress, family, hkv, group_size
         for i in range(2)
     ]
     try:
-        ids = _ids(2, T)
+        ids = ids_for(2, T)
         with torch.no_grad():
             ref, got = model(ids).logits, comp(ids).logits
     finally:
         for h in handles:
             h.remove()
-    assert _max_diff(got, ref) <= 1e-10
+    assert max_diff(got, ref) <= 1e-10
     for a, b in zip(captured["orig"], captured["comp"], strict=True):
-        assert _max_diff(a, b) <= 1e-12 * (1 + a.abs().max().item())
+        assert max_diff(a, b) <= 1e-12 * (1 + a.abs().max().item())
 
 
 @pytest.mark.parametrize("family,hkv,group_size", CASES, ids=IDS)
@@ -133,13 +96,13 @@ def test_full_rank_greedy_generate_matches_batched_and_left_padded(
 ) -> None:
     model = make_tiny(family, hkv, **_overrides(family))
     comp, _ = compress(model, group_size)
-    ids = _ids(3, 5)
-    assert torch.equal(_greedy(comp, ids), _greedy(model, ids))
-    ids, mask = _left_padded((9, 5, 2))
-    expected = _greedy(model, ids, mask)
-    assert torch.equal(_greedy(comp, ids, mask), expected)
+    ids = ids_for(3, 5)
+    assert torch.equal(greedy(comp, ids), greedy(model, ids))
+    ids, mask = left_padded((9, 5, 2))
+    expected = greedy(model, ids, mask)
+    assert torch.equal(greedy(comp, ids, mask), expected)
     # the padding is really handled: the shortest row alone generates the same continuation
-    alone = _greedy(comp, ids[2:, -2:])
+    alone = greedy(comp, ids[2:, -2:])
     assert torch.equal(alone[0, 2:], expected[2, 9:])
 
 
@@ -149,7 +112,7 @@ def test_decode_through_the_cache_equals_one_full_forward(
 ) -> None:
     model = make_tiny(family, hkv, **_overrides(family))
     comp, _ = compress(model, group_size)
-    ids = _ids(2, T)
+    ids = ids_for(2, T)
     with torch.no_grad():
         full = comp(ids).logits  # (B, T, V)
         out = comp(ids[:, :4], use_cache=True)
@@ -159,8 +122,8 @@ def test_decode_through_the_cache_equals_one_full_forward(
             steps.append(out.logits)
         ref = model(ids).logits
     decoded = torch.cat(steps, dim=1)
-    assert _max_diff(decoded, full) <= 1e-5
-    assert _max_diff(decoded, ref) <= 1e-4
+    assert max_diff(decoded, full) <= 1e-5
+    assert max_diff(decoded, ref) <= 1e-4
     assert out.past_key_values.get_seq_length() == T
 
 
@@ -169,13 +132,13 @@ def test_mistral_sliding_window_is_in_effect(make_tiny, compress) -> None:
     model = make_tiny("mistral", 2, sliding_window=SLIDING_WINDOW)
     unwindowed = copy.deepcopy(model)
     unwindowed.config.sliding_window = None
-    ids = _ids(2, T)
+    ids = ids_for(2, T)
     with torch.no_grad():
         windowed, full = model(ids).logits, unwindowed(ids).logits
         comp_logits = compress(model, 2)[0](ids).logits
-    assert _max_diff(windowed[:, :SLIDING_WINDOW], full[:, :SLIDING_WINDOW]) <= 1e-6
-    assert _max_diff(windowed[:, SLIDING_WINDOW:], full[:, SLIDING_WINDOW:]) > 1e-2
-    assert _max_diff(comp_logits, windowed) <= 1e-4
+    assert max_diff(windowed[:, :SLIDING_WINDOW], full[:, :SLIDING_WINDOW]) <= 1e-6
+    assert max_diff(windowed[:, SLIDING_WINDOW:], full[:, SLIDING_WINDOW:]) > 1e-2
+    assert max_diff(comp_logits, windowed) <= 1e-4
 
 
 # -------------------------------------------------------------------------------------- memory is real
@@ -187,7 +150,7 @@ def test_half_ratio_cache_holds_latents_of_width_r(make_tiny, compress, group_si
     comp, plan = compress(model, group_size, ratio=0.5, rank_multiple=multiple)
     assert plan.achieved_ratio == 0.5
     L, hkv, D, B = 2, 2, 8, 2
-    windows = _ids(B, 16)
+    windows = ids_for(B, 16)
     orig = kv_bytes_per_token(model, windows, n_rows=B)
     got = kv_bytes_per_token(comp, windows, n_rows=B)
     assert (orig["cache_class"], got["cache_class"]) == ("DynamicCache", "LatentCache")
@@ -211,8 +174,8 @@ def test_half_ratio_cache_holds_latents_of_width_r(make_tiny, compress, group_si
 def test_truncated_model_differs_but_its_cache_path_is_still_exact(make_tiny, compress) -> None:
     model = make_tiny("llama", 2)
     comp, _ = compress(model, 1, ratio=0.5)
-    ids, mask = _left_padded((T, 8, 5))
-    pos = _positions(mask)
+    ids, mask = left_padded((T, 8, 5))
+    pos = positions_for(mask)
     with torch.no_grad():
         full = comp(ids, attention_mask=mask, position_ids=pos).logits
         out = comp(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], use_cache=True)
@@ -223,8 +186,8 @@ def test_truncated_model_differs_but_its_cache_path_is_still_exact(make_tiny, co
             steps.append(out.logits)
         ref = model(ids, attention_mask=mask, position_ids=pos).logits
     valid = mask.bool()
-    assert _max_diff(torch.cat(steps, 1)[valid], full[valid]) <= 1e-5
-    assert _max_diff(full[valid], ref[valid]) > 1e-2  # rank 4 of 8 per head is not the original
+    assert max_diff(torch.cat(steps, 1)[valid], full[valid]) <= 1e-5
+    assert max_diff(full[valid], ref[valid]) > 1e-2  # rank 4 of 8 per head is not the original
 
 
 # -------------------------------------------------------------------------------- cache interoperation
@@ -234,17 +197,17 @@ def test_filled_dynamic_cache_is_refused(make_tiny, compress) -> None:
     model = make_tiny("llama", 2)
     comp, _ = compress(model, 1)
     with torch.no_grad():
-        filled = model(_ids(1, 5), use_cache=True).past_key_values
+        filled = model(ids_for(1, 5), use_cache=True).past_key_values
         assert type(filled) is DynamicCache and filled.get_seq_length() == 5
         with pytest.raises(TypeError, match="LatentCache"):
-            comp(_ids(1, 1), past_key_values=filled, use_cache=True)
+            comp(ids_for(1, 1), past_key_values=filled, use_cache=True)
 
 
 @pytest.mark.parametrize("empty", [DynamicCache, lambda: None], ids=["empty-DynamicCache", "none"])
 def test_empty_or_missing_cache_becomes_a_latent_cache(make_tiny, compress, empty) -> None:
     model = make_tiny("llama", 2)
     comp, _ = compress(model, 1)
-    ids = _ids(2, 6)
+    ids = ids_for(2, 6)
     with torch.no_grad():
         out = comp(ids, past_key_values=empty(), use_cache=True)
         no_cache = comp(ids, use_cache=False)
@@ -266,10 +229,10 @@ def _prefilled(make_tiny, compress):
     full-forward logits (the reference), and a LatentCache prefilled with all 13 tokens."""
     model = make_tiny("llama", 2)
     comp, _ = compress(model, 1, ratio=0.5)
-    prompt, prompt_mask = _left_padded((10, 7, 4))
-    ids = torch.cat([prompt, _ids(3, 3, seed=5)], dim=1)  # (3, 13)
+    prompt, prompt_mask = left_padded((10, 7, 4))
+    ids = torch.cat([prompt, ids_for(3, 3, seed=5)], dim=1)  # (3, 13)
     mask = torch.cat([prompt_mask, torch.ones(3, 3, dtype=torch.long)], dim=1)
-    pos = _positions(mask)
+    pos = positions_for(mask)
     with torch.no_grad():
         ref = comp(ids, attention_mask=mask, position_ids=pos).logits  # (3, 13, V)
         cache = comp(ids, attention_mask=mask, position_ids=pos, use_cache=True).past_key_values
@@ -291,7 +254,7 @@ def test_crop_keeps_latents_and_positions_consistent(make_tiny, compress) -> Non
     for layer in cache.layers:
         assert layer.keys.shape[1] == layer.values.shape[1] == layer.positions.shape[1] == 10
         assert torch.equal(layer.positions, pos[:, :10].int())
-    assert _max_diff(_continue(comp, cache, ids, mask, pos, rows), ref[:, 10:]) <= 1e-5
+    assert max_diff(_continue(comp, cache, ids, mask, pos, rows), ref[:, 10:]) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -315,15 +278,15 @@ def test_batch_operations_keep_positions_with_their_rows(make_tiny, compress, op
         assert layer.keys.shape[0] == layer.values.shape[0] == len(rows)
         assert torch.equal(layer.positions, pos[rows, :10].int())
     valid = _continue(comp, cache, ids, mask, pos, rows)
-    assert _max_diff(valid, ref[rows, 10:]) <= 1e-5
+    assert max_diff(valid, ref[rows, 10:]) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_beam_search_matches_the_original_at_full_rank(make_tiny, compress, family) -> None:
     model = make_tiny(family, 2, **_overrides(family))
     comp, _ = compress(model, 2)
-    ids, mask = _left_padded((7, 4))
-    expected = _greedy(model, ids, mask, num_beams=2)
+    ids, mask = left_padded((7, 4))
+    expected = greedy(model, ids, mask, num_beams=2)
     got = comp.generate(
         ids,
         attention_mask=mask,

@@ -1,0 +1,44 @@
+"""Inputs shared by the exactness tests: random ids, left-padded prompts, greedy generation."""
+
+from __future__ import annotations
+
+import torch
+
+PAD = 0
+
+
+def ids_for(batch: int, length: int, seed: int = 7, vocab: int = 61) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(lengths: tuple[int, ...], seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths, left-padded: ``(input_ids, attention_mask)``, both (B, max length)."""
+    width = max(lengths)
+    ids = ids_for(len(lengths), width, seed)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n :] = 1
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def positions_for(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as generate() derives them from a left-padded mask (pads get 1; they are masked)."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def greedy(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    if mask is None:
+        mask = torch.ones_like(ids)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        **kwargs,
+    )
