@@ -8,6 +8,7 @@ from typing import Any
 from prefect import flow, unmapped
 
 from lrkv_core.decompose import needs_gram
+from lrkv_core.ranks import needs_fisher
 from lrkv_tasks import convert as t
 from lrkv_tasks.recipe import ConvertRecipe
 from lrkv_tasks.store import LocalStore
@@ -50,7 +51,14 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         store=unmapped(store),
     )
     layers = [_record(timings, f"decompose_layer[{i}]", f) for i, f in enumerate(futures)]
-    plan = _record(timings, "plan_ranks", t.plan_ranks.submit(model, layers, comp.model_dump(), store))
+    fisher = None
+    if needs_fisher(comp.allocator):
+        fisher = _record(
+            timings,
+            "collect_fisher",
+            t.collect_fisher.submit(model, calib, recipe.dtype, cal.batch_size, comp.fisher_per_row, store),
+        )
+    plan = _record(timings, "plan_ranks", t.plan_ranks.submit(layers, comp.model_dump(), fisher, store))
     built = _record(
         timings,
         "build_model",

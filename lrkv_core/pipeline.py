@@ -15,10 +15,11 @@ from . import evaluate
 from .adapters import get_adapter
 from .data import eval_windows, extract_calibration, read_token_rows
 from .decompose import decompose_layer, load_layer_factors, save_layer_factors
+from .fisher import collect_fisher, load_fisher, save_fisher
 from .fuse import compress_model
 from .io import save_compressed
 from .models import load_model, load_tokenizer, read_kv_weights
-from .ranks import RankPlan, allocate_ranks
+from .ranks import RankPlan, plan_from_factors
 from .stats import collect_gram, load_gram, save_grams
 
 Progress = Callable[[int, int], None] | None
@@ -69,25 +70,39 @@ def decompose_file(
     return {"path": out_path, "layer": layer, "info": factors.info, "sigma_max": top}
 
 
+def fisher_file(
+    model_dir: str,
+    calib_path: str,
+    out_path: str,
+    *,
+    dtype: str = "float32",
+    batch_size: int = 8,
+    per_row: bool = True,
+    progress: Progress = None,
+) -> dict:
+    """Diagonal empirical Fisher of every layer's k/v_proj weights, written as safetensors."""
+    model, _ = load_model(model_dir, dtype=dtype)
+    rows = read_token_rows(calib_path)  # (N, T)
+    fisher, n = collect_fisher(model, rows, batch_size=batch_size, per_row=per_row, progress=progress)
+    save_fisher(fisher, n, out_path, per_row=per_row)
+    return {"path": out_path, "n_samples": n, "per_row": per_row}
+
+
 def plan_file(
     factor_paths: list[str],
     out_path: str,
     *,
     ratio: float,
-    group_size: int,
-    head_dim: int,
     rank_multiple: int,
     allocator: str,
+    fisher_path: str | None = None,
+    options: dict | None = None,
 ) -> dict:
-    """Allocate ranks from the layers' spectra; writes the RankPlan JSON."""
-    spectra = [load_layer_factors(p).spectra() for p in factor_paths]
-    plan = allocate_ranks(
-        spectra,
-        ratio=ratio,
-        group_size=group_size,
-        head_dim=head_dim,
-        rank_multiple=rank_multiple,
-        allocator=allocator,
+    """Allocate ranks from the layers' factors (and Fisher, for the allocators that use it); writes JSON."""
+    factors = [load_layer_factors(p) for p in factor_paths]
+    fisher = load_fisher(fisher_path)[0] if fisher_path else None
+    plan = plan_from_factors(
+        factors, ratio=ratio, rank_multiple=rank_multiple, allocator=allocator, fisher=fisher, options=options
     )
     plan.save(out_path)
     return {"path": out_path, "target_ratio": plan.target_ratio, "achieved_ratio": plan.achieved_ratio}

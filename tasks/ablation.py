@@ -113,7 +113,7 @@ def summarize_ablation(rows: list[dict], recipe: dict, store: str, out_dir: str 
         | {f"version.{k}": v for k, v in versions().items()},
         metrics={"rows": len(rows), "failed_rows": len(rows) - len(ok)},
         json_artifacts={"ablation_rows.json": {"rows": rows}},
-        file_artifacts=[str(p) for p in sorted(target.iterdir()) if p.name.startswith("ablation")],
+        file_artifacts={p.name: str(p) for p in sorted(target.iterdir()) if p.name.startswith("ablation")},
         tags={"lrkv.kind": "ablation"},
     )
     return {"dir": str(target), "mlflow": run, "markdown": files["ablation.md"]}

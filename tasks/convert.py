@@ -124,21 +124,48 @@ def decompose_layer(
     return info
 
 
-@task(name="plan_ranks", cache_key_fn=_key, **CACHED)
-def plan_ranks(model: dict, layers: list[dict], compression: dict, store: str) -> dict:
-    """Allocate ranks for the target ratio; the plan is a JSON artifact."""
+@task(name="collect_fisher", cache_key_fn=_key, **CACHED)
+def collect_fisher(model: dict, calib: dict, dtype: str, batch_size: int, per_row: bool, store: str) -> dict:
+    """Diagonal empirical Fisher of the k/v_proj weights (for Fisher-based rank allocation)."""
     st = LocalStore(store)
+    with st.staging(".safetensors") as tmp, step("collect Fisher") as advance:
+        info = pipeline.fisher_file(
+            model["dir"],
+            calib["path"],
+            str(tmp),
+            dtype=dtype,
+            batch_size=batch_size,
+            per_row=per_row,
+            progress=advance,
+        )
+        info["path"], info["sha256"] = st.put(tmp, "fisher")
+    return info
+
+
+@task(name="plan_ranks", cache_key_fn=_key, **CACHED)
+def plan_ranks(layers: list[dict], compression: dict, fisher: dict | None, store: str) -> dict:
+    """Allocate ranks for the target ratio; the plan is a JSON artifact plus a heatmap PNG."""
+    from lrkv_core.ranks import RankPlan
+
+    from .plots import plot_rank_heatmap
+
+    st = LocalStore(store)
+    options = {"skip_threshold": compression["skip_threshold"]} if compression.get("skip_threshold") else None
     with st.staging(".json") as tmp:
         info = pipeline.plan_file(
             [f["path"] for f in layers],
             str(tmp),
             ratio=compression["ratio"],
-            group_size=compression["group_size"],
-            head_dim=model["shape"]["D"],
             rank_multiple=compression["rank_multiple"],
             allocator=compression["allocator"],
+            fisher_path=fisher["path"] if fisher else None,
+            options=options,
         )
+        plan = RankPlan.load(tmp)
         info["path"], info["sha256"] = st.put(tmp, "plans")
+    with st.staging(".png") as png:
+        plot_rank_heatmap(plan, png)
+        info["heatmap"], _ = st.put(png, "plans")
     return info
 
 
@@ -236,6 +263,6 @@ def log_run(
             "rank_plan.json": json.loads(Path(plan["path"]).read_text()),
             "recipe.json": recipe,
         },
-        file_artifacts=[],
+        file_artifacts={"rank_plan_heatmap.png": plan["heatmap"]},
         tags={"lrkv.method": recipe["compression"]["name"], "lrkv.model": model["ref"]},
     ) | {"metrics": metrics}

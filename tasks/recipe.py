@@ -32,6 +32,8 @@ class PaluRecipe(Strict):
     group_size: int = Field(1, ge=1, description="KV heads decomposed together: 1 = M-LRD, Hkv = J-LRD")
     rank_multiple: int = Field(8, ge=1)
     allocator: Literal["uniform", "fisher", "lorc", "eigen", "fisher-greedy"] = "uniform"
+    skip_threshold: float | None = Field(None, gt=0, description="lorc: layers with κ below keep full rank")
+    fisher_per_row: bool = Field(True, description="Fisher: squared gradients per row, else per batch")
 
 
 class EvalRecipe(Strict):

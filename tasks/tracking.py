@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def log_conversion(
     params: dict,
     metrics: dict[str, float],
     json_artifacts: dict[str, dict],
-    file_artifacts: list[str],
+    file_artifacts: dict[str, str],
     tags: dict[str, str],
 ) -> dict:
     """One MLflow run with params, metrics and artifacts; returns its ids."""
@@ -74,8 +75,10 @@ def log_conversion(
                 path = Path(tmp) / name
                 path.write_text(json.dumps(obj, indent=2, default=str))
                 client.log_artifact(rid, str(path))
-        for path in file_artifacts:
-            client.log_artifact(rid, path)
+            for name, src in file_artifacts.items():  # logged under a readable name, not the store's hash
+                path = Path(tmp) / name
+                shutil.copyfile(src, path)
+                client.log_artifact(rid, str(path))
         client.set_terminated(rid, "FINISHED")
     except BaseException:
         client.set_terminated(rid, "FAILED")

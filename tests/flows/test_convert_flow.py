@@ -68,7 +68,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert run.data.params["fingerprint.model"] == first["model"]["fingerprint"]
     assert "version.transformers" in run.data.params
     artifacts = {a.path for a in MlflowClient(tracking_uri=mlflow_server).list_artifacts(run.info.run_id)}
-    assert {"rank_plan.json", "eval.json", "recipe.json"} <= artifacts
+    assert {"rank_plan.json", "rank_plan_heatmap.png", "eval.json", "recipe.json"} <= artifacts
 
     # an identical re-run recomputes nothing
     second = convert_flow(recipe)
@@ -84,13 +84,13 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert states.pop("export_model") == "Completed" and set(states.values()) == {"Cached"}
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
-    # a different ratio reuses calibration, stats and factors
-    half = convert_flow(
-        recipe.model_copy(update={"compression": recipe.compression.model_copy(update={"ratio": 0.5})})
-    )
+    # another ratio and a Fisher-based allocator reuse calibration, stats and factors
+    comp = recipe.compression.model_copy(update={"ratio": 0.5, "allocator": "fisher-greedy"})
+    half = convert_flow(recipe.model_copy(update={"compression": comp}))
     states = {row["task"]: row["state"] for row in half["timings"]}
     assert states["collect_stats"] == "Cached" and states["decompose_layer[0]"] == "Cached"
-    assert states["plan_ranks"] == "Completed" and half["plan"]["achieved_ratio"] == 0.5
+    assert states["collect_fisher"] == "Completed" and states["plan_ranks"] == "Completed"
+    assert half["plan"]["achieved_ratio"] == 0.5
 
 
 def test_convert_flow_on_stories260k_is_exact_at_full_rank(prefect_api, tmp_path):

@@ -28,8 +28,8 @@ def test_task_chain_produces_an_exact_full_rank_model(setup):
     assert stats["n_tokens"] == 8 * 32
     layers = [t.decompose_layer.fn(model, stats, i, 2, "whitened", store) for i in range(2)]
     comp = {"ratio": 1.0, "group_size": 2, "rank_multiple": 8, "allocator": "uniform"}
-    plan = t.plan_ranks.fn(model, layers, comp, store)
-    assert plan["achieved_ratio"] == 1.0
+    plan = t.plan_ranks.fn(layers, comp, None, store)
+    assert plan["achieved_ratio"] == 1.0 and plan["heatmap"].endswith(".png")
     assert json.loads(open(plan["path"]).read())["ranks"]["k"] == [[16], [16]]
     built = t.build_model.fn(model, layers, plan, "whitened", "float32", store)
     assert built["path"].startswith(store) and len(built["fingerprint"]) == 64

@@ -13,7 +13,7 @@ def _log(uri):
         params={"recipe.compression.ratio": 0.5},
         metrics={"achieved_ratio": 0.5, "compressed_prefill_ppl": 12.5},
         json_artifacts={"rank_plan.json": {"ranks": {"k": [[8]], "v": [[8]]}}},
-        file_artifacts=[],
+        file_artifacts={},
         tags={"lrkv.method": "palu"},
     )
 

@@ -1,0 +1,61 @@
+"""Figures for run artifacts. Matplotlib lives here, never in lrkv_core.
+
+Figures are drawn on an explicit Agg canvas (no pyplot, no global backend switch), so importing this module
+changes nothing and plotting works without a display.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from lrkv_core.ranks import RankPlan
+
+
+def rank_matrix(plan: RankPlan) -> tuple[np.ndarray, list[str]]:
+    """(L, 2·G) ranks, columns K groups then V groups, and the column labels."""
+    n_groups = len(plan.ranks["k"][0])
+    rows = [list(rk) + list(rv) for rk, rv in zip(plan.ranks["k"], plan.ranks["v"], strict=True)]
+    labels = [
+        f"{kind.upper()}{g}" if n_groups > 1 else kind.upper() for kind in "kv" for g in range(n_groups)
+    ]
+    return np.asarray(rows, dtype=float), labels
+
+
+def plot_rank_heatmap(plan: RankPlan, path: str | Path, *, annotate: bool | None = None) -> Path:
+    """Heatmap of a rank plan, layers × (K groups | V groups), like Palu's Fig. 8; writes a PNG.
+
+    Cells are coloured by kept fraction of the group width (0..1, shared scale across plans) and labelled
+    with the rank when the grid is small enough to read (``annotate=None``: up to 40 × 16 cells).
+    """
+    ranks, labels = rank_matrix(plan)
+    n_layers, n_cols = ranks.shape
+    annotate = n_layers <= 40 and n_cols <= 16 if annotate is None else annotate
+    fig = Figure(figsize=(min(2.0 + 0.55 * n_cols, 14.0), min(1.6 + 0.28 * n_layers, 18.0)), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(ranks / plan.group_width, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    n_groups = n_cols // 2
+    ax.axvline(n_groups - 0.5, color="white", linewidth=2)  # K | V
+    ax.set_xticks(range(n_cols), labels, fontsize=8)
+    step = max(1, n_layers // 20)
+    ax.set_yticks(range(0, n_layers, step), [str(i) for i in range(0, n_layers, step)], fontsize=8)
+    ax.set_xlabel("K groups | V groups")
+    ax.set_ylabel("layer")
+    if annotate:
+        for (i, j), r in np.ndenumerate(ranks):
+            colour = "black" if r / plan.group_width > 0.6 else "white"
+            ax.text(j, i, f"{int(r)}", ha="center", va="center", fontsize=7, color=colour)
+    ax.set_title(
+        f"{plan.allocator} ranks (group width {plan.group_width}, multiple {plan.rank_multiple})\n"
+        f"target {plan.target_ratio:.3f}, achieved {plan.achieved_ratio:.4f}",
+        fontsize=9,
+    )
+    fig.colorbar(image, ax=ax, label="kept fraction of group width", fraction=0.05, pad=0.03)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, format="png")
+    return out

@@ -1,0 +1,311 @@
+"""Rank allocators: the budget rule, monotonicity in sensitivity, determinism, each method's own property."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from lrkv_core.allocators import ALLOCATORS, RankProblem, fit_to_budget, needs_fisher, relative_errors
+from lrkv_core.decompose import decompose_layer
+from lrkv_core.evaluate import kv_bytes_per_token
+from lrkv_core.fisher import collect_fisher
+from lrkv_core.fuse import compress_model
+from lrkv_core.ranks import RankPlan, allocate_ranks, plan_from_factors
+from lrkv_core.stats import collect_gram
+
+N_LAYERS, HKV, HEAD_DIM, GROUP_SIZE = 4, 4, 32, 2
+WIDTH = GROUP_SIZE * HEAD_DIM  # 64
+SHORT_LAYER, SHORT_RANK = 1, 56  # d < s·D: this layer's groups have only 56 directions (partial last steps)
+
+
+def _inputs(seed: int = 0) -> dict:
+    """Synthetic spectra (geometric decay, a rate per group), Fisher sums and Fisher-weighted error curves."""
+    gen = torch.Generator().manual_seed(seed)
+    spectra, sensitivity, curves = [], [], []
+    for layer in range(N_LAYERS):
+        n = SHORT_RANK if layer == SHORT_LAYER else WIDTH
+        entry, sens, curve = {}, {}, {}
+        for kind in "kv":
+            entry[kind], sens[kind], curve[kind] = [], [], []
+            for _ in range(HKV // GROUP_SIZE):
+                rate = 0.02 + 0.2 * torch.rand((), generator=gen, dtype=torch.float64)
+                sigma = torch.exp(-rate * torch.arange(n, dtype=torch.float64))
+                f = float(10 ** (2 * torch.rand((), generator=gen) - 1))
+                tail = torch.cat([(sigma**2).flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])
+                entry[kind].append(sigma)
+                sens[kind].append(f)
+                curve[kind].append(f * tail)
+        spectra.append(entry)
+        sensitivity.append(sens)
+        curves.append(curve)
+    return {"spectra": spectra, "sensitivity": sensitivity, "error_curves": curves}
+
+
+def _allocate(allocator: str, ratio: float, multiple: int, inputs: dict | None = None, **kw) -> RankPlan:
+    inputs = inputs or _inputs()
+    return allocate_ranks(
+        inputs["spectra"],
+        ratio=ratio,
+        group_size=GROUP_SIZE,
+        head_dim=HEAD_DIM,
+        rank_multiple=multiple,
+        allocator=allocator,
+        sensitivity=inputs["sensitivity"],
+        error_curves=inputs["error_curves"],
+        **kw,
+    )
+
+
+def _flat(plan: RankPlan) -> list[int]:
+    return [r for layer in range(len(plan.ranks["k"])) for kind in "kv" for r in plan.ranks[kind][layer]]
+
+
+def _caps(inputs: dict) -> list[int]:
+    return [s.numel() for layer in inputs["spectra"] for kind in "kv" for s in layer[kind]]
+
+
+MULTIPLES = (1, 8, 16, 32)
+RATIOS = (0.2, 0.35, 0.5, 0.7, 0.9, 1.0)
+
+
+@pytest.mark.parametrize("allocator", sorted(ALLOCATORS))
+@pytest.mark.parametrize("multiple", MULTIPLES)
+def test_every_allocator_meets_the_budget_within_one_rounding_step(allocator: str, multiple: int) -> None:
+    inputs = _inputs()
+    caps = _caps(inputs)
+    full = 2 * N_LAYERS * HKV * HEAD_DIM
+    for ratio in RATIOS:
+        budget = math.floor(ratio * full + 1e-9)
+        if sum(min(multiple, c) for c in caps) > budget:  # one step per group does not fit
+            with pytest.raises(ValueError, match="leaves rank 0"):
+                _allocate(allocator, ratio, multiple, inputs)
+            continue
+        plan = _allocate(allocator, ratio, multiple, inputs)
+        ranks = _flat(plan)
+        assert plan.full_width == full and plan.budget_width == budget
+        assert plan.kept == sum(ranks) <= budget
+        assert plan.achieved_ratio == sum(ranks) / (2 * N_LAYERS * HKV * HEAD_DIM) <= ratio
+        all_full = ranks == caps
+        assert budget - plan.kept < multiple or all_full, (ratio, budget, plan.kept)
+        for r, cap in zip(ranks, caps, strict=True):
+            assert min(multiple, cap) <= r <= cap and (r % multiple == 0 or r == cap)
+
+
+@pytest.mark.parametrize("allocator", sorted(ALLOCATORS))
+def test_allocation_is_deterministic(allocator: str, tmp_path) -> None:
+    options = {"skip_threshold": 1.5} if allocator == "lorc" else None
+    a = _allocate(allocator, 0.45, 8, _inputs(3), options=options)
+    b = _allocate(allocator, 0.45, 8, _inputs(3), options=options)  # fresh tensors, same values
+    assert a == b and a.allocator == allocator
+    a.save(tmp_path / "a.json")
+    b.save(tmp_path / "b.json")
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert RankPlan.load(tmp_path / "a.json") == a  # details survive the JSON round trip
+
+
+def _equal_spectra(sensitivity: list[float]) -> dict:
+    """Every group has the same spectrum; only the Fisher sums differ. 2 layers × K/V × 2 groups."""
+    sigma = torch.exp(-0.05 * torch.arange(WIDTH, dtype=torch.float64))
+    it = iter(sensitivity)
+    sens = [{kind: [next(it) for _ in range(2)] for kind in "kv"} for _ in range(2)]
+    return {"spectra": [{kind: [sigma] * 2 for kind in "kv"} for _ in range(2)], "sensitivity": sens}
+
+
+@pytest.mark.parametrize("multiple", MULTIPLES)
+@pytest.mark.parametrize("ratio", (0.5, 0.62, 0.8))
+def test_fisher_rank_is_monotone_in_the_fisher_sum(multiple: int, ratio: float) -> None:
+    gen = torch.Generator().manual_seed(multiple)
+    fisher = (10 ** (3 * torch.rand(8, generator=gen, dtype=torch.float64))).tolist()
+    kw = dict(
+        ratio=ratio, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=multiple, allocator="fisher"
+    )
+    inputs = _equal_spectra(fisher)
+    ranks = _flat(allocate_ranks(inputs["spectra"], sensitivity=inputs["sensitivity"], **kw))
+    for a in range(8):
+        for b in range(8):
+            if fisher[a] > fisher[b]:
+                assert ranks[a] >= ranks[b], (fisher, ranks)
+    # holding the rest equal: raising one group's Fisher never lowers its rank
+    for j in range(8):
+        raised = _equal_spectra([f * 4 if i == j else f for i, f in enumerate(fisher)])
+        assert (
+            _flat(allocate_ranks(raised["spectra"], sensitivity=raised["sensitivity"], **kw))[j] >= ranks[j]
+        )
+
+
+def test_fisher_ranks_are_proportional_to_the_fisher_sum() -> None:
+    inputs = _equal_spectra([1.0, 2.0, 3.0, 2.0, 1.0, 1.0, 4.0, 2.0])  # Σ = 16, budget 0.5·8·64 = 256
+    plan = allocate_ranks(
+        inputs["spectra"], sensitivity=inputs["sensitivity"], ratio=0.5, group_size=2, head_dim=32,
+        rank_multiple=1, allocator="fisher",
+    )  # fmt: skip
+    assert _flat(plan) == [16, 32, 48, 32, 16, 16, 64, 32] and plan.kept == 256
+    assert plan.details["lambda"] == pytest.approx(16.0)
+
+
+@pytest.mark.parametrize("multiple", MULTIPLES)
+@pytest.mark.parametrize("ratio", (0.5, 0.62, 0.8))
+def test_eigen_gives_faster_decaying_layers_no_more_rank(multiple: int, ratio: float) -> None:
+    rates = [0.15, 0.03, 0.3, 0.08]  # one decay rate per layer, shared by its K/V groups
+    spectra = [
+        {kind: [torch.exp(-rate * torch.arange(WIDTH, dtype=torch.float64))] * 2 for kind in "kv"}
+        for rate in rates
+    ]
+    plan = allocate_ranks(
+        spectra,
+        ratio=ratio,
+        group_size=GROUP_SIZE,
+        head_dim=HEAD_DIM,
+        rank_multiple=multiple,
+        allocator="eigen",
+    )
+    per_layer = [plan.ranks["k"][layer] + plan.ranks["v"][layer] for layer in range(4)]
+    for a in range(4):
+        for b in range(4):
+            if rates[a] > rates[b]:
+                assert max(per_layer[a]) <= min(per_layer[b]), (rates, per_layer)
+    eps = plan.details["epsilon"]
+    for layer in range(len(rates)):  # every group meets the error budget it was given
+        err = relative_errors(spectra[layer]["k"][0])
+        assert all(err[r] <= eps for r in per_layer[layer])
+
+
+def test_lorc_is_progressive_and_solves_d_min() -> None:
+    gen = torch.Generator().manual_seed(5)
+    spectra = [
+        {kind: [torch.rand(WIDTH, generator=gen, dtype=torch.float64).sort(descending=True).values + 0.01] * 2
+         for kind in "kv"}
+        for _ in range(6)
+    ]  # fmt: skip
+    kw = dict(group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1, allocator="lorc")
+    plan = allocate_ranks(spectra, ratio=0.6, **kw)
+    per_layer = [plan.ranks["k"][layer][0] for layer in range(6)]
+    assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] == WIDTH  # shallow layers keep more
+    flat_k, flat_v = (sum(plan.ranks[kind], []) for kind in "kv")
+    assert all(abs(a - b) <= 1 for a, b in zip(flat_k, flat_v))  # one fraction per layer, ± a leftover step
+    assert 0 < plan.details["d_min"] < 1 and plan.details["d_max"] == 1
+    cum = plan.details["log_cumulative_condition"]
+    assert cum == sorted(cum, reverse=True) and cum[-1] == pytest.approx(plan.details["log_condition"][-1])
+    low = allocate_ranks(spectra, ratio=0.2, **kw)  # below what d_min = 0 allows: d_max is lowered instead
+    assert low.details["d_min"] == 0 and 0 < low.details["d_max"] < 1
+    assert low.budget_width - low.kept < 1
+
+
+def test_lorc_skip_threshold_keeps_well_conditioned_layers_at_full_rank() -> None:
+    decaying = torch.exp(-0.1 * torch.arange(WIDTH, dtype=torch.float64))  # κ = e^6.3 per matrix
+    flat = torch.linspace(1.0, 0.8, WIDTH, dtype=torch.float64)  # κ = 1.25 per matrix
+    spectra = [{kind: [s] * 2 for kind in "kv"} for s in (decaying, decaying, flat, decaying)]
+    kw = dict(group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=8, allocator="lorc")
+    plan = allocate_ranks(spectra, ratio=0.5, options={"skip_threshold": 2.0}, **kw)
+    assert plan.details["skipped_layers"] == [2]
+    assert plan.ranks["k"][2] == plan.ranks["v"][2] == [WIDTH, WIDTH]
+    assert plan.budget_width - plan.kept < 8 and all(r < WIDTH for r in plan.ranks["k"][3])
+    with pytest.raises(
+        ValueError, match="skip threshold 1000000.0 keeps layers \\[0, 1, 2, 3\\] at full rank"
+    ):
+        allocate_ranks(spectra, ratio=0.5, options={"skip_threshold": 1e6}, **kw)
+
+
+def test_fisher_greedy_with_unit_fisher_keeps_the_globally_largest_singular_values() -> None:
+    """Unit Fisher + plain SVD: the weighted error is Eckart–Young's tail, and greedy is optimal (convex)."""
+    gen = torch.Generator().manual_seed(2)
+    spectra, curves = [], []
+    for _ in range(3):
+        s = {kind: [torch.rand(WIDTH, generator=gen, dtype=torch.float64).sort(descending=True).values + 1
+                    for _ in range(2)] for kind in "kv"}  # fmt: skip
+        spectra.append(s)
+        curves.append({k: [torch.cat([(x**2).flip(0).cumsum(0).flip(0), x.new_zeros(1)]) for x in v]
+                       for k, v in s.items()})  # fmt: skip
+    plan = allocate_ranks(
+        spectra, ratio=0.4, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1,
+        allocator="fisher-greedy", error_curves=curves,
+    )  # fmt: skip
+    kept = sum(
+        float((spectra[layer][kind][g][:r] ** 2).sum())
+        for layer in range(3)
+        for kind in "kv"
+        for g, r in enumerate(plan.ranks[kind][layer])
+    )
+    everything = torch.cat([x for layer in spectra for kind in "kv" for x in layer[kind]]) ** 2
+    assert kept == pytest.approx(float(everything.sort(descending=True).values[: plan.kept].sum()), rel=1e-12)
+    total = sum(float(c[0]) for layer in curves for kind in "kv" for c in layer[kind])
+    assert plan.details["weighted_error"] == pytest.approx(total - kept, rel=1e-9)
+
+
+def test_allocators_that_need_fisher_say_so() -> None:
+    spectra = _inputs()["spectra"]
+    kw = dict(ratio=0.5, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=8)
+    assert [name for name in sorted(ALLOCATORS) if needs_fisher(name)] == ["fisher", "fisher-greedy"]
+    for name in ("fisher", "fisher-greedy"):
+        with pytest.raises(ValueError, match=f"allocator '{name}' needs the Fisher information"):
+            allocate_ranks(spectra, allocator=name, **kw)
+    for name in ("uniform", "lorc", "eigen"):
+        assert allocate_ranks(spectra, allocator=name, **kw).kept <= 512
+    with pytest.raises(ValueError, match=r"allocator 'eigen' has no options \['skip_threshold'\]"):
+        allocate_ranks(spectra, allocator="eigen", options={"skip_threshold": 2.0}, **kw)
+    coarse = _inputs()
+    for layer in coarse["error_curves"]:
+        for kind in "kv":
+            for c in layer[kind]:
+                c[1::2] = float("nan")  # as if computed for rank multiple 2
+    with pytest.raises(ValueError, match="lacks ranks on the grid of rank multiple 1"):
+        _allocate("fisher-greedy", 0.5, 1, coarse)
+    assert (
+        _allocate("fisher-greedy", 0.5, 8, coarse).budget_width - _allocate("fisher-greedy", 0.5, 8).kept < 8
+    )
+
+
+def _toy_problem(caps: list[int], multiple: int, ratio: float) -> RankProblem:
+    spectra = [{"k": [torch.ones(c, dtype=torch.float64) for c in caps], "v": []}]
+    return RankProblem(spectra, group_width=max(caps), ratio=ratio, rank_multiple=multiple)
+
+
+def test_fit_to_budget_spends_leftover_on_the_largest_benefit_and_trims_the_smallest() -> None:
+    problem = _toy_problem([16, 16, 16], multiple=4, ratio=0.5)  # budget 24
+    targets = [9.5, 7.9, 6.6]
+
+    def deficit(i: int, r: int) -> float:
+        return targets[i] - r
+
+    assert fit_to_budget(problem, [8, 4, 4], deficit) == [8, 8, 8]  # leftover 8: deficits 3.9 and 2.6 win
+    over = fit_to_budget(problem, [16, 16, 16], deficit)  # over budget: the largest surplus goes first
+    assert over == [8, 8, 8]
+    assert fit_to_budget(problem, [4, 4, 4], lambda i, r: 0.0) == [16, 4, 4]  # ties favour the first group
+    assert fit_to_budget(problem, [16, 16, 16], lambda i, r: 0.0) == [16, 4, 4]
+    with pytest.raises(AssertionError, match="not an allowed rank"):
+        fit_to_budget(problem, [5, 4, 4], deficit)
+
+
+def test_partial_last_step_to_a_max_rank_off_the_grid() -> None:
+    problem = _toy_problem([64, 56], multiple=32, ratio=1.0)  # grid: {32, 64} and {32, 56}
+    assert problem.grid(1) == [32, 56] and problem.next_rank(1, 32) == 56 and problem.prev_rank(1, 56) == 32
+    assert fit_to_budget(problem, [32, 32], lambda i, r: 1.0) == [64, 56]
+
+
+def test_plans_from_a_tiny_model_are_what_the_cache_holds(make_tiny, one_thread) -> None:
+    """End to end: Fisher + factors → every allocator's plan → compressed model whose cache holds Σ r."""
+    model = make_tiny("llama", 2)  # L=2, Hkv=2, D=8, d=32
+    rows = torch.randint(3, 61, (8, 16), generator=torch.Generator().manual_seed(0))
+    grams, _ = collect_gram(model, rows)
+    fisher, _ = collect_fisher(model, rows, batch_size=4)
+    factors = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        kw = dict(n_kv_heads=2, head_dim=8, group_size=1, method="whitened")
+        factors.append(decompose_layer(i, attn.k_proj.weight, attn.v_proj.weight, grams[i], **kw))
+    windows = rows[:2]
+    for name in sorted(ALLOCATORS):
+        plan = plan_from_factors(factors, ratio=0.55, rank_multiple=1, allocator=name, fisher=fisher)
+        assert plan.budget_width == 35 and plan.kept == 35 and plan.achieved_ratio == 35 / 64
+        comp = compress_model(copy.deepcopy(model), factors, plan, "whitened")
+        got = kv_bytes_per_token(comp, windows, n_rows=2)
+        assert (
+            got["kv_bytes_per_token"] == plan.kept * 4 + 2 * 4
+        )  # fp32 latents + an int32 position per layer
+        with torch.no_grad():
+            assert torch.isfinite(comp(windows).logits).all()
+    with pytest.raises(ValueError, match="needs the Fisher information"):
+        plan_from_factors(factors, ratio=0.5, rank_multiple=1, allocator="fisher-greedy")
