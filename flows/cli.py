@@ -88,7 +88,10 @@ def convert(
     group_size: Annotated[
         Optional[int], typer.Option(help="KV heads per group: 1 = M-LRD, Hkv = J-LRD")
     ] = None,
-    decomposition: Annotated[Optional[str], typer.Option(help="whitened | plain")] = None,
+    decomposition: Annotated[Optional[str], typer.Option(help="whitened | plain | pca")] = None,
+    allocator: Annotated[
+        Optional[str], typer.Option(help="uniform | fisher | lorc | eigen | fisher-greedy")
+    ] = None,
     rank_multiple: Annotated[
         Optional[int], typer.Option(help="round ranks down to a multiple of this")
     ] = None,
@@ -116,6 +119,7 @@ def convert(
         "compression.ratio": ratio,
         "compression.group_size": group_size,
         "compression.decomposition": decomposition,
+        "compression.allocator": allocator,
         "compression.rank_multiple": rank_multiple,
         "calibration.n_samples": n_samples,
         "calibration.seq_len": seq_len,
