@@ -282,6 +282,9 @@ def eval_cmd(
     base: Annotated[
         Optional[str], typer.Option(help="the original model: adds KL(base ‖ model) and top-1 agreement")
     ] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="lm-eval zero-shot tasks, comma list")] = None,
+    tasks_path: Annotated[Optional[Path], typer.Option(help="directory of local lm-eval task YAMLs")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="documents per zero-shot task")] = None,
 ) -> None:
     """Evaluate a model: prefill PPL, teacher-forced decode PPL, measured KV bytes/token."""
     from lrkv_core.pipeline import evaluate_dir
@@ -301,6 +304,17 @@ def eval_cmd(
                 base_dir=base,
                 progress=advance,
             )
+        if tasks:
+            from lrkv_tasks.zeroshot import run_zeroshot
+
+            with step("zero-shot tasks") as advance:
+                res["zeroshot"] = run_zeroshot(
+                    model_dir,
+                    _csv(tasks),
+                    include_path=str(tasks_path) if tasks_path else None,
+                    limit=limit,
+                    batch_size=batch_size,
+                )
     table = Table(title=f"eval {model_dir}")
     for col in ("measure", "nll", "ppl", "tokens"):
         table.add_column(col)
@@ -316,6 +330,8 @@ def eval_cmd(
         console.print(
             f"KL(base ‖ model): {kl['kl']:.5f} nats/token; top-1 agreement {kl['top1_agreement']:.4f}"
         )
+    for task_name, metrics in res.get("zeroshot", {}).get("results", {}).items():
+        console.print(f"{task_name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     text = json.dumps(res, indent=2)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

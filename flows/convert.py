@@ -12,6 +12,7 @@ from lrkv_core.ranks import needs_fisher
 from lrkv_tasks import convert as t
 from lrkv_tasks.recipe import ConvertRecipe
 from lrkv_tasks.store import LocalStore
+from lrkv_tasks.zeroshot import zeroshot
 
 
 def _record(timings: list[dict], name: str, future_or_state) -> Any:
@@ -79,6 +80,10 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         comp_eval = _record(
             timings, "evaluate[compressed]", t.evaluate.submit(built, ev, recipe.dtype, "compressed", model)
         )
+        if recipe.eval.zeroshot_tasks:
+            for label, ref in (("base", model), ("compressed", built)):
+                result = _record(timings, f"zeroshot[{label}]", zeroshot.submit(ref, ev, recipe.dtype, label))
+                (base_eval if label == "base" else comp_eval)["zeroshot"] = result
     run = _record(
         timings,
         "log_run",

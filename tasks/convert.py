@@ -246,6 +246,9 @@ def log_run(
         metrics[f"{label}_prefill_ppl"] = ev["prefill"]["ppl"]
         metrics[f"{label}_decode_ppl"] = ev["decode"]["ppl"]
         metrics[f"{label}_kv_bytes_per_token"] = ev["kv"]["kv_bytes_per_token"]
+        for task_name, task_metrics in ev.get("zeroshot", {}).get("results", {}).items():
+            for metric, value in task_metrics.items():
+                metrics[f"{label}_zeroshot.{task_name}.{metric}"] = value
     if eval_ and "kl" in eval_:
         metrics["kl_base_compressed"] = eval_["kl"]["kl"]
         metrics["top1_agreement"] = eval_["kl"]["top1_agreement"]

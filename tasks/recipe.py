@@ -43,6 +43,9 @@ class EvalRecipe(Strict):
     decode_prefix: int = Field(128, ge=1)
     decode_windows: int = Field(16, ge=1)
     batch_size: int = Field(8, ge=1)
+    zeroshot_tasks: list[str] = Field([], description="lm-eval task names (hub tasks need network)")
+    zeroshot_include: str | None = Field(None, description="directory of local lm-eval task YAMLs")
+    zeroshot_limit: int | None = Field(None, ge=1, description="documents per task (all if null)")
 
     @model_validator(mode="after")
     def _prefix_inside(self) -> EvalRecipe:

@@ -13,5 +13,5 @@ def prefect_api():
     """Prefect's real API (a temporary local server) for the whole session."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=180):  # the default 30 s is tight on a loaded 2-core box
         yield
