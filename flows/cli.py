@@ -199,6 +199,10 @@ def _print_summary(result: dict) -> None:
         if "kl" in comp:
             table.add_row("KL(base ‖ compressed) nats/token", "0", f"{comp['kl']['kl']:.5f}")
             table.add_row("top-1 agreement", "1", f"{comp['kl']['top1_agreement']:.4f}")
+        for task_name, metrics in comp.get("zeroshot", {}).get("results", {}).items():
+            for metric, value in metrics.items():
+                base_value = base["zeroshot"]["results"][task_name][metric]
+                table.add_row(f"{task_name} {metric}", f"{base_value:.4f}", f"{value:.4f}")
         ratio = comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"]
         table.add_row("KV bytes ratio (measured)", "1", f"{ratio:.4f}")
     plan = result["plan"]
