@@ -57,24 +57,36 @@ def _plain(
 
 
 def _pca(
-    w_k: torch.Tensor, w_v: torch.Tensor, gram: torch.Tensor | None, slices: list[slice], head_dim: int
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    gram: torch.Tensor | None,
+    slices: list[slice],
+    head_dim: int,
+    w_q: torch.Tensor | None = None,
 ) -> tuple[Groups, dict]:
-    """Eigen Attention (Saxena et al. 2024) for RoPE models: activation PCA of the K/V outputs.
+    """Eigen Attention (Saxena et al. 2024): activation PCA of the K/V outputs.
 
     Values: eigenvectors of each group's output covariance ``W_v,g G W_v,gᵀ`` (the whitened-SVD subspace,
     see :func:`~lrkv_core.linalg.fit_output_pca`). Keys: one basis ``U_k`` (D × D) from
     ``Σ_h W_k,h G W_k,hᵀ`` over the layer's KV heads, shared by every head (``B_h = U_k``), interleaved
-    per group (:func:`~lrkv_core.linalg.fit_on_shared_basis`). The key basis lives in the per-head key
-    space, before RoPE, which the latent attention applies after rebuilding keys. Non-RoPE models use a
-    joint K∪Q basis with Q projected (Eigen Attention's OPT path); this entry does not build that.
+    per group (:func:`~lrkv_core.linalg.fit_on_shared_basis`). For RoPE models the key basis lives in the
+    per-head key space before RoPE, which the latent attention applies after rebuilding keys. For non-RoPE
+    models (``w_q`` given: Eigen Attention's OPT path) the basis is the joint K∪Q one, from
+    ``Σ_h W_k,h G W_k,hᵀ + Σ_h W_q,h G W_q,hᵀ`` (unscaled q_proj); queries are projected onto it by the
+    fusion, which folds ``B_k = U`` into ``W_q``.
     """
     gram = _require_gram(gram, "activation PCA")
-    basis = fit_shared_basis(w_k, gram, head_dim)  # (D, D)
+    joint = w_k if w_q is None else torch.cat([w_k, w_q])  # (Hkv·D [+ H·D], d)
+    basis = fit_shared_basis(joint, gram, head_dim)  # (D, D)
     groups = {
         "k": [fit_on_shared_basis(w_k[sl], gram, basis) for sl in slices],
         "v": [fit_output_pca(w_v[sl], gram) for sl in slices],
     }
-    return groups, {"whitening": "none", "damping": 0, "key_basis": "shared per layer"}
+    key_basis = "shared per layer" if w_q is None else "joint K and Q, shared per layer"
+    return groups, {"whitening": "none", "damping": 0, "key_basis": key_basis}
+
+
+JOINT_QK = frozenset({"pca"})  # methods whose key basis also uses W_q on non-RoPE models
 
 
 # name -> how a layer's groups are fitted from its weights and input Gram (None: data-free)
@@ -117,6 +129,7 @@ def decompose_layer(
     head_dim: int,
     group_size: int,
     method: str = "whitened",
+    w_q: torch.Tensor | None = None,
 ) -> LayerFactors:
     """Factor k_proj and v_proj of one layer, group by group.
 
@@ -124,12 +137,16 @@ def decompose_layer(
     ----------
     w_k, w_v : (Hkv·D, d) projection weights.
     gram : (d, d) ``Σ x xᵀ`` of the k/v_proj input (shared by K and V), or None for data-free methods.
-    method : a key of :data:`DECOMPOSITIONS`. "pca" is Eigen Attention for RoPE models (shared key basis).
+    method : a key of :data:`DECOMPOSITIONS`. "pca" is Eigen Attention (shared key basis).
+    w_q : (H·D, d) q_proj weight, for "pca" on non-RoPE models only (joint K∪Q key basis).
     """
     if method not in DECOMPOSITIONS:
         raise ValueError(f"unknown decomposition {method!r}; choose from {sorted(DECOMPOSITIONS)}")
+    if w_q is not None and method not in JOINT_QK:
+        raise ValueError(f"decomposition {method!r} takes no query weight")
     slices = group_slices(n_kv_heads, head_dim, group_size)
-    groups, info = DECOMPOSITIONS[method](w_k, w_v, gram, slices, head_dim)
+    extra = {"w_q": w_q} if w_q is not None else {}
+    groups, info = DECOMPOSITIONS[method](w_k, w_v, gram, slices, head_dim, **extra)
     return LayerFactors(layer=layer, group_size=group_size, method=method, groups=groups, info=info)
 
 

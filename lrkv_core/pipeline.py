@@ -14,11 +14,11 @@ import torch
 from . import evaluate
 from .adapters import get_adapter
 from .data import eval_windows, extract_calibration, read_token_rows
-from .decompose import decompose_layer, load_layer_factors, save_layer_factors
+from .decompose import JOINT_QK, decompose_layer, load_layer_factors, save_layer_factors
 from .fisher import collect_fisher, load_fisher, save_fisher
 from .fuse import compress_model
 from .io import save_compressed
-from .models import load_model, load_tokenizer, read_kv_weights
+from .models import load_model, load_tokenizer, read_kv_weights, read_tensors
 from .ranks import RankPlan, plan_from_factors
 from .stats import collect_gram, load_gram, save_grams
 
@@ -62,8 +62,20 @@ def decompose_file(
     shape = adapter.shape(config)
     w_k, w_v = read_kv_weights(model_dir, adapter, layer)
     gram = load_gram(stats_path, layer) if stats_path else None
+    w_q = None
+    if method in JOINT_QK and not adapter.rope:  # Eigen Attention's non-RoPE path: joint K∪Q key basis
+        name = adapter.weight_name(layer, "q") + ".weight"
+        w_q = read_tensors(model_dir, [name])[name]
     factors = decompose_layer(
-        layer, w_k, w_v, gram, n_kv_heads=shape.Hkv, head_dim=shape.D, group_size=group_size, method=method
+        layer,
+        w_k,
+        w_v,
+        gram,
+        n_kv_heads=shape.Hkv,
+        head_dim=shape.D,
+        group_size=group_size,
+        method=method,
+        w_q=w_q,
     )
     save_layer_factors(factors, out_path)
     top = {kind: [float(f.sigma[0]) for f in factors.groups[kind]] for kind in ("k", "v")}
