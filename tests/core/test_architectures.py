@@ -48,7 +48,7 @@ COMMON = dict(
 )
 CASES = [("qwen2", 4, 1), ("qwen2", 4, 4), ("qwen2", 2, 1), ("qwen2", 2, 2), ("opt", 4, 1), ("opt", 4, 4)]
 IDS = [f"{arch}-hkv{hkv}-s{s}" for arch, hkv, s in CASES]
-METHODS = ("whitened", "plain")
+METHODS = ("whitened", "plain", "pca")
 
 
 def make_model(arch: str, n_kv_heads: int = 4, seed: int = 0, **overrides) -> PreTrainedModel:
