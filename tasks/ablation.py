@@ -51,10 +51,17 @@ def to_markdown(rows: list[dict], base: dict) -> str:
     head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
     lines = ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
     ok = [r for r in rows if r.get("error") is None]
-    best = min(ok, key=lambda r: r["prefill_ppl"]) if ok else None
     note = f"\nOriginal model: prefill PPL {base['prefill_ppl']:.4f}, decode PPL {base['decode_ppl']:.4f}.\n"
-    if best:
-        note += "Best (lowest prefill PPL): " + ", ".join(f"{k}={_fmt(best[k])}" for k in COLUMNS[:5]) + "\n"
+    for ratio in sorted({r["ratio"] for r in ok}, reverse=True):
+        best = min((r for r in ok if r["ratio"] == ratio), key=lambda r: r["prefill_ppl"])
+        note += (
+            f"Best at ratio {ratio} (lowest prefill PPL): "
+            + ", ".join(
+                f"{k}={_fmt(best[k])}"
+                for k in ("decomposition", "group_size", "allocator", "prefill_ppl", "kl")
+            )
+            + "\n"
+        )
     return head + "\n".join(lines) + "\n" + note
 
 
