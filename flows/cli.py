@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,8 +22,6 @@ console = Console()
 
 
 def _parse_set(values: list[str]) -> dict:
-    import yaml
-
     out = {}
     for item in values:
         if "=" not in item:
@@ -137,7 +136,7 @@ def convert(
     overrides.update(_parse_set(set_ or []))
     try:
         rec = load_recipe(recipe, overrides)
-    except Exception as e:  # pydantic / yaml errors: show them, no traceback
+    except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
         console.print(f"[red]invalid recipe:[/red] {e}")
         raise typer.Exit(2) from None
     _configure_prefect(LocalStore(rec.store).root, verbose)
@@ -257,7 +256,7 @@ def ablate(
     overrides = {k: v for k, v in flags.items() if v is not None} | _parse_set(set_ or [])
     try:
         rec = AblateRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
-    except Exception as e:
+    except (ValueError, OSError, yaml.YAMLError) as e:
         console.print(f"[red]invalid recipe:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     _configure_prefect(LocalStore(rec.base.store).root, verbose)
