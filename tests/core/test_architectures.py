@@ -30,7 +30,15 @@ from lrkv_core.attention_norope import NoRopeLatentAttention
 from lrkv_core.cache import LatentCache, LatentLayer
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.io import load_compressed, save_compressed
-from tests.support.inputs import PAD, greedy, ids_for, left_padded, max_diff, positions_for
+from tests.support.inputs import (
+    PAD,
+    decode_left_padded,
+    greedy,
+    ids_for,
+    left_padded,
+    max_diff,
+    positions_for,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -218,19 +226,12 @@ def test_decode_through_the_cache_equals_one_full_forward(compress, arch, hkv, g
     model = make_model(arch, hkv)
     comp, _ = compress(model, group_size, ratio=ratio)
     ids, mask = left_padded((T, 8, 5))
-    pos = positions_for(mask)
+    full, decoded, cache = decode_left_padded(comp, ids, mask)
     with torch.no_grad():
-        full = comp(ids, attention_mask=mask, position_ids=pos).logits
-        out = comp(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], use_cache=True)
-        steps = [out.logits]
-        for t in range(6, T):
-            kw = dict(attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], use_cache=True)
-            out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, **kw)
-            steps.append(out.logits)
-        ref = model(ids, attention_mask=mask, position_ids=pos).logits
+        ref = model(ids, attention_mask=mask, position_ids=positions_for(mask)).logits
     valid = mask.bool()
-    assert out.past_key_values.get_seq_length() == T
-    assert max_diff(torch.cat(steps, 1)[valid], full[valid]) <= 1e-5
+    assert cache.get_seq_length() == T
+    assert max_diff(decoded[valid], full[valid]) <= 1e-5
     if ratio == 1.0:
         assert max_diff(full[valid], ref[valid]) <= 1e-4
     else:

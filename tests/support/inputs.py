@@ -42,3 +42,22 @@ def greedy(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs)
         eos_token_id=None,
         **kwargs,
     )
+
+
+def decode_left_padded(model, ids: torch.Tensor, mask: torch.Tensor, prefix: int = 6):
+    """One full forward and a prefill of ``prefix`` tokens then one token at a time through the cache.
+
+    Returns ``(full logits, step-by-step logits, final cache)``, both logits (B, T, V).
+    """
+    pos = positions_for(mask)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, position_ids=pos).logits
+        out = model(
+            ids[:, :prefix], attention_mask=mask[:, :prefix], position_ids=pos[:, :prefix], use_cache=True
+        )
+        steps = [out.logits]
+        for t in range(prefix, ids.shape[1]):
+            kw = dict(attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], use_cache=True)
+            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, **kw)
+            steps.append(out.logits)
+    return full, torch.cat(steps, 1), out.past_key_values
