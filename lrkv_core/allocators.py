@@ -13,13 +13,16 @@ Allocators (:data:`ALLOCATORS`):
 - ``fisher`` (Palu, §3.3): rank ∝ the group's Fisher sum, K and V of all layers sharing one budget. Palu
   caps each rank at the group width and loses the excess; here the excess is redistributed (water-filling:
   ``r_g = clamp(λ F_g, min, max)`` with λ solved so the budget is spent).
-- ``lorc`` (LoRC, Zhang et al. 2024, eq. 12–13): progressive allocation from cumulative condition numbers.
-  A layer's condition number is ``κ_l = κ(K_l) · κ(V_l)`` (each the largest ``σ_max/σ_min`` over the layer's
-  groups); the cumulative ``κ̃_l = Π_{j≥l} κ_j`` bounds how much an error made in layer l can be amplified
-  by the layers after it. Layer l keeps the fraction ``d_l = d_min + (d_max − d_min) · n_l`` of each group,
-  with ``n_l`` the min-max normalised ``log κ̃_l`` (shallow layers keep more). ``d_max = 1`` (full rank) and
-  ``d_min`` is solved by bisection so the budget is met; if even ``d_min = 0`` is too wide, ``d_min = 0`` and
-  ``d_max`` is solved instead. Layers whose own ``κ_l`` is below ``skip_threshold`` are not compressed.
+- ``lorc`` (LoRC, Zhang et al. 2024, eq. 12–13): progressive allocation from cumulative condition numbers
+  of the KV *weights*. A layer's condition number is ``κ_l = κ(W_k,l) · κ(W_v,l)``, each of the layer's
+  whole projection weight: data-free, whatever the decomposition (:func:`lrkv_core.ranks.weight_log_condition`
+  computes it from the factors). The cumulative ``κ̃_l = Π_{j≥l} κ_j`` bounds how much an error made in
+  layer l can be amplified by the layers after it, so shallow layers keep more. Layer l keeps the fraction
+  ``d_l = d_min + (d_max − d_min) · n_l`` of each group, with ``n_l`` the min-max normalised ``log κ̃_l``.
+  ``d_max = 1`` (full rank) and ``d_min`` is solved by bisection so the budget is met; if even
+  ``d_min = 0`` is too wide, ``d_min = 0`` and ``d_max`` is solved instead. Layers whose own ``κ_l`` is
+  below ``skip_threshold`` are not compressed. Given only spectra (no ``weight_condition``), each matrix's
+  κ is the largest ``σ_max/σ_min`` over its groups' spectra: the weight's own κ for ``plain`` at s = Hkv.
 - ``eigen`` (Eigen Attention, Saxena et al. 2024, §3.2): one relative error budget ε for every group; a
   group keeps the smallest rank whose relative truncation error ``Σ_{j≥r} σ_j² / Σ_j σ_j²`` is ≤ ε, and ε
   is searched (bisection over the achievable errors) for the smallest value that fits the budget.
@@ -46,6 +49,7 @@ from .budget import (  # noqa: F401  (re-exported: the problem types and the bud
     Ranks,
     Sensitivity,
     Spectra,
+    WeightCondition,
     bisect_to_budget,
     clamped_total,
     fit_to_budget,
@@ -86,18 +90,24 @@ def allocate_fisher(problem: RankProblem) -> Allocation:
 
 # --------------------------------------------------------------------------------------------------- lorc
 def log_condition_numbers(problem: RankProblem) -> list[float]:
-    """``log κ_l = log κ(K_l) + log κ(V_l)``, each the largest ``log σ_max/σ_min`` over the layer's groups."""
+    """``log κ_l = log κ(K_l) + log κ(V_l)``: the weights' if the problem has them, else from the spectra."""
+    if problem.weight_condition is not None:
+        return [entry["k"] + entry["v"] for entry in problem.weight_condition]
     out = [0.0] * problem.n_layers
     for kind in KINDS:
         per_layer = [0.0] * problem.n_layers
         for spec in problem.groups:
-            if spec.kind != kind:
-                continue
-            top = float(spec.sigma.abs().max())
-            low = max(float(spec.sigma.abs().min()), KAPPA_FLOOR * top)
-            per_layer[spec.layer] = max(per_layer[spec.layer], math.log(top / low) if top > 0 else 0.0)
+            if spec.kind == kind:
+                per_layer[spec.layer] = max(per_layer[spec.layer], log_condition(spec.sigma))
         out = [a + b for a, b in zip(out, per_layer)]
     return out
+
+
+def log_condition(sigma: torch.Tensor) -> float:
+    """``log σ_max/σ_min`` of a spectrum, with σ_min floored at ``KAPPA_FLOOR · σ_max`` (0 for a zero one)."""
+    top = float(sigma.abs().max())
+    low = max(float(sigma.abs().min()), KAPPA_FLOOR * top)
+    return math.log(top / low) if top > 0 else 0.0
 
 
 def allocate_lorc(problem: RankProblem, *, skip_threshold: float | None = None) -> Allocation:
@@ -203,12 +213,13 @@ class Allocator:
     fn: Callable[..., Allocation]
     needs: tuple[str, ...] = ()  # "sensitivity" | "error_curves"
     options: tuple[str, ...] = ()
+    uses: tuple[str, ...] = ()  # optional inputs it uses when given: "weight_condition"
 
 
 ALLOCATORS: dict[str, Allocator] = {
     "uniform": Allocator(allocate_uniform),
     "fisher": Allocator(allocate_fisher, needs=("sensitivity",)),
-    "lorc": Allocator(allocate_lorc, options=("skip_threshold",)),
+    "lorc": Allocator(allocate_lorc, options=("skip_threshold",), uses=("weight_condition",)),
     "eigen": Allocator(allocate_eigen),
     "fisher-greedy": Allocator(allocate_fisher_greedy, needs=("error_curves",)),
 }

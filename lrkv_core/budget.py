@@ -25,6 +25,8 @@ Sensitivity = list[dict[str, list[float]]]
 # error_curves[layer][kind][group] -> (max_rank + 1,) Fisher-weighted error at every rank (NaN: not computed)
 ErrorCurves = list[dict[str, list[torch.Tensor]]]
 Ranks = dict[str, list[list[int]]]  # {"k": [[r_g for g] for layer], "v": ...}
+# weight_condition[layer][kind] -> log κ of the layer's whole k_proj / v_proj weight (LoRC's condition number)
+WeightCondition = list[dict[str, float]]
 
 
 def round_rank(r: float, multiple: int, max_rank: int) -> int:
@@ -60,6 +62,7 @@ class RankProblem:
     rank_multiple : m; ranks are multiples of m or the group's max rank.
     sensitivity : per-group Fisher sums (``fisher``), optional.
     error_curves : per-group Fisher-weighted error curves (``fisher-greedy``), optional.
+    weight_condition : per-layer ``log κ`` of the k_proj and v_proj weights (``lorc``), optional.
     """
 
     spectra: Spectra
@@ -68,6 +71,7 @@ class RankProblem:
     rank_multiple: int
     sensitivity: Sensitivity | None = None
     error_curves: ErrorCurves | None = None
+    weight_condition: WeightCondition | None = None
     groups: list[GroupSpec] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +91,13 @@ class RankProblem:
                             None if curve is None else curve.detach().to("cpu", torch.float64).flatten(),
                         )
                     )
+        if self.weight_condition is not None and (
+            len(self.weight_condition) != len(self.spectra)
+            or any(set(entry) != set(KINDS) for entry in self.weight_condition)
+        ):
+            raise ValueError(
+                f"weight condition numbers must give 'k' and 'v' for each of the {len(self.spectra)} layers"
+            )
         for spec in self.groups:
             if not 0 < spec.max_rank <= self.group_width:
                 raise ValueError(

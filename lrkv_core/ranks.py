@@ -16,13 +16,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .allocators import (
     ALLOCATORS,
+    KINDS,
     ErrorCurves,
     RankProblem,
     Ranks,
     Sensitivity,
     Spectra,
+    WeightCondition,
+    log_condition,
     needs_fisher,
     round_rank,
     run_allocator,
@@ -30,7 +35,15 @@ from .allocators import (
 from .decompose import LayerFactors
 from .fisher import FisherInfo, fisher_error_curves, group_sensitivity
 
-__all__ = ["ALLOCATORS", "RankPlan", "allocate_ranks", "needs_fisher", "plan_from_factors", "round_rank"]
+__all__ = [
+    "ALLOCATORS",
+    "RankPlan",
+    "allocate_ranks",
+    "needs_fisher",
+    "plan_from_factors",
+    "round_rank",
+    "weight_log_condition",
+]
 
 
 @dataclass
@@ -95,6 +108,7 @@ def allocate_ranks(
     allocator: str = "uniform",
     sensitivity: Sensitivity | None = None,
     error_curves: ErrorCurves | None = None,
+    weight_condition: WeightCondition | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> RankPlan:
     """Choose ranks for every group so that the kept KV width is at most ``ratio`` of the original.
@@ -111,6 +125,8 @@ def allocate_ranks(
         (:func:`lrkv_core.fisher.group_sensitivity`).
     error_curves : ``error_curves[layer][kind][g]`` (max_rank + 1,) Fisher-weighted truncation errors, needed
         by ``fisher-greedy`` (:func:`lrkv_core.fisher.fisher_error_curves`).
+    weight_condition : ``weight_condition[layer][kind]`` log condition numbers of the k_proj/v_proj weights,
+        used by ``lorc`` (:func:`weight_log_condition`); without them it reads κ off the spectra.
     options : allocator options, e.g. ``{"skip_threshold": 50.0}`` for ``lorc``.
     """
     if not 0 < ratio <= 1:
@@ -127,6 +143,7 @@ def allocate_ranks(
         rank_multiple=rank_multiple,
         sensitivity=sensitivity,
         error_curves=error_curves,
+        weight_condition=weight_condition,
     )
     flat, details = run_allocator(problem, allocator, options)
     plan = RankPlan(allocator, group_size, width, rank_multiple, ratio, problem.nest(flat), details)
@@ -156,7 +173,8 @@ def plan_from_factors(
         raise ValueError("no layer factors to plan from")
     group_size = factors[0].group_size
     group_width = factors[0].groups["k"][0].up.shape[0]
-    needs = ALLOCATORS[allocator].needs if allocator in ALLOCATORS else ()
+    entry = ALLOCATORS.get(allocator)
+    needs, uses = (entry.needs, entry.uses) if entry else ((), ())
     sensitivity = curves = None
     if fisher is not None and "sensitivity" in needs:
         sensitivity = group_sensitivity(fisher, group_width)
@@ -171,5 +189,22 @@ def plan_from_factors(
         allocator=allocator,
         sensitivity=sensitivity,
         error_curves=curves,
+        weight_condition=weight_log_condition(factors) if "weight_condition" in uses else None,
         options=options,
     )
+
+
+def weight_log_condition(factors: list[LayerFactors]) -> WeightCondition:
+    """``log κ`` of each layer's whole k_proj and v_proj weight, rebuilt from its full-spectrum factors.
+
+    At full rank every group's ``up @ down`` is its slice of the weight (any decomposition), so stacking the
+    groups gives back ``W_k`` / ``W_v`` (Hkv·D, d) and LoRC's condition numbers need no model.
+    """
+    out = []
+    for f in factors:
+        entry = {}
+        for kind in KINDS:
+            weight = torch.cat([g.up.double() @ g.down.double() for g in f.groups[kind]])
+            entry[kind] = log_condition(torch.linalg.svdvals(weight))
+        out.append(entry)
+    return out

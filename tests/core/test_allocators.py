@@ -13,7 +13,7 @@ from lrkv_core.decompose import decompose_layer
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.fisher import collect_fisher
 from lrkv_core.fuse import compress_model
-from lrkv_core.ranks import RankPlan, allocate_ranks, plan_from_factors
+from lrkv_core.ranks import RankPlan, allocate_ranks, plan_from_factors, weight_log_condition
 from lrkv_core.stats import collect_gram
 
 N_LAYERS, HKV, HEAD_DIM, GROUP_SIZE = 4, 4, 32, 2
@@ -207,6 +207,60 @@ def test_lorc_skip_threshold_keeps_well_conditioned_layers_at_full_rank() -> Non
         ValueError, match="skip threshold 1000000.0 keeps layers \\[0, 1, 2, 3\\] at full rank"
     ):
         allocate_ranks(spectra, ratio=0.5, options={"skip_threshold": 1e6}, **kw)
+
+
+def test_lorc_follows_the_progressive_rule_in_closed_form() -> None:
+    """Given κ per layer, rank = ⌊(d_min + (1 − d_min)·n_l)·width⌋ (multiple 1), n_l = normalised log κ̃_l."""
+    log_kappa = [(1.0, 2.0), (0.5, 0.5), (3.0, 1.0), (2.0, 2.0)]  # (K, V) per layer: κ_l = e^{sum}
+    condition = [{"k": k, "v": v} for k, v in log_kappa]
+    spectra = _inputs()["spectra"]  # ignored for κ once the weights' condition numbers are given
+    plan = allocate_ranks(
+        spectra, ratio=0.6, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1, allocator="lorc",
+        weight_condition=condition,
+    )  # fmt: skip
+    per_layer = [k + v for k, v in log_kappa]
+    cumulative = [sum(per_layer[layer:]) for layer in range(N_LAYERS)]  # 11, 8, 7, 4
+    assert (
+        plan.details["log_condition"] == per_layer and plan.details["log_cumulative_condition"] == cumulative
+    )
+    norm = [(c - min(cumulative)) / (max(cumulative) - min(cumulative)) for c in cumulative]
+    d_min = plan.details["d_min"]
+    for layer in range(N_LAYERS):
+        for kind in "kv":
+            for r, sigma in zip(plan.ranks[kind][layer], spectra[layer][kind]):
+                target = (d_min + (1 - d_min) * norm[layer]) * sigma.numel()
+                assert math.floor(target) <= r <= math.floor(target) + 1  # + at most one leftover step
+    assert plan.budget_width - plan.kept < 1
+    with pytest.raises(ValueError, match="'k' and 'v' for each of the 4 layers"):
+        _allocate("lorc", 0.6, 1, weight_condition=condition[:3])
+
+
+def test_lorc_reads_the_weights_condition_numbers_whatever_the_decomposition(make_tiny, one_thread) -> None:
+    """LoRC is data-free: κ comes from W_k and W_v themselves, so every decomposition gets the same plan."""
+    model = make_tiny("llama", 2)  # L=2, Hkv=2, D=8, d=32
+    rows = torch.randint(3, 61, (8, 16), generator=torch.Generator().manual_seed(0))
+    grams, _ = collect_gram(model, rows)
+    plans = {}
+    for method in ("plain", "whitened", "pca"):
+        factors = []
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            kw = dict(n_kv_heads=2, head_dim=8, group_size=1, method=method)
+            factors.append(decompose_layer(i, attn.k_proj.weight, attn.v_proj.weight, grams[i], **kw))
+        expected = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            expected.append({
+                kind: math.log(float(s.max() / s.min()))
+                for kind, s in (("k", torch.linalg.svdvals(attn.k_proj.weight.detach().double())),
+                                ("v", torch.linalg.svdvals(attn.v_proj.weight.detach().double())))
+            })  # fmt: skip
+        got = weight_log_condition(factors)
+        for g, e in zip(got, expected):
+            assert g == pytest.approx(e, rel=1e-9)
+        plans[method] = plan_from_factors(factors, ratio=0.5, rank_multiple=1, allocator="lorc")
+        assert plans[method].details["log_condition"] == pytest.approx([e["k"] + e["v"] for e in expected])
+    assert plans["plain"].ranks == plans["whitened"].ranks == plans["pca"].ranks
 
 
 def test_fisher_greedy_with_unit_fisher_keeps_the_globally_largest_singular_values() -> None:
