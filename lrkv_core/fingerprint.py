@@ -38,3 +38,12 @@ def hash_dir(
         if p.is_file() and p.suffix in suffixes:
             parts.append(f"{p.name}:{hash_file(p)}")
     return hash_json(parts)
+
+
+def hash_sources(*roots: str | Path) -> str:
+    """Fingerprint of the Python sources under each root (relative paths + contents): the code version."""
+    parts = []
+    for root in map(Path, roots):
+        for p in sorted(root.rglob("*.py")):
+            parts.append(f"{root.name}/{p.relative_to(root).as_posix()}:{hash_file(p)}")
+    return hash_json(parts)

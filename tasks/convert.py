@@ -1,12 +1,14 @@
 """Prefect tasks of the convert flow: resolve refs, one lrkv_core call, persist, return refs + metrics.
 
 Cache keys come from content fingerprints (model files, calibration tokens, artifact hashes), the
-parameters that matter and the lrkv version, so an identical re-run recomputes nothing and a killed run
-resumes from the last finished task.
+parameters that matter and the code version (the lrkv version plus a hash of the lrkv_core and lrkv_tasks
+sources, so a changed algorithm never reuses results of the old one), so an identical re-run recomputes
+nothing and a killed run resumes from the last finished task.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -17,16 +19,23 @@ from prefect.context import TaskRunContext
 
 import lrkv_core
 from lrkv_core import pipeline
-from lrkv_core.fingerprint import hash_dir, hash_json
+from lrkv_core.fingerprint import hash_dir, hash_json, hash_sources
 from lrkv_core.models import model_fingerprint, resolve_model_dir
 
 from .progress import step
 from .store import LocalStore
 
 
+@functools.cache
+def code_version() -> str:
+    """The lrkv version plus a fingerprint of the code that computes results (lrkv_core, lrkv_tasks)."""
+    sources = hash_sources(Path(lrkv_core.__file__).parent, Path(__file__).parent)
+    return f"{lrkv_core.__version__}+{sources[:16]}"
+
+
 def _key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
-    """Cache key: task name + lrkv version + the (fingerprint-carrying) parameters."""
-    return hash_json({"task": ctx.task.name, "version": lrkv_core.__version__, "params": params})
+    """Cache key: task name + code version + the (fingerprint-carrying) parameters."""
+    return hash_json({"task": ctx.task.name, "code": code_version(), "params": params})
 
 
 def _stat_signature(path: Path) -> list:

@@ -34,10 +34,10 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    import lrkv_core
+    from .convert import code_version
 
     return {
-        "lrkv": lrkv_core.__version__,
+        "lrkv": code_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "prefect": prefect.__version__,

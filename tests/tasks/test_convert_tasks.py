@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
+import lrkv_core
 from lrkv_core import load_compressed, load_model
+from lrkv_core.fingerprint import hash_sources
 from lrkv_tasks import convert as t
 from tests.support.models import tiny_llama_dir, token_parquet
 
@@ -70,3 +72,20 @@ def test_export_refuses_to_clobber_foreign_directories(setup, tmp_path):
     with pytest.raises(FileExistsError):
         t.export_model.fn({"path": str(setup["model_dir"]), "fingerprint": "x"}, str(foreign))
     assert (foreign / "precious.txt").read_text() == "keep"
+
+
+def test_code_version_changes_with_any_source_change(tmp_path):
+    """Cache keys carry a hash of the sources, so a changed algorithm never reuses the old one's results."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not code")
+    before = hash_sources(pkg)
+    (pkg / "notes.txt").write_text("edited")
+    assert hash_sources(pkg) == before  # only Python sources count
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    changed = hash_sources(pkg)
+    (pkg / "sub" / "b.py").rename(pkg / "b.py")
+    assert len({before, changed, hash_sources(pkg)}) == 3
+    assert t.code_version().startswith(lrkv_core.__version__ + "+")
