@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors.torch import load_model, save_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers.initialization import no_init_weights
 
 from .fuse import build_latent_skeleton
 from .models import parse_dtype
@@ -81,8 +82,10 @@ def load_compressed(
     kwargs = {"dtype": parse_dtype(dtype or getattr(config, "dtype", None) or "float32")}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_config(config, **kwargs)
-    build_latent_skeleton(model)
+    with no_init_weights():  # every weight is loaded below (checked): random init would be wasted time
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        build_latent_skeleton(model)
+    model.tie_weights()  # what the skipped init_weights would have done (tied embeddings share one tensor)
     missing, unexpected = load_model(model, str(path / WEIGHTS), strict=False)
     if missing or unexpected:
         raise ValueError(

@@ -126,6 +126,7 @@ def test_stories_greedy_generation_and_save_load(stories, compress, tmp_path, gr
     with torch.no_grad():
         assert torch.equal(loaded(stories.windows).logits, comp(stories.windows).logits)
     assert torch.equal(loaded.generate(bos, **kwargs), expected)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied (no init, one tensor)
 
 
 # ----------------------------------------------------------------------------------------- shakespeare-llama
