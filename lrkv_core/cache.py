@@ -10,14 +10,16 @@ Per layer the cache stores, for every past token,
 
 ``LatentCache`` subclasses ``DynamicCache``, so everything ``generate()`` does with a cache (beam
 reordering, cropping, batch expansion) goes through the same methods. Memory is real: the tensors
-above are all the cache holds, and :func:`cache_nbytes` measures them.
+above are all the cache holds, and :func:`cache_nbytes` measures them. Layers that the model's config
+makes sliding-window layers (Mistral, Qwen2's ``layer_types``) keep only the last ``window − 1`` tokens,
+exactly as transformers' ``DynamicSlidingWindowLayer`` does for the original model.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 
 class LatentLayer(DynamicLayer):
@@ -86,11 +88,87 @@ class LatentLayer(DynamicLayer):
         super().reset()
 
 
-class LatentCache(DynamicCache):
-    """Cache for an lrkv-compressed model: one :class:`LatentLayer` per decoder layer."""
+class SlidingLatentLayer(LatentLayer):
+    """A latent layer of a sliding-window attention layer: it keeps the last ``window − 1`` tokens.
 
-    def __init__(self, num_layers: int) -> None:
-        Cache.__init__(self, layers=[LatentLayer() for _ in range(num_layers)])
+    Mirrors ``DynamicSlidingWindowLayer``: an update returns the kept tokens plus the new ones (what the
+    window mask is built for, see :meth:`get_mask_sizes`), then drops what no later query can see.
+    """
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sliding_window = int(sliding_window)
+        self.cumulative_length = 0
+
+    def update_latents(
+        self, h_k: torch.Tensor, h_v: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        keys, values, positions = super().update_latents(h_k, h_v, position_ids)
+        self.cumulative_length += h_k.shape[-2]
+        start = max(keys.shape[-2] - (self.sliding_window - 1), 0)
+        self.keys, self.values = keys[:, start:], values[:, start:]
+        if positions is not None:
+            self.positions = positions[:, start:]
+        return keys, values, positions
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the latents the next update returns, as the window mask expects."""
+        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        kept = min(self.cumulative_length, self.sliding_window - 1)
+        return kept + query_length, kv_offset
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.cumulative_length >= self.sliding_window:
+            raise RuntimeError(
+                "cannot crop a sliding-window latent cache layer once its window is full: the tokens "
+                "before the window are gone"
+            )
+        super().crop(tokens_to_remove)
+        self.cumulative_length = self.keys.shape[-2] if self.is_initialized else 0
+
+    def activate_past_recording(self) -> None:
+        raise NotImplementedError(
+            "the latent cache does not record states past the sliding window (needed for assisted decoding)"
+        )
+
+    def reset(self) -> None:
+        self.cumulative_length = 0
+        super().reset()
+
+
+class LatentCache(DynamicCache):
+    """Cache for an lrkv-compressed model: one latent layer per decoder layer.
+
+    Parameters
+    ----------
+    num_layers : number of decoder layers.
+    sliding_windows : per layer, the sliding window (a :class:`SlidingLatentLayer`) or None (every token
+        kept); default: no sliding layers. :meth:`from_config` reads them off a model config.
+    """
+
+    def __init__(self, num_layers: int, sliding_windows: list[int | None] | None = None) -> None:
+        windows = sliding_windows if sliding_windows is not None else [None] * num_layers
+        if len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} sliding windows for {num_layers} layers")
+        layers = [LatentLayer() if w is None else SlidingLatentLayer(w) for w in windows]
+        Cache.__init__(self, layers=layers)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> LatentCache:
+        """The layers transformers' ``DynamicCache(config=...)`` would make, as latent layers."""
+        decoder = config.get_text_config(decoder=True)
+        types, per_layer = get_layer_types_and_kwargs(decoder)
+        sliding = [t == "sliding_attention" for t in types]
+        windows = [kw.get("sliding_window") if s else None for s, kw in zip(sliding, per_layer)]
+        return cls(decoder.num_hidden_layers, windows)
 
     def update_latents(
         self, h_k: torch.Tensor, h_v: torch.Tensor, position_ids: torch.Tensor | None, layer_idx: int

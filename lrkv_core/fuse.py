@@ -204,14 +204,14 @@ def _latent_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tupl
         use_cache = getattr(module.config, "use_cache", True)
     if past is None:
         if use_cache:
-            kwargs["past_key_values"] = LatentCache(module.config.num_hidden_layers)
+            kwargs["past_key_values"] = LatentCache.from_config(module.config)
     elif not isinstance(past, LatentCache):
         if past.get_seq_length() != 0:
             raise TypeError(
                 f"an lrkv-compressed model cannot continue from a filled {type(past).__name__}; "
                 "use a LatentCache"
             )
-        kwargs["past_key_values"] = LatentCache(module.config.num_hidden_layers)
+        kwargs["past_key_values"] = LatentCache.from_config(module.config)
     return args, kwargs
 
 

@@ -256,7 +256,7 @@ def test_half_ratio_kv_bytes_are_latents_only(compress, arch, hkv, group_size) -
     model = make_model(arch, hkv)
     comp, plan = compress(model, group_size, ratio=0.5, rank_multiple=4)
     assert plan.achieved_ratio == 0.5
-    L, D, B = 2, 8, 2
+    D, B = 8, 2
     windows = ids_for(B, 16)
     orig = kv_bytes_per_token(model, windows, n_rows=B)
     got = kv_bytes_per_token(comp, windows, n_rows=B)
@@ -264,14 +264,18 @@ def test_half_ratio_kv_bytes_are_latents_only(compress, arch, hkv, group_size) -
     ranks = [(sum(rk), sum(rv)) for rk, rv in zip(plan.ranks["k"], plan.ranks["v"], strict=True)]
     assert all(rk == rv == hkv * D // 2 for rk, rv in ranks)
     position_bytes = 4 if arch == "qwen2" else 0
-    assert got["kv_bytes_per_token"] == sum((rk + rv) * 4 + position_bytes for rk, rv in ranks)
-    if arch == "opt":  # the original's cache holds every token (Qwen2's sliding layer keeps only a window)
-        assert orig["kv_bytes_per_token"] == L * 2 * hkv * D * 4
-        assert got["kv_bytes_per_token"] == orig["kv_bytes_per_token"] / 2
+    kept = [16, WINDOW - 1] if arch == "qwen2" else [16, 16]  # Qwen2's layer 1 slides: window − 1 tokens
+    expected = sum(n * ((rk + rv) * 4 + position_bytes) for n, (rk, rv) in zip(kept, ranks)) / 16
+    assert got["kv_bytes_per_token"] == expected
+    # the original caches the same tokens per layer (its own sliding layer too, plus an int64 window scalar)
+    scalar = 8 / (B * 16) if arch == "qwen2" else 0
+    full_width = sum(n * 2 * hkv * D * 4 for n in kept) / 16
+    assert orig["kv_bytes_per_token"] == full_width + scalar
+    assert got["kv_bytes_per_token"] == full_width / 2 + sum(kept) * position_bytes / 16
     with torch.no_grad():
         cache = comp(windows, use_cache=True).past_key_values
-    for (rk, rv), layer in zip(ranks, cache.layers, strict=True):
-        assert layer.keys.shape == (B, 16, rk) and layer.values.shape == (B, 16, rv)
+    for (rk, rv), layer, n in zip(ranks, cache.layers, kept, strict=True):
+        assert layer.keys.shape == (B, n, rk) and layer.values.shape == (B, n, rv)
         assert (layer.positions is None) == (arch == "opt")
 
 

@@ -11,11 +11,11 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, Qwen2Config
 
 from lrkv_core.adapters import UnsupportedModelError, get_adapter
 from lrkv_core.attention import LatentAttention
-from lrkv_core.cache import LatentCache, LatentLayer
+from lrkv_core.cache import LatentCache, LatentLayer, SlidingLatentLayer
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.fuse import _latent_cache_pre_hook, compress_model, enable_latent_cache
 from lrkv_core.ranks import allocate_ranks
@@ -62,9 +62,11 @@ def test_full_rank_fp32_logits_and_latent_cache(make_tiny, compress, family, hkv
     assert max_diff(out.logits, ref) <= 1e-4
     cache = out.past_key_values
     assert isinstance(cache, LatentCache) and cache.get_seq_length() == T
+    kept = SLIDING_WINDOW - 1 if family == "mistral" else T  # a sliding layer keeps window − 1 tokens
     for layer in cache.layers:
-        assert isinstance(layer, LatentLayer)
-        assert torch.equal(layer.positions, torch.arange(T, dtype=torch.int32).expand(2, T))
+        assert isinstance(layer, SlidingLatentLayer if family == "mistral" else LatentLayer)
+        assert layer.keys.shape[1] == layer.values.shape[1] == kept
+        assert torch.equal(layer.positions, torch.arange(T - kept, T, dtype=torch.int32).expand(2, kept))
 
 
 @pytest.mark.parametrize("family,hkv,group_size", CASES, ids=IDS)
@@ -147,6 +149,59 @@ def test_mistral_sliding_window_is_in_effect(make_tiny, compress) -> None:
     assert max_diff(windowed[:, :SLIDING_WINDOW], full[:, :SLIDING_WINDOW]) <= 1e-6
     assert max_diff(windowed[:, SLIDING_WINDOW:], full[:, SLIDING_WINDOW:]) > 1e-2
     assert max_diff(comp_logits, windowed) <= 1e-4
+
+
+def test_sliding_window_latent_cache_is_capped_and_exact_over_a_long_decode(make_tiny, compress) -> None:
+    """Mistral: each layer keeps window − 1 tokens of latents, like the original's sliding cache, and a
+    decode five windows long matches the original step for step and one full forward."""
+    model = make_tiny("mistral", 2, sliding_window=SLIDING_WINDOW)
+    comp, _ = compress(model, 2)
+    n = 5 * SLIDING_WINDOW
+    ids = ids_for(2, n)
+    sizes = []
+    with torch.no_grad():
+        ref = model(ids).logits
+        out, base = comp(ids[:, :2], use_cache=True), model(ids[:, :2], use_cache=True)
+        steps, base_steps = [out.logits], [base.logits]
+        for t in range(2, n):
+            out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            base = model(ids[:, t : t + 1], past_key_values=base.past_key_values, use_cache=True)
+            steps.append(out.logits)
+            base_steps.append(base.logits)
+            sizes.append({layer.keys.shape[1] for layer in out.past_key_values.layers})
+    decoded = torch.cat(steps, dim=1)
+    assert max_diff(decoded, torch.cat(base_steps, dim=1)) <= 1e-4 and max_diff(decoded, ref) <= 1e-4
+    assert sizes == [{min(t + 1, SLIDING_WINDOW - 1)} for t in range(2, n)]  # capped at window − 1
+    cache = out.past_key_values
+    assert all(isinstance(layer, SlidingLatentLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == n and cache.is_sliding == [True, True]
+    with pytest.raises(RuntimeError, match="window is full"):
+        cache.crop(-1)
+    long = {"max_new_tokens": 4 * SLIDING_WINDOW}
+    assert torch.equal(greedy(comp, ids[:, :3], **long), greedy(model, ids[:, :3], **long))
+
+
+def test_latent_cache_layers_follow_the_configs_layer_types() -> None:
+    config = Qwen2Config(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    )  # fmt: skip
+    cache = LatentCache.from_config(config)
+    assert [type(layer) for layer in cache.layers] == [LatentLayer, SlidingLatentLayer, SlidingLatentLayer]
+    assert cache.layers[1].sliding_window == 4
+    assert [type(layer) for layer in LatentCache.from_config(GPT2Config(n_layer=2)).layers] == [
+        LatentLayer
+    ] * 2
+    layer = SlidingLatentLayer(4)
+    h = torch.zeros(1, 2, 3)
+    layer.update_latents(h, h, torch.arange(2)[None])
+    layer.crop(-1)  # below the window a crop is an ordinary one
+    assert layer.get_seq_length() == layer.keys.shape[1] == layer.positions.shape[1] == 1
+    assert layer.get_mask_sizes(3) == (4, 0)
+    keys, _, pos = layer.update_latents(torch.ones(1, 5, 3), torch.ones(1, 5, 3), torch.arange(1, 6)[None])
+    assert keys.shape[1] == 6 and layer.keys.shape[1] == 3
+    assert torch.equal(layer.positions[0], torch.tensor([3, 4, 5], dtype=torch.int32))
+    assert layer.get_mask_sizes(1) == (4, 3)  # the mask sees the 3 kept tokens + the query, from position 3
 
 
 # -------------------------------------------------------------------------------------- memory is real

@@ -33,15 +33,8 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def greedy(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     if mask is None:
         mask = torch.ones_like(ids)
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=8,
-        do_sample=False,
-        pad_token_id=PAD,
-        eos_token_id=None,
-        **kwargs,
-    )
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None, **kwargs}
+    return model.generate(ids, attention_mask=mask, **kwargs)
 
 
 def decode_left_padded(model, ids: torch.Tensor, mask: torch.Tensor, prefix: int = 6):
