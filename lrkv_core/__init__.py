@@ -5,6 +5,7 @@ Depends on torch / transformers / safetensors / datasets / pyarrow only (never p
 
 __version__ = "0.1.0"
 
+from . import hf_quantizer  # noqa: E402,F401  (registers the "lrkv" quant method with transformers)
 from .cache import LatentCache, cache_nbytes  # noqa: E402
 from .io import load_compressed, save_compressed  # noqa: E402
 from .models import load_model  # noqa: E402

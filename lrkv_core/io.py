@@ -1,8 +1,10 @@
 """The compressed model format: a directory that loads back into a ready HF model.
 
 ``config.json`` is the original config plus an ``lrkv`` section (method, group size, ranks, rope handling,
-rotation, bits, version); ``model.safetensors`` holds the new tensors; README.md is the model card. No
-pickle, no trust_remote_code: :func:`load_compressed` rebuilds the module shapes from the ``lrkv`` section.
+rotation, bits, version) and ``quantization_config: {"quant_method": "lrkv"}``; ``model.safetensors`` holds
+the new tensors; README.md is the model card. No pickle, no trust_remote_code: :func:`load_compressed`
+rebuilds the module shapes from the ``lrkv`` section, and so does plain ``AutoModelForCausalLM
+.from_pretrained`` once ``lrkv_core`` is imported (:mod:`lrkv_core.hf_quantizer`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 from transformers.initialization import no_init_weights
 
 from .fuse import build_latent_skeleton
+from .hf_quantizer import LrkvConfig
 from .models import parse_dtype
 
 WEIGHTS = "model.safetensors"
@@ -50,6 +53,7 @@ def save_compressed(
     tmp.chmod(0o755)  # mkdtemp makes it private; the final directory is an ordinary one
     try:
         model.config.save_pretrained(tmp)
+        _mark_quant_method(tmp / "config.json")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS))
@@ -67,6 +71,13 @@ def save_compressed(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _mark_quant_method(config_json: Path) -> None:
+    """Add ``quantization_config: {"quant_method": "lrkv"}`` so plain from_pretrained can load the model."""
+    data = json.loads(config_json.read_text())
+    data["quantization_config"] = LrkvConfig().to_dict()
+    config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def load_compressed(

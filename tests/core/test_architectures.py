@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     OPTConfig,
@@ -287,15 +288,17 @@ def test_save_load_roundtrip_is_exact(compress, tmp_path, arch, hkv, group_size)
     model = make_model(arch, hkv)
     comp, _ = compress(model, group_size, ratio=0.5, rank_multiple=4)
     save_compressed(comp, tmp_path / "m")
-    loaded = load_compressed(tmp_path / "m")
-    adapter = get_adapter(loaded.config)
-    assert loaded.config.lrkv == comp.config.lrkv
-    assert loaded.config.lrkv["rope"] == ("reconstruct-then-rope" if arch == "qwen2" else "keys-fused-into-q")
-    assert all(type(adapter.attention(loaded, i)) is type(adapter.attention(comp, i)) for i in range(2))
     ids, mask = left_padded((9, 5))
-    with torch.no_grad():
-        assert torch.equal(loaded(ids, attention_mask=mask).logits, comp(ids, attention_mask=mask).logits)
-    assert torch.equal(greedy(loaded, ids, mask), greedy(comp, ids, mask))
+    rope = "reconstruct-then-rope" if arch == "qwen2" else "keys-fused-into-q"
+    # the strict loader, and plain from_pretrained through the "lrkv" quant method
+    for loaded in (load_compressed(tmp_path / "m"), AutoModelForCausalLM.from_pretrained(tmp_path / "m")):
+        adapter = get_adapter(loaded.config)
+        assert loaded.config.lrkv == comp.config.lrkv
+        assert loaded.config.lrkv["rope"] == rope
+        assert all(type(adapter.attention(loaded, i)) is type(adapter.attention(comp, i)) for i in range(2))
+        with torch.no_grad():
+            assert torch.equal(loaded(ids, attention_mask=mask).logits, comp(ids, attention_mask=mask).logits)
+        assert torch.equal(greedy(loaded, ids, mask), greedy(comp, ids, mask))
 
 
 def test_unsupported_model_names_every_supported_family() -> None:

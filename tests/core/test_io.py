@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 import lrkv_core
 from lrkv_core import io as lrkv_io
@@ -15,6 +16,7 @@ from lrkv_core import load_compressed, load_model, save_compressed
 from lrkv_core.adapters import get_adapter
 from lrkv_core.attention import LatentAttention
 from lrkv_core.cache import LatentCache
+from lrkv_core.hf_quantizer import LrkvConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,3 +161,30 @@ def test_load_model_dispatches_to_load_compressed(compressed, tmp_path) -> None:
     assert as64.dtype == torch.float64
     with torch.no_grad():
         assert (as64(ids).logits - model(ids).logits.double()).abs().max() <= 1e-4
+
+
+def test_plain_from_pretrained_loads_the_compressed_model(compressed, tmp_path) -> None:
+    """config.json's quant_method "lrkv" sends AutoModelForCausalLM.from_pretrained to lrkv's quantizer."""
+    model, _ = compressed
+    out = save_compressed(model, tmp_path / "m")
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == {"quant_method": "lrkv"}
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(get_adapter(loaded.config).attention(loaded, 0), LatentAttention)
+    ids = _ids()
+    with torch.no_grad():
+        got = loaded(ids, use_cache=True)
+        assert torch.equal(got.logits, model(ids).logits)
+    assert isinstance(got.past_key_values, LatentCache)
+    assert torch.equal(_generate(loaded, ids), _generate(model, ids))
+    # and what it saves with save_pretrained loads back the same way, and strictly
+    loaded.save_pretrained(tmp_path / "again")
+    again_dir = tmp_path / "again"
+    for again in (AutoModelForCausalLM.from_pretrained(again_dir), load_compressed(again_dir)):
+        with torch.no_grad():
+            assert torch.equal(again(ids).logits, got.logits)
+
+
+def test_lrkv_quant_method_cannot_compress_on_the_fly(make_tiny, tmp_path) -> None:
+    make_tiny("llama", 2).save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="pre-quantized"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=LrkvConfig())
