@@ -166,7 +166,9 @@ def kv_bytes_per_token(model: nn.Module, windows: torch.Tensor, *, n_rows: int =
     """KV-cache bytes per token, measured from the tensors the cache holds after a prefill.
 
     Runs ``model(windows[:n_rows], use_cache=True)`` and sums every tensor of ``out.past_key_values``
-    (keys, values, latents, positions, scales, zero-points, ...), never a formula.
+    (keys, values, latents, positions, scales, zero-points, ...), never a formula. Per token means per
+    prefilled token: a sliding-window layer holds at most ``window − 1`` of them, so for windowed models
+    the figure falls as ``seq_len`` grows past the window (for the original model's cache too).
 
     Returns
     -------
@@ -182,7 +184,12 @@ def kv_bytes_per_token(model: nn.Module, windows: torch.Tensor, *, n_rows: int =
         "kv_bytes_total": total,
         "kv_bytes_per_token": total / (n * t),
         "cache_class": type(cache).__name__,
-        "protocol": {"measure": "kv_bytes_after_prefill", "seq_len": t, "windows": n, "tokens_cached": n * t},
+        "protocol": {
+            "measure": "kv_bytes_after_prefill",
+            "seq_len": t,
+            "windows": n,
+            "tokens_prefilled": n * t,
+        },
     }
 
 

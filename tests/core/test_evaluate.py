@@ -126,7 +126,7 @@ def test_kv_bytes_of_plain_llama_are_keys_and_values_only(dtype: torch.dtype, el
     assert res["kv_bytes_per_token"] == 2 * n_layers * n_kv * head_dim * elem
     assert res["kv_bytes_total"] == 2 * 16 * 2 * n_layers * n_kv * head_dim * elem
     assert res["cache_class"] == "DynamicCache"
-    assert res["protocol"]["windows"] == 2 and res["protocol"]["tokens_cached"] == 32
+    assert res["protocol"]["windows"] == 2 and res["protocol"]["tokens_prefilled"] == 32
 
 
 def test_kl_of_a_model_with_itself_is_zero() -> None:
