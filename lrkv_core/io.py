@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
@@ -59,7 +60,7 @@ def save_compressed(
         save_model(model, str(tmp / WEIGHTS))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(card or default_card(model.config.lrkv))
+        (tmp / "README.md").write_text(card or model_card(model.config.lrkv))
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -105,12 +106,25 @@ def load_compressed(
     return model.eval()
 
 
-def default_card(section: dict) -> str:
+def model_card(section: dict, source: str | None = None) -> str:
+    """The README.md of a compressed model: what was compressed, how, the ranks, and how to load it."""
+    keys = {
+        "reconstruct-then-rope": "Keys are rebuilt per group from their latents, then RoPE at the cached "
+        "positions, then attention",
+        "keys-fused-into-q": "The key up-projection is folded into q_proj (no RoPE): keys are never rebuilt",
+    }.get(section.get("rope"), f"Key handling: {section.get('rope')}")
+    ranks = "\n".join(
+        f"| {i} | {rk} | {rv} |" for i, (rk, rv) in enumerate(zip(section["ranks_k"], section["ranks_v"]))
+    )
+    origin = f"Source model: `{source}`.\n\n" if source else ""
     return (
-        "# lrkv compressed model\n\n"
-        f"KV cache stores low-rank latents ({section['decomposition']} SVD, "
-        f"group size {section['group_size']}, "
-        f"{section['allocator']} ranks): kept KV width {section['achieved_ratio']:.4f} of the original "
-        f"(target {section['target_ratio']}).\n\n"
-        "Load with `lrkv_core.load_compressed(path)`.\n"
+        f"# lrkv compressed model\n\n{origin}"
+        f"The KV cache stores low-rank latents: {section['decomposition']} decomposition per group of "
+        f"{section['group_size']} KV head(s), {section['allocator']} ranks rounded to multiples of "
+        f"{section['rank_multiple']}. Kept KV width: {section['achieved_ratio']:.4f} of the original "
+        f"(target {section['target_ratio']}). {keys}; the value up-projection is folded into o_proj.\n\n"
+        "| layer | K ranks per group | V ranks per group |\n|---|---|---|\n"
+        f"{ranks}\n\nLoad: `lrkv_core.load_compressed(path)`, or "
+        "`AutoModelForCausalLM.from_pretrained(path)` after `import lrkv_core` (no pickle, no "
+        f"trust_remote_code). lrkv {section['version']}, torch {torch.__version__}.\n"
     )

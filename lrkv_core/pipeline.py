@@ -9,15 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from . import evaluate
 from .adapters import get_adapter
 from .data import eval_windows, extract_calibration, read_token_rows
 from .decompose import JOINT_QK, decompose_layer, load_layer_factors, save_layer_factors
 from .fisher import collect_fisher, load_fisher, save_fisher
 from .fuse import compress_model
-from .io import save_compressed
+from .io import model_card, save_compressed
 from .models import load_model, load_tokenizer, read_kv_weights, read_tensors
 from .ranks import RankPlan, plan_from_factors
 from .stats import collect_gram, load_gram, save_grams
@@ -171,21 +169,3 @@ def evaluate_dir(
     for result in out.values():
         result["protocol"]["dataset"] = dataset
     return out | {"model": str(model_dir)}
-
-
-def model_card(section: dict, source: str) -> str:
-    ranks = "\n".join(
-        f"| {i} | {rk} | {rv} |" for i, (rk, rv) in enumerate(zip(section["ranks_k"], section["ranks_v"]))
-    )
-    return (
-        f"# lrkv compressed model\n\nSource model: `{source}`.\n\n"
-        f"The KV cache stores low-rank latents: {section['decomposition']} SVD per group of "
-        f"{section['group_size']} KV head(s) (Palu G-LRD), {section['allocator']} ranks rounded to "
-        "multiples of "
-        f"{section['rank_multiple']}. Kept KV width: {section['achieved_ratio']:.4f} of the original "
-        f"(target {section['target_ratio']}). Keys are rebuilt per group, then RoPE, then attention; "
-        "the value up-projection is folded into o_proj.\n\n"
-        "| layer | K ranks per group | V ranks per group |\n|---|---|---|\n"
-        f"{ranks}\n\nLoad: `lrkv_core.load_compressed(path)` (no pickle, no trust_remote_code). "
-        f"lrkv {section['version']}, torch {torch.__version__}.\n"
-    )

@@ -77,7 +77,11 @@ def test_config_has_the_lrkv_section_and_no_pickle_is_written(compressed, tmp_pa
 def test_default_card_describes_the_compression(compressed, tmp_path) -> None:
     out = save_compressed(compressed[0], tmp_path / "m")
     card = (out / "README.md").read_text()
-    assert "group size 2" in card and "0.5000" in card and "load_compressed" in card
+    assert "whitened decomposition per group of 2 KV head(s)" in card and "0.5000 of the original" in card
+    assert "| 0 | [8] | [8] |" in card and "| 1 | [8] | [8] |" in card  # the ranks table
+    assert "then RoPE at the cached positions" in card
+    assert "load_compressed" in card and "from_pretrained" in card and "Source model" not in card
+    assert "Source model: `org/name`" in lrkv_io.model_card(compressed[0].config.lrkv, "org/name")
 
 
 def test_refuses_to_overwrite_a_foreign_directory(compressed, tmp_path) -> None:
