@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,7 @@ SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
 VALID_TXT = SHARED / "data" / "shakespeare" / "valid.txt"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """These models are tiny: a second intra-op thread only adds contention on a 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
