@@ -1,13 +1,37 @@
 """lrkv_core: the library. Math, model patching, latent cache, evaluation.
 
 Depends on torch / transformers / safetensors / datasets / pyarrow only (never prefect, mlflow, boto3).
+
+    import lrkv_core
+    model = lrkv_core.convert(model, calibration_rows, lrkv_core.CompressionConfig(ratio=0.5))
+    lrkv_core.save_compressed(model, "out/")
+    model = lrkv_core.load_compressed("out/")
 """
 
-__version__ = "0.1.0"
+from . import hf_quantizer  # noqa: F401  (registers the "lrkv" quant method with transformers)
+from .allocation import ALLOCATORS
+from .cache import LatentCache, cache_nbytes
+from .convert import CompressionConfig, Conversion, convert, plan_conversion
+from .decompositions import DECOMPOSITIONS
+from .format import LrkvFormat
+from .io import load_compressed, save_compressed
+from .models import load_model
+from .statistics import STATISTICS
+from .version import __version__
 
-from . import hf_quantizer  # noqa: E402,F401  (registers the "lrkv" quant method with transformers)
-from .cache import LatentCache, cache_nbytes  # noqa: E402
-from .io import load_compressed, save_compressed  # noqa: E402
-from .models import load_model  # noqa: E402
-
-__all__ = ["LatentCache", "cache_nbytes", "load_compressed", "load_model", "save_compressed", "__version__"]
+__all__ = [
+    "ALLOCATORS",
+    "DECOMPOSITIONS",
+    "STATISTICS",
+    "CompressionConfig",
+    "Conversion",
+    "LatentCache",
+    "LrkvFormat",
+    "__version__",
+    "cache_nbytes",
+    "convert",
+    "load_compressed",
+    "load_model",
+    "plan_conversion",
+    "save_compressed",
+]

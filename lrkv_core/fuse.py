@@ -18,20 +18,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import __version__
 from .adapters import ArchAdapter, AttnShape, get_adapter
+from .allocation import RankPlan
 from .attention import LatentAttention, LatentAttentionBase, LatentLayout
 from .attention_norope import NoRopeLatentAttention
 from .cache import LatentCache
-from .decompose import LayerFactors
+from .decompositions import LayerFactors
+from .format import LrkvFormat
 from .linalg import truncate
-from .ranks import RankPlan
+from .version import __version__
 
 
-def layouts_from_plan(plan: RankPlan, qkv_bias: bool, o_bias: bool) -> list[LatentLayout]:
+def layouts(fmt: LrkvFormat) -> list[LatentLayout]:
+    """Each layer's latent layout (ranks per group, biases) as the format section gives it."""
     return [
-        LatentLayout(plan.group_size, tuple(rk), tuple(rv), qkv_bias, o_bias)
-        for rk, rv in zip(plan.ranks["k"], plan.ranks["v"])
+        LatentLayout(fmt.group_size, tuple(rk), tuple(rv), fmt.qkv_bias, fmt.o_bias)
+        for rk, rv in zip(fmt.ranks_k, fmt.ranks_v)
     ]
 
 
@@ -130,46 +132,45 @@ def fuse_attention(
     return new.to(device=q.weight.device, dtype=q.weight.dtype)
 
 
-def lrkv_section(
-    plan: RankPlan, method: str, qkv_bias: bool, o_bias: bool, rope: str = "reconstruct-then-rope", **extra
-) -> dict:
-    """The ``lrkv`` section of config.json: everything needed to rebuild the module shapes."""
-    return {
-        "version": __version__,
-        "method": "palu",
-        "decomposition": method,
-        "group_size": plan.group_size,
-        "ranks_k": plan.ranks["k"],
-        "ranks_v": plan.ranks["v"],
-        "rank_multiple": plan.rank_multiple,
-        "target_ratio": plan.target_ratio,
-        "achieved_ratio": plan.achieved_ratio,
-        "allocator": plan.allocator,
-        "rope": rope,
-        "qkv_bias": qkv_bias,
-        "o_bias": o_bias,
-        "rotation": None,
-        "bits": None,
-        **extra,
-    }
+def compress_model(
+    model: nn.Module,
+    factors: list[LayerFactors],
+    plan: RankPlan,
+    *,
+    decomposition: dict,
+    cache: dict | None = None,
+) -> nn.Module:
+    """Replace every attention in place by its latent form with the plan's ranks; returns the model.
 
-
-def compress_model(model: nn.Module, factors: list[LayerFactors], plan: RankPlan, method: str) -> nn.Module:
-    """Replace every attention in place by its latent form with the plan's ranks; returns the model."""
+    ``decomposition`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) recorded in the
+    model-format section (``config.lrkv``); the cache storage is what the model's latent cache will use.
+    """
     config = model.config
     adapter = get_adapter(config)
     first = adapter.attention(model, 0)
     has_bias = {p: getattr(first, getattr(adapter, f"{p}_name")).bias is not None for p in "qkvo"}
-    qkv_bias = has_bias["q"] or has_bias["k"]
-    o_bias = has_bias["o"] or has_bias["v"]  # the v bias folds into the output bias
-    layouts = layouts_from_plan(plan, qkv_bias, o_bias)
-    if len(layouts) != len(factors) or len(layouts) != adapter.shape(config).L:
+    fmt = LrkvFormat(
+        decomposition=dict(decomposition),
+        allocator=dict(plan.allocator),
+        group_size=plan.group_size,
+        ranks_k=plan.ranks["k"],
+        ranks_v=plan.ranks["v"],
+        rank_multiple=plan.rank_multiple,
+        target_ratio=plan.target_ratio,
+        achieved_ratio=plan.achieved_ratio,
+        rope=attention_kind(adapter).name,
+        qkv_bias=has_bias["q"] or has_bias["k"],
+        o_bias=has_bias["o"] or has_bias["v"],  # the v bias folds into the output bias
+        cache=dict(cache or {"name": "dense"}),
+        lrkv_version=__version__,
+    )
+    if fmt.n_layers != len(factors) or fmt.n_layers != adapter.shape(config).L:
         raise ValueError("plan, factors and model disagree on the number of layers")
-    for i, (f, layout) in enumerate(zip(factors, layouts)):
+    for i, (f, layout) in enumerate(zip(factors, layouts(fmt))):
         adapter.set_attention(
             model, i, fuse_attention(adapter.attention(model, i), f, layout, adapter, config, i)
         )
-    config.lrkv = lrkv_section(plan, method, qkv_bias, o_bias, attention_kind(adapter).name)
+    config.lrkv = fmt.to_dict()
     enable_latent_cache(model)
     return model
 
@@ -177,21 +178,23 @@ def compress_model(model: nn.Module, factors: list[LayerFactors], plan: RankPlan
 def build_latent_skeleton(model: nn.Module) -> nn.Module:
     """Swap attentions for empty latent attentions shaped by ``model.config.lrkv`` (weights loaded after)."""
     config = model.config
-    section = config.lrkv
+    fmt = LrkvFormat.of(config)
     adapter = get_adapter(config)
     kind = attention_kind(adapter)
-    if section.get("rope", kind.name) != kind.name:
+    if fmt.rope != kind.name:
         raise ValueError(
-            f"lrkv section says rope handling {section['rope']!r}, "
+            f"lrkv section says rope handling {fmt.rope!r}, "
             f"but {adapter.model_type} models need {kind.name!r}"
         )
-    for i, (rk, rv) in enumerate(zip(section["ranks_k"], section["ranks_v"])):
-        layout = LatentLayout(
-            section["group_size"], tuple(rk), tuple(rv), section["qkv_bias"], section["o_bias"]
+    if fmt.n_layers != adapter.shape(config).L:
+        raise ValueError(
+            f"lrkv section has ranks for {fmt.n_layers} layers, the model has {adapter.shape(config).L}"
         )
+    for i, layout in enumerate(layouts(fmt)):
         ref = adapter.attention(model, i)
         p = next(ref.parameters())
         adapter.set_attention(model, i, kind.module(config, i, adapter, layout).to(p.device, p.dtype))
+    config.lrkv = fmt.to_dict()  # migrated to the current format version
     enable_latent_cache(model)
     return model
 

@@ -1,8 +1,9 @@
 """The compressed model format: a directory that loads back into a ready HF model.
 
-``config.json`` is the original config plus an ``lrkv`` section (method, group size, ranks, rope handling,
-rotation, bits, version) and ``quantization_config: {"quant_method": "lrkv"}``; ``model.safetensors`` holds
-the new tensors; README.md is the model card. No pickle, no trust_remote_code: :func:`load_compressed`
+``config.json`` is the original config plus an ``lrkv`` section (the typed model-format section,
+:class:`lrkv_core.format.LrkvFormat`: decomposition, allocator, group size, ranks, rope handling, cache
+storage, versions) and ``quantization_config: {"quant_method": "lrkv"}``; ``model.safetensors`` holds the
+new tensors; README.md is the model card. No pickle, no trust_remote_code: :func:`load_compressed`
 rebuilds the module shapes from the ``lrkv`` section, and so does plain ``AutoModelForCausalLM
 .from_pretrained`` once ``lrkv_core`` is imported (:mod:`lrkv_core.hf_quantizer`).
 """
@@ -16,11 +17,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.initialization import no_init_weights
 
+from .files import make_readable
+from .format import FormatError, LrkvFormat
 from .fuse import build_latent_skeleton
 from .hf_quantizer import LrkvConfig
 from .models import parse_dtype
@@ -58,9 +62,10 @@ def save_compressed(
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS))
+        make_readable(tmp / WEIGHTS)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(card or model_card(model.config.lrkv))
+        (tmp / "README.md").write_text(card or model_card(LrkvFormat.of(model.config)))
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -81,50 +86,80 @@ def _mark_quant_method(config_json: Path) -> None:
     config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+class ModelFileError(ValueError):
+    """A compressed model directory whose files cannot be loaded (names the file and the problem)."""
+
+
 def load_compressed(
     path: str | Path, *, dtype: str | None = None, attn_implementation: str | None = None
 ) -> nn.Module:
-    """A ready HF model (eval mode, latent cache on) from a directory written by :func:`save_compressed`."""
+    """A ready HF model (eval mode, latent cache on) from a directory written by :func:`save_compressed`.
+
+    Raises
+    ------
+    ModelFileError
+        The directory is not an lrkv model, its ``lrkv`` section cannot be read (e.g. a newer format), or
+        ``model.safetensors`` is missing, truncated, corrupt or does not match the ranks in config.json.
+    """
     if "://" in str(path) or str(path).startswith("runs:/"):  # before Path(), which folds "s3://" to "s3:/"
         raise ValueError(f"{path}: load_compressed takes a local directory; fetch remote artifacts first")
     path = Path(path)
     if not is_compressed_dir(path):
-        raise ValueError(f"{path} is not an lrkv compressed model (config.json without an 'lrkv' section)")
+        raise ModelFileError(
+            f"{path} is not an lrkv compressed model (config.json without an 'lrkv' section)"
+        )
+    weights = path / WEIGHTS
+    if not weights.is_file():
+        raise ModelFileError(f"{weights}: missing")
     config = AutoConfig.from_pretrained(str(path))
     kwargs = {"dtype": parse_dtype(dtype or getattr(config, "dtype", None) or "float32")}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    with no_init_weights():  # every weight is loaded below (checked): random init would be wasted time
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-        build_latent_skeleton(model)
+    try:
+        with no_init_weights():  # every weight is loaded below (checked): random init would be wasted time
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            build_latent_skeleton(model)
+    except FormatError as err:
+        raise ModelFileError(f"{path / 'config.json'}: {err}") from None
     model.tie_weights()  # what the skipped init_weights would have done (tied embeddings share one tensor)
-    missing, unexpected = load_model(model, str(path / WEIGHTS), strict=False)
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except SafetensorError as err:
+        raise ModelFileError(
+            f"{weights}: unreadable safetensors file (truncated or corrupt: {err})"
+        ) from None
+    except RuntimeError as err:  # torch's size mismatch on load_state_dict
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+        raise ModelFileError(
+            f"{weights}: tensor shapes do not match the ranks in config.json ({first})"
+        ) from None
     if missing or unexpected:
-        raise ValueError(
-            f"{path}: weights do not match the lrkv layout (missing {missing}, unexpected {unexpected})"
+        raise ModelFileError(
+            f"{weights}: weights do not match the lrkv layout (missing {missing}, unexpected {unexpected})"
         )
     return model.eval()
 
 
-def model_card(section: dict, source: str | None = None) -> str:
+def model_card(fmt: LrkvFormat, source: str | None = None) -> str:
     """The README.md of a compressed model: what was compressed, how, the ranks, and how to load it."""
     keys = {
         "reconstruct-then-rope": "Keys are rebuilt per group from their latents, then RoPE at the cached "
         "positions, then attention",
         "keys-fused-into-q": "The key up-projection is folded into q_proj (no RoPE): keys are never rebuilt",
-    }.get(section.get("rope"), f"Key handling: {section.get('rope')}")
-    ranks = "\n".join(
-        f"| {i} | {rk} | {rv} |" for i, (rk, rv) in enumerate(zip(section["ranks_k"], section["ranks_v"]))
-    )
+    }[fmt.rope]
+    ranks = "\n".join(f"| {i} | {rk} | {rv} |" for i, (rk, rv) in enumerate(zip(fmt.ranks_k, fmt.ranks_v)))
     origin = f"Source model: `{source}`.\n\n" if source else ""
+    cache = ", ".join(f"{k}={v}" for k, v in fmt.cache.items() if k != "name")
     return (
         f"# lrkv compressed model\n\n{origin}"
-        f"The KV cache stores low-rank latents: {section['decomposition']} decomposition per group of "
-        f"{section['group_size']} KV head(s), {section['allocator']} ranks rounded to multiples of "
-        f"{section['rank_multiple']}. Kept KV width: {section['achieved_ratio']:.4f} of the original "
-        f"(target {section['target_ratio']}). {keys}; the value up-projection is folded into o_proj.\n\n"
+        f"The KV cache stores low-rank latents: {fmt.decomposition['name']} decomposition per group of "
+        f"{fmt.group_size} KV head(s), {fmt.allocator['name']} ranks rounded to multiples of "
+        f"{fmt.rank_multiple}. Kept KV width: {fmt.achieved_ratio:.4f} of the original "
+        f"(target {fmt.target_ratio}). {keys}; the value up-projection is folded into o_proj. "
+        f"Cache storage: {fmt.cache['name']}{f' ({cache})' if cache else ''}.\n\n"
         "| layer | K ranks per group | V ranks per group |\n|---|---|---|\n"
         f"{ranks}\n\nLoad: `lrkv_core.load_compressed(path)`, or "
         "`AutoModelForCausalLM.from_pretrained(path)` after `import lrkv_core` (no pickle, no "
-        f"trust_remote_code). lrkv {section['version']}, torch {torch.__version__}.\n"
+        f"trust_remote_code). lrkv {fmt.lrkv_version} (model format {fmt.format_version}), "
+        f"torch {torch.__version__}.\n"
     )

@@ -1,26 +1,31 @@
 """Path-level steps of a conversion: each reads its inputs from files and writes its output to a file.
 
-These are the single core calls behind the Prefect tasks (and the CLI's direct commands), so the
-tasks stay thin: resolve refs, call one function here, persist, return refs and small metrics.
+These are the single core calls behind the Prefect tasks (and the CLI's direct commands), so the tasks stay
+thin: resolve refs, call one function here, persist, return refs and small metrics. Each wraps the same
+step of the in-memory API (:mod:`lrkv_core.convert`) with file I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from transformers import AutoConfig
 
 from . import evaluate
 from .adapters import get_adapter
+from .allocation import LayerSummary, RankPlan, summarize_layer
+from .convert import CompressionConfig, decompose, plan
 from .data import eval_windows, extract_calibration, read_token_rows
-from .decompose import JOINT_QK, decompose_layer, load_layer_factors, save_layer_factors
-from .fisher import collect_fisher, load_fisher, save_fisher
+from .decompositions import LayerWeights, load_layer_factors, save_layer_factors
+from .format import LrkvFormat
 from .fuse import compress_model
 from .io import model_card, save_compressed
-from .models import load_model, load_tokenizer, read_kv_weights, read_tensors
-from .ranks import RankPlan, plan_from_factors
-from .stats import collect_gram, load_gram, save_grams
+from .models import load_model, load_tokenizer, read_tensors
+from .statistics import STATISTICS, load_statistic, save_statistic
 
 Progress = Callable[[int, int], None] | None
+StatPaths = Mapping[str, str]  # statistic name -> its file
 
 
 def calibrate(
@@ -32,90 +37,69 @@ def calibrate(
     )
 
 
-def stats_file(
+def statistic_file(
     model_dir: str,
     calib_path: str,
+    statistic: str | Mapping[str, Any],
     out_path: str,
     *,
     dtype: str = "float32",
     batch_size: int = 8,
     progress: Progress = None,
 ) -> dict:
-    """Gram matrices of every layer's k/v_proj input, written as safetensors."""
+    """One calibration statistic of every layer (a registered :class:`~lrkv_core.statistics.Statistic`)."""
+    stat = STATISTICS.create(statistic)
     model, _ = load_model(model_dir, dtype=dtype)
     rows = read_token_rows(calib_path)  # (N, T)
-    grams, n_tokens = collect_gram(model, rows, batch_size=batch_size, progress=progress)
-    save_grams(grams, n_tokens, out_path)
-    return {"path": out_path, "n_tokens": n_tokens, "layers": len(grams)}
+    values, meta = stat.collect(model, rows, batch_size=batch_size, progress=progress)
+    save_statistic(stat, values, meta, out_path)
+    return {"statistic": stat.to_dict(), "layers": len(values), **meta}
+
+
+def _layer_stats(stats: StatPaths, layer: int) -> dict[str, Any]:
+    return {name: load_statistic(path, layer) for name, path in stats.items()}
+
+
+def read_layer_weights(model_dir: str, layer: int, *, query: bool = False) -> LayerWeights:
+    """The layer's k/v (and q) projection weights, read from the safetensors files without the model."""
+    adapter = get_adapter(AutoConfig.from_pretrained(model_dir))
+    names = {p: adapter.weight_name(layer, p) + ".weight" for p in ("qkv" if query else "kv")}
+    t = read_tensors(model_dir, list(names.values()))
+    return LayerWeights(t[names["k"]], t[names["v"]], t[names["q"]] if query else None)
 
 
 def decompose_file(
-    model_dir: str, stats_path: str | None, layer: int, out_path: str, *, group_size: int, method: str
+    model_dir: str, stats: StatPaths, layer: int, out_path: str, *, compression: CompressionConfig
 ) -> dict:
     """Full-spectrum factors of one layer (k and v, every group), written as safetensors."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(model_dir)
     adapter = get_adapter(config)
-    shape = adapter.shape(config)
-    w_k, w_v = read_kv_weights(model_dir, adapter, layer)
-    gram = load_gram(stats_path, layer) if stats_path else None
-    w_q = None
-    if method in JOINT_QK and not adapter.rope:  # Eigen Attention's non-RoPE path: joint K∪Q key basis
-        name = adapter.weight_name(layer, "q") + ".weight"
-        w_q = read_tensors(model_dir, [name])[name]
-    factors = decompose_layer(
-        layer,
-        w_k,
-        w_v,
-        gram,
-        n_kv_heads=shape.Hkv,
-        head_dim=shape.D,
-        group_size=group_size,
-        method=method,
-        w_q=w_q,
-    )
+    compression = compression.for_model(config)
+    weights = read_layer_weights(model_dir, layer, query=compression.decomposition.uses_query(adapter.rope))
+    factors = decompose(compression, adapter.shape(config), layer, weights, _layer_stats(stats, layer))
     save_layer_factors(factors, out_path)
     top = {kind: [float(f.sigma[0]) for f in factors.groups[kind]] for kind in ("k", "v")}
-    return {"path": out_path, "layer": layer, "info": factors.info, "sigma_max": top}
+    return {"layer": layer, "info": factors.info, "sigma_max": top}
 
 
-def fisher_file(
-    model_dir: str,
-    calib_path: str,
-    out_path: str,
-    *,
-    dtype: str = "float32",
-    batch_size: int = 8,
-    per_row: bool = True,
-    progress: Progress = None,
-) -> dict:
-    """Diagonal empirical Fisher of every layer's k/v_proj weights, written as safetensors."""
-    model, _ = load_model(model_dir, dtype=dtype)
-    rows = read_token_rows(calib_path)  # (N, T)
-    fisher, n = collect_fisher(model, rows, batch_size=batch_size, per_row=per_row, progress=progress)
-    save_fisher(fisher, n, out_path, per_row=per_row)
-    return {"path": out_path, "n_samples": n, "per_row": per_row}
+def summarize_file(factors_path: str, stats: StatPaths, out_path: str, *, features: list[str]) -> dict:
+    """The layer's spectra and the named features (a small artifact: planning never loads factors)."""
+    factors = load_layer_factors(factors_path)
+    summary = summarize_layer(factors, _layer_stats(stats, factors.layer), features)
+    summary.save(out_path)
+    return {"layer": factors.layer, "features": sorted(summary.features)}
 
 
 def plan_file(
-    factor_paths: list[str],
-    out_path: str,
-    *,
-    ratio: float,
-    rank_multiple: int,
-    allocator: str,
-    fisher_path: str | None = None,
-    options: dict | None = None,
+    model_dir: str, summary_paths: list[str], out_path: str, *, compression: CompressionConfig
 ) -> dict:
-    """Allocate ranks from the layers' factors (and Fisher, for the allocators that use it); writes JSON."""
-    factors = [load_layer_factors(p) for p in factor_paths]
-    fisher = load_fisher(fisher_path)[0] if fisher_path else None
-    plan = plan_from_factors(
-        factors, ratio=ratio, rank_multiple=rank_multiple, allocator=allocator, fisher=fisher, options=options
-    )
-    plan.save(out_path)
-    return {"path": out_path, "target_ratio": plan.target_ratio, "achieved_ratio": plan.achieved_ratio}
+    """Allocate ranks from the layers' summaries; writes the plan as JSON."""
+    config = AutoConfig.from_pretrained(model_dir)
+    compression = compression.for_model(config)
+    summaries = [LayerSummary.load(p) for p in summary_paths]
+    result = plan(compression, get_adapter(config).shape(config), summaries)
+    result.save(out_path)
+    return {"target_ratio": result.target_ratio, "achieved_ratio": result.achieved_ratio}
 
 
 def build_file(
@@ -124,16 +108,20 @@ def build_file(
     plan_path: str,
     out_dir: str,
     *,
-    method: str,
+    compression: CompressionConfig,
     dtype: str = "float32",
 ) -> dict:
     """Fuse the factors into the model and save the compressed model directory."""
     model, tokenizer = load_model(model_dir, dtype=dtype)
     factors = [load_layer_factors(p) for p in factor_paths]
-    plan = RankPlan.load(plan_path)
-    compress_model(model, factors, plan, method)
-    save_compressed(model, out_dir, tokenizer=tokenizer, card=model_card(model.config.lrkv, model_dir))
-    return {"path": out_dir, "achieved_ratio": plan.achieved_ratio}
+    rank_plan = RankPlan.load(plan_path)
+    compress_model(
+        model, factors, rank_plan, decomposition=compression.decomposition.to_dict(), cache=compression.cache
+    )
+    save_compressed(
+        model, out_dir, tokenizer=tokenizer, card=model_card(LrkvFormat.of(model.config), model_dir)
+    )
+    return {"achieved_ratio": rank_plan.achieved_ratio}
 
 
 def evaluate_dir(

@@ -1,19 +1,20 @@
-"""Per-layer activation statistics collected while streaming calibration data.
+"""``gram``: the Gram matrix ``Σ x xᵀ`` of every layer's k/v_proj input, collected while streaming data.
 
-The Gram matrix ``Σ x xᵀ`` of the input to k/v_proj (both read the same normed hidden state) is
-accumulated in float64 through forward pre-hooks; activations are never kept.
+Both projections read the same normed hidden state; the Gram is accumulated in float64 through forward
+pre-hooks, and activations are never kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .adapters import get_adapter
+from ..adapters import get_adapter
+from .base import STATISTICS, LayerValue, Progress, Statistic
 
 
 @torch.no_grad()
@@ -68,19 +69,15 @@ def collect_gram(
     return [g.cpu() for g in grams], counts[0]
 
 
-def save_grams(grams: list[torch.Tensor], n_tokens: int, path: str | Path) -> None:
-    save_file(
-        {f"gram.{i}": g.contiguous() for i, g in enumerate(grams)}, str(path), {"n_tokens": str(n_tokens)}
-    )
+@STATISTICS.register
+@dataclass(frozen=True)
+class Gram(Statistic):
+    """Σ x xᵀ of each layer's k/v_proj input (float64): what whitened SVD and PCA read"""
 
+    name: ClassVar[str] = "gram"
 
-def load_gram(path: str | Path, layer: int) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor(f"gram.{layer}")
-
-
-def load_grams(path: str | Path) -> list[torch.Tensor]:
-    tensors = load_file(str(path))
-    return [tensors[f"gram.{i}"] for i in range(len(tensors))]
+    def collect(
+        self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
+    ) -> tuple[list[LayerValue], dict[str, Any]]:
+        grams, n_tokens = collect_gram(model, rows, batch_size=batch_size, progress=progress)
+        return grams, {"n_tokens": n_tokens}

@@ -1,4 +1,4 @@
-"""Empirical diagonal Fisher information of k_proj and v_proj, and what the rank allocators derive from it.
+"""``fisher``: empirical diagonal Fisher information of every layer's k_proj and v_proj weights.
 
 ``F = (1/S) Σ_s (∂ℓ_s/∂W)²`` per element of ``W_k`` and ``W_v`` (same shape as the weight), over S samples
 of the calibration rows, where ``ℓ_s`` is the mean next-token loss of the sample. A sample is one row
@@ -18,19 +18,17 @@ squares are accumulated in float32 or float64 whatever the model's dtype.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from .adapters import get_adapter
-from .allocators import ErrorCurves, Sensitivity
-from .decompose import KINDS, LayerFactors
-from .linalg import GroupFactors
+from ..adapters import get_adapter
+from .base import STATISTICS, LayerValue, Progress, Statistic
+
+KINDS = ("k", "v")
 
 # fisher[layer][kind] -> (Hkv·D, d), same shape as the projection weight
 FisherInfo = list[dict[str, torch.Tensor]]
@@ -135,94 +133,18 @@ def _accumulate(acc: torch.Tensor, x: torch.Tensor, g: torch.Tensor, per_row: bo
         acc.add_(grad.square())
 
 
-def group_sensitivity(fisher: FisherInfo, group_width: int) -> Sensitivity:
-    """``sensitivity[layer][kind][g]``: the Fisher summed over group g's rows (s·D consecutive rows)."""
-    out: Sensitivity = []
-    for layer in fisher:
-        entry = {}
-        for kind in KINDS:
-            f = layer[kind].to(torch.float64)
-            if f.shape[0] % group_width:
-                raise ValueError(
-                    f"Fisher has {f.shape[0]} rows, not a multiple of the group width {group_width}"
-                )
-            entry[kind] = [float(v) for v in f.reshape(-1, group_width * f.shape[1]).sum(dim=1)]
-        out.append(entry)
-    return out
+@STATISTICS.register
+@dataclass(frozen=True)
+class Fisher(Statistic):
+    """diagonal empirical Fisher of each layer's k/v_proj weights: what the Fisher-based allocators read"""
 
+    name: ClassVar[str] = "fisher"
+    per_row: bool = True  # one squared gradient per row (textbook), else per micro-batch (Palu)
 
-@torch.no_grad()
-def weighted_error_curve(
-    factors: GroupFactors, fisher: torch.Tensor, *, rank_multiple: int = 1
-) -> torch.Tensor:
-    """Fisher-weighted truncation error ``E(r) = Σ F ⊙ (W − B_r A_r)²`` of one group, for r on a grid.
-
-    ``W = B A`` is the full-rank product of the factors (the original weight up to float64 rounding), so
-    ``W − B_r A_r = B_{r:} A_{r:}`` and E(max rank) = 0. E need not decrease with r: F weights elements, not
-    directions.
-
-    Parameters
-    ----------
-    factors : the group's full-spectrum factors, ``up`` (s·D, m), ``down`` (m, d).
-    fisher : (s·D, d) the group's rows of the per-element Fisher.
-    rank_multiple : E is computed at 0, the multiples of this, and m; other entries are NaN.
-
-    Returns
-    -------
-    (m + 1,) float64, ``E[r]``.
-    """
-    up, down = factors.up.to(torch.float64), factors.down.to(torch.float64)
-    weight = fisher.to(device=up.device, dtype=torch.float64)
-    m = factors.max_rank
-    if weight.shape != (up.shape[0], down.shape[1]):
-        raise ValueError(
-            f"Fisher block {tuple(weight.shape)} does not match the group {(up.shape[0], down.shape[1])}"
+    def collect(
+        self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
+    ) -> tuple[list[LayerValue], dict[str, Any]]:
+        fisher, n = collect_fisher(
+            model, rows, batch_size=batch_size, per_row=self.per_row, progress=progress
         )
-    curve = torch.full((m + 1,), float("nan"), dtype=torch.float64)
-    curve[m] = 0.0
-    residual = torch.zeros_like(weight)  # B_{r:} A_{r:}, grown from the tail
-    upper = m
-    for r in sorted({*range(0, m, rank_multiple)}, reverse=True):
-        residual += up[:, r:upper] @ down[r:upper]  # (s·D, d)
-        curve[r] = float((weight * residual.square()).sum())
-        upper = r
-    return curve
-
-
-def fisher_error_curves(
-    factors: list[LayerFactors], fisher: FisherInfo, *, rank_multiple: int = 1
-) -> ErrorCurves:
-    """``error_curves[layer][kind][g]`` for ``fisher-greedy``: :func:`weighted_error_curve` of every group.
-
-    ``rank_multiple`` must divide the rank multiple the plan uses (1 serves every plan).
-    """
-    curves: ErrorCurves = []
-    for lf in factors:
-        entry = {}
-        for kind in KINDS:
-            rows = 0
-            entry[kind] = []
-            for gf in lf.groups[kind]:
-                width = gf.up.shape[0]
-                block = fisher[lf.layer][kind][rows : rows + width]
-                entry[kind].append(weighted_error_curve(gf, block, rank_multiple=rank_multiple))
-                rows += width
-        curves.append(entry)
-    return curves
-
-
-def save_fisher(fisher: FisherInfo, n_samples: int, path: str | Path, *, per_row: bool) -> None:
-    """Write the per-element Fisher as safetensors (``fisher.{layer}.{k|v}``) with its sample count."""
-    tensors = {
-        f"fisher.{i}.{kind}": layer[kind].contiguous() for i, layer in enumerate(fisher) for kind in KINDS
-    }
-    meta = {"n_samples": n_samples, "per_row": per_row, "layers": len(fisher)}
-    save_file(tensors, str(path), metadata={"lrkv_fisher": json.dumps(meta)})
-
-
-def load_fisher(path: str | Path) -> tuple[FisherInfo, dict]:
-    """The Fisher written by :func:`save_fisher`, and its metadata (n_samples, per_row, layers)."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["lrkv_fisher"])
-        fisher = [{kind: f.get_tensor(f"fisher.{i}.{kind}") for kind in KINDS} for i in range(meta["layers"])]
-    return fisher, meta
+        return fisher, {"n_samples": n, "per_row": self.per_row}

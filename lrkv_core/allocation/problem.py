@@ -1,16 +1,17 @@
 """The rank problem every allocator solves, and the one budget rule they share.
 
 A :class:`RankProblem` lists, per (layer, K/V, group), what an allocator may use: the spectrum, the max
-rank, the width, the Fisher sum and the Fisher-weighted error curve. :func:`fit_to_budget` turns any
-proposal into ranks that meet the budget the same way for every method: never above it, and less than one
-rank multiple below it unless every group is at its max rank.
+rank, the width and any per-group *features* that were computed for it (Fisher sums, Fisher-weighted error
+curves, the weights' condition numbers: see :mod:`lrkv_core.allocation.features`). :func:`fit_to_budget`
+turns any proposal into ranks that meet the budget the same way for every method: never above it, and less
+than one rank multiple below it unless every group is at its max rank.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,15 +19,26 @@ import torch
 
 KINDS = ("k", "v")
 
+# per_layer[layer][kind][group] -> a value: the layout of spectra and of every feature
+PerGroup = list[dict[str, list[Any]]]
 # spectra[layer][kind][group] -> the group's singular values (prefix truncation keeps the first r)
 Spectra = list[dict[str, list[torch.Tensor]]]
-# sensitivity[layer][kind][group] -> the group's Fisher sum (see lrkv_core.fisher.group_sensitivity)
-Sensitivity = list[dict[str, list[float]]]
-# error_curves[layer][kind][group] -> (max_rank + 1,) Fisher-weighted error at every rank (NaN: not computed)
-ErrorCurves = list[dict[str, list[torch.Tensor]]]
 Ranks = dict[str, list[list[int]]]  # {"k": [[r_g for g] for layer], "v": ...}
-# weight_condition[layer][kind] -> log κ of the layer's whole k_proj / v_proj weight (LoRC's condition number)
-WeightCondition = list[dict[str, float]]
+
+
+def check_one_step_fits(need: int, budget: int, ratio: float, rank_multiple: int, group_width: int) -> None:
+    """Raise unless one rank step per group (``need`` in total) fits in the budget width."""
+    if need > budget:
+        raise ValueError(
+            f"ratio {ratio} with rank multiple {rank_multiple} leaves rank 0 for some groups "
+            f"(group width {group_width}): one step per group needs {need} of the {budget} budget width; "
+            "use a smaller --rank-multiple, a larger --group-size or a larger ratio"
+        )
+
+
+def budget_width(ratio: float, full_width: int) -> int:
+    """Kept width allowed: ⌊ratio · full width⌋ (1e-9 absorbs 0.29·100 = 28.999…)."""
+    return int(math.floor(ratio * full_width + 1e-9))
 
 
 def round_rank(r: float, multiple: int, max_rank: int) -> int:
@@ -42,8 +54,7 @@ class GroupSpec:
     kind: str
     index: int
     sigma: torch.Tensor  # (max_rank,) float64
-    fisher: float | None  # Σ of the group's per-element Fisher
-    curve: torch.Tensor | None  # (max_rank + 1,) float64 Fisher-weighted error at rank r
+    features: Mapping[str, Any]  # feature name -> this group's value (float, or a float64 tensor)
 
     @property
     def max_rank(self) -> int:
@@ -60,18 +71,14 @@ class RankProblem:
     group_width : s·D, the width a group has in the uncompressed cache.
     ratio : target kept fraction of the KV width, in (0, 1].
     rank_multiple : m; ranks are multiples of m or the group's max rank.
-    sensitivity : per-group Fisher sums (``fisher``), optional.
-    error_curves : per-group Fisher-weighted error curves (``fisher-greedy``), optional.
-    weight_condition : per-layer ``log κ`` of the k_proj and v_proj weights (``lorc``), optional.
+    features : ``features[name][layer][kind][g]``, per-group values laid out like the spectra.
     """
 
     spectra: Spectra
     group_width: int
     ratio: float
     rank_multiple: int
-    sensitivity: Sensitivity | None = None
-    error_curves: ErrorCurves | None = None
-    weight_condition: WeightCondition | None = None
+    features: Mapping[str, PerGroup] = field(default_factory=dict)
     groups: list[GroupSpec] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,42 +86,37 @@ class RankProblem:
         for layer, entry in enumerate(self.spectra):
             for kind in KINDS:
                 for g, sigma in enumerate(entry[kind]):
-                    sens = self._lookup(self.sensitivity, "sensitivity", layer, kind, g)
-                    curve = self._lookup(self.error_curves, "error curves", layer, kind, g)
+                    values = {
+                        name: _as_value(self._lookup(table, name, layer, kind, g))
+                        for name, table in self.features.items()
+                    }
                     self.groups.append(
-                        GroupSpec(
-                            layer,
-                            kind,
-                            g,
-                            sigma.detach().to("cpu", torch.float64).flatten(),
-                            None if sens is None else float(sens),
-                            None if curve is None else curve.detach().to("cpu", torch.float64).flatten(),
-                        )
+                        GroupSpec(layer, kind, g, sigma.detach().to("cpu", torch.float64).flatten(), values)
                     )
-        if self.weight_condition is not None and (
-            len(self.weight_condition) != len(self.spectra)
-            or any(set(entry) != set(KINDS) for entry in self.weight_condition)
-        ):
-            raise ValueError(
-                f"weight condition numbers must give 'k' and 'v' for each of the {len(self.spectra)} layers"
-            )
         for spec in self.groups:
             if not 0 < spec.max_rank <= self.group_width:
                 raise ValueError(
                     f"group {self.name(spec)} has {spec.max_rank} directions, width {self.group_width}"
                 )
-            if spec.curve is not None and spec.curve.numel() != spec.max_rank + 1:
-                raise ValueError(f"error curve of {self.name(spec)} must have max_rank + 1 entries")
 
-    def _lookup(self, table: list | None, what: str, layer: int, kind: str, g: int) -> Any:
-        if table is None:
-            return None
+    def _lookup(self, table: PerGroup, what: str, layer: int, kind: str, g: int) -> Any:
         try:
             return table[layer][kind][g]
-        except (IndexError, KeyError) as err:
+        except (IndexError, KeyError, TypeError) as err:
             raise ValueError(
-                f"{what} do not match the spectra: no entry for layer {layer} {kind} {g}"
+                f"feature {what!r} does not match the spectra: no entry for layer {layer} {kind} group {g}"
             ) from err
+
+    def require(self, *names: str) -> None:
+        """Raise a clear error unless every named feature was given."""
+        missing = [n for n in names if n not in self.features]
+        if missing:
+            raise ValueError(f"the rank problem lacks the feature(s) {missing}")
+
+    def values(self, name: str) -> list[Any]:
+        """The feature's value of every group, in ``groups`` order."""
+        self.require(name)
+        return [spec.features[name] for spec in self.groups]
 
     @staticmethod
     def name(spec: GroupSpec) -> str:
@@ -131,8 +133,8 @@ class RankProblem:
 
     @property
     def budget(self) -> int:
-        """Kept width allowed: ⌊ratio · full width⌋ (1e-9 absorbs 0.29·100 = 28.999…)."""
-        return int(math.floor(self.ratio * self.full_width + 1e-9))
+        """Kept width allowed: ⌊ratio · full width⌋."""
+        return budget_width(self.ratio, self.full_width)
 
     # ----------------------------------------------------------------------------------- grid arithmetic
     def min_rank(self, i: int) -> int:
@@ -172,12 +174,7 @@ class RankProblem:
 
     def check_feasible(self) -> None:
         need = sum(self.min_rank(i) for i in range(len(self.groups)))
-        if need > self.budget:
-            raise ValueError(
-                f"ratio {self.ratio} with rank multiple {self.rank_multiple} leaves rank 0 for some groups "
-                f"(group width {self.group_width}): one step per group needs {need} of the {self.budget} "
-                "budget width; use a smaller --rank-multiple, a larger --group-size or a larger ratio"
-            )
+        check_one_step_fits(need, self.budget, self.ratio, self.rank_multiple, self.group_width)
 
 
 # (group index, rank r) -> benefit of raising the group from r to its next allowed rank (higher: first)
@@ -244,3 +241,10 @@ def bisect_to_budget(
 
 def clamped_total(problem: RankProblem, targets: Sequence[float]) -> float:
     return sum(min(max(t, problem.min_rank(i)), problem.max_rank(i)) for i, t in enumerate(targets))
+
+
+def _as_value(v: Any) -> Any:
+    """A feature value as allocators read it: a float64 CPU tensor, or a float."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", torch.float64).flatten() if v.numel() > 1 else float(v)
+    return float(v)

@@ -1,0 +1,236 @@
+"""The in-memory API: ``convert(model, calibration, config) -> model``, and the steps it chains.
+
+One conversion is: collect the calibration statistics the chosen methods need → decompose every layer
+(full spectrum) → summarise each layer (spectra + the allocator's features) → plan ranks for the budget →
+fuse the truncated factors into the model. :func:`convert` runs them in memory; the Prefect flow runs the
+same steps as cached tasks through :mod:`lrkv_core.pipeline`, and tests and benchmarks call these
+functions directly.
+
+    model = lrkv_core.convert(model, rows, CompressionConfig(ratio=0.5, allocator="eigen"))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from .adapters import AttnShape, get_adapter
+from .allocation import (
+    ALLOCATORS,
+    FEATURES,
+    Allocator,
+    LayerSummary,
+    RankPlan,
+    plan_from_summaries,
+    summarize_layer,
+)
+from .allocation.problem import budget_width, check_one_step_fits
+from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
+from .fuse import compress_model
+from .linalg import group_slices
+from .statistics import STATISTICS, LayerValue, Statistic
+
+Progress = Callable[[int, int], None] | None
+# the largest group of KV heads picked when the group size is left to lrkv (see resolve_group_size)
+AUTO_GROUP_LIMIT = 4
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """What one conversion does; the in-memory twin of a recipe's ``compression`` section.
+
+    Parameters
+    ----------
+    ratio : kept fraction of the KV width, in (0, 1]: 0.5 halves the cache.
+    group_size : KV heads decomposed together (1 = per head, Hkv = joint); None lets
+        :func:`resolve_group_size` pick one for the model.
+    rank_multiple : ranks are rounded down to multiples of this (or a group's max rank).
+    decomposition, allocator : registered methods, by name, recipe form or instance.
+    statistics : options for calibration statistics (by name, recipe form or instance); statistics not
+        listed that a method needs are collected with their defaults.
+    cache : the cache storage the compressed model uses, as a recipe form.
+    """
+
+    ratio: float = 0.5
+    group_size: int | None = None
+    rank_multiple: int = 8
+    decomposition: Decomposition | str | Mapping[str, Any] = "whitened"
+    allocator: Allocator | str | Mapping[str, Any] = "uniform"
+    statistics: Sequence[Statistic | str | Mapping[str, Any]] = ()
+    cache: Mapping[str, Any] = field(default_factory=lambda: {"name": "dense"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+        if self.rank_multiple < 1:
+            raise ValueError(f"rank multiple must be ≥ 1, got {self.rank_multiple}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group size must be ≥ 1, got {self.group_size}")
+        object.__setattr__(self, "decomposition", DECOMPOSITIONS.create(self.decomposition))
+        object.__setattr__(self, "allocator", ALLOCATORS.create(self.allocator))
+        stats = tuple(STATISTICS.create(s) for s in self.statistics)
+        if len({s.name for s in stats}) != len(stats):
+            raise ValueError("each statistic may be configured once")
+        object.__setattr__(self, "statistics", stats)
+        object.__setattr__(self, "cache", dict(self.cache))
+
+    def features(self) -> frozenset[str]:
+        """Per-group features the allocator reads besides the spectra."""
+        return self.allocator.needs
+
+    def needed_statistics(self) -> list[Statistic]:
+        """The statistics the decomposition and the allocator's features read, configured or default."""
+        names = set(self.decomposition.needs)
+        for feature in self.features():
+            if feature not in FEATURES:
+                raise ValueError(f"allocator {self.allocator.name!r} needs unknown feature {feature!r}")
+            names |= FEATURES[feature].statistics
+        configured = {s.name: s for s in self.statistics}
+        return [configured.get(name) or STATISTICS.create(name) for name in sorted(names)]
+
+    def for_model(self, model_config: PretrainedConfig) -> CompressionConfig:
+        """This config with the group size resolved, checked against a model's attention geometry.
+
+        Raises a clear ``ValueError`` before any work when the group size does not divide the KV heads or
+        the ratio and rank multiple leave some group at rank 0; the architecture must be supported.
+        """
+        shape = get_adapter(model_config).shape(model_config)
+        group_size = resolve_group_size(self.group_size, shape.Hkv)
+        group_slices(shape.Hkv, shape.D, group_size)  # raises with the valid sizes
+        width = group_size * shape.D
+        n_groups = 2 * shape.L * (shape.Hkv // group_size)
+        need = n_groups * min(self.rank_multiple, width, shape.d)
+        budget = budget_width(self.ratio, 2 * shape.L * shape.kv_width)
+        check_one_step_fits(need, budget, self.ratio, self.rank_multiple, width)
+        return replace(self, group_size=group_size)
+
+
+def resolve_group_size(group_size: int | None, n_kv_heads: int) -> int:
+    """``group_size`` if given, else the largest divisor of Hkv that is at most :data:`AUTO_GROUP_LIMIT`.
+
+    Joint decomposition of more KV heads keeps more accuracy at a given ratio (Palu's J-LRD > G-LRD > M-LRD;
+    lrkv's ablation agrees, see the README), while rebuilding each key from a wider group's latents costs
+    more; Palu's choice of groups of 4 bounds that cost on large models, and models with at most 4 KV heads
+    get the joint decomposition.
+    """
+    if group_size is not None:
+        return group_size
+    return max(s for s in range(1, min(n_kv_heads, AUTO_GROUP_LIMIT) + 1) if n_kv_heads % s == 0)
+
+
+def collect_statistics(
+    model: nn.Module,
+    rows: torch.Tensor | None,
+    statistics: Sequence[Statistic],
+    *,
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> dict[str, list[LayerValue]]:
+    """Every layer's value of each statistic over the calibration ``rows`` (N, T)."""
+    if statistics and rows is None:
+        names = [s.name for s in statistics]
+        raise ValueError(f"the chosen methods need calibration statistics {names}: pass calibration rows")
+    return {s.name: s.collect(model, rows, batch_size=batch_size, progress=progress)[0] for s in statistics}
+
+
+@torch.no_grad()
+def model_layer_weights(model: nn.Module, layer: int, *, query: bool = False) -> LayerWeights:
+    """The layer's k/v (and q) projection weights, read from a loaded model."""
+    adapter = get_adapter(model.config)
+    attn = adapter.attention(model, layer)
+    weight = {p: getattr(attn, getattr(adapter, f"{p}_name")).weight for p in "qkv"}
+    return LayerWeights(weight["k"], weight["v"], weight["q"] if query else None)
+
+
+def decompose(
+    config: CompressionConfig, shape: AttnShape, layer: int, weights: LayerWeights, stats: Mapping[str, Any]
+) -> LayerFactors:
+    """One layer's full-spectrum factors under ``config`` (group size resolved)."""
+    return decompose_layer(
+        layer,
+        weights,
+        stats,
+        n_kv_heads=shape.Hkv,
+        head_dim=shape.D,
+        group_size=config.group_size,
+        decomposition=config.decomposition,
+    )
+
+
+def plan(config: CompressionConfig, shape: AttnShape, summaries: Sequence[LayerSummary]) -> RankPlan:
+    """The rank plan for ``config``'s ratio from the layers' summaries."""
+    return plan_from_summaries(
+        summaries,
+        ratio=config.ratio,
+        group_size=config.group_size,
+        head_dim=shape.D,
+        rank_multiple=config.rank_multiple,
+        allocator=config.allocator,
+    )
+
+
+@dataclass
+class Conversion:
+    """A planned conversion: the resolved config, every layer's factors, and the rank plan."""
+
+    config: CompressionConfig
+    factors: list[LayerFactors]
+    summaries: list[LayerSummary]
+    plan: RankPlan
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Fuse the planned factors into ``model`` in place (see :func:`lrkv_core.fuse.compress_model`)."""
+        return compress_model(
+            model,
+            self.factors,
+            self.plan,
+            decomposition=self.config.decomposition.to_dict(),
+            cache=self.config.cache,
+        )
+
+
+def plan_conversion(
+    model: nn.Module,
+    calibration: torch.Tensor | None = None,
+    config: CompressionConfig | None = None,
+    *,
+    statistics: Mapping[str, list[LayerValue]] | None = None,
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> Conversion:
+    """Statistics, factors, summaries and the rank plan of ``model``, without changing it.
+
+    Parameters
+    ----------
+    calibration : (N, T) token ids, or None for data-free methods.
+    statistics : already collected statistics by name (those given are not collected again).
+    """
+    config = (config or CompressionConfig()).for_model(model.config)
+    adapter = get_adapter(model.config)
+    shape = adapter.shape(model.config)
+    given = dict(statistics or {})
+    todo = [s for s in config.needed_statistics() if s.name not in given]
+    stats = given | collect_statistics(model, calibration, todo, batch_size=batch_size, progress=progress)
+    query = config.decomposition.uses_query(adapter.rope)
+    factors, summaries = [], []
+    for layer in range(shape.L):
+        layer_stats = {name: values[layer] for name, values in stats.items()}
+        f = decompose(config, shape, layer, model_layer_weights(model, layer, query=query), layer_stats)
+        factors.append(f)
+        summaries.append(summarize_layer(f, layer_stats, config.features()))
+    return Conversion(config, factors, summaries, plan(config, shape, summaries))
+
+
+def convert(
+    model: nn.Module,
+    calibration: torch.Tensor | None = None,
+    config: CompressionConfig | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """Compress ``model`` in place to a latent KV cache and return it (see :func:`plan_conversion`)."""
+    return plan_conversion(model, calibration, config, **kwargs).apply(model)

@@ -1,0 +1,126 @@
+"""The decomposition interface, its registry, the per-layer factors artifact and the one entry point."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors import safe_open
+
+from ..files import save_tensors
+from ..linalg import GroupFactors, group_slices
+from ..registry import Method, Registry
+
+KINDS = ("k", "v")
+
+Groups = dict[str, list[GroupFactors]]  # kind -> one GroupFactors per group
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """The projection weights of one layer a decomposition may read: (Hkv·D, d) k/v, (H·D, d) q."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Decomposition(Method, ABC):
+    """Factors each group of a layer's k_proj and v_proj (full spectrum; ranks are chosen later)."""
+
+    needs: ClassVar[frozenset[str]] = frozenset()  # calibration statistics it reads, e.g. {"gram"}
+
+    def uses_query(self, rope: bool) -> bool:
+        """Whether fitting also reads the layer's q_proj weight (given the model's RoPE handling)."""
+        return False
+
+    @abstractmethod
+    def fit(
+        self, weights: LayerWeights, stats: Mapping[str, Any], slices: list[slice], head_dim: int
+    ) -> tuple[Groups, dict]:
+        """``(groups["k"|"v"][g], info)`` for the layer; ``stats`` holds the layer's statistics by name."""
+
+
+DECOMPOSITIONS: Registry[Decomposition] = Registry("decomposition", Decomposition)
+
+
+def require_stat(stats: Mapping[str, Any], name: str, method: str) -> Any:
+    """The layer's statistic ``name``, or a clear error saying ``method`` needs it."""
+    if stats.get(name) is None:
+        raise ValueError(f"{method} needs the {name} statistic of the k/v_proj inputs (collect it first)")
+    return stats[name]
+
+
+@dataclass
+class LayerFactors:
+    """Full-spectrum factors of one layer: ``groups["k"][g]``, ``groups["v"][g]``."""
+
+    layer: int
+    group_size: int
+    method: str
+    groups: dict[str, list[GroupFactors]]
+    info: dict = field(default_factory=dict)
+
+    def spectra(self) -> dict[str, list[torch.Tensor]]:
+        return {kind: [f.sigma for f in self.groups[kind]] for kind in KINDS}
+
+
+def decompose_layer(
+    layer: int,
+    weights: LayerWeights,
+    stats: Mapping[str, Any] | None = None,
+    *,
+    n_kv_heads: int,
+    head_dim: int,
+    group_size: int,
+    decomposition: str | Mapping[str, Any] | Decomposition = "whitened",
+) -> LayerFactors:
+    """Factor k_proj and v_proj of one layer, group by group.
+
+    Parameters
+    ----------
+    weights : the layer's (Hkv·D, d) k/v weights (and q, for methods that read it).
+    stats : the layer's calibration statistics by name, e.g. ``{"gram": G}`` with G (d, d) ``Σ x xᵀ`` of
+        the k/v_proj input; data-free methods need none.
+    decomposition : a registered decomposition: name, recipe form or instance.
+    """
+    method = DECOMPOSITIONS.create(decomposition)
+    slices = group_slices(n_kv_heads, head_dim, group_size)
+    groups, info = method.fit(weights, stats or {}, slices, head_dim)
+    return LayerFactors(layer=layer, group_size=group_size, method=method.name, groups=groups, info=info)
+
+
+def save_layer_factors(factors: LayerFactors, path: str | Path) -> None:
+    tensors = {}
+    for kind in KINDS:
+        for g, f in enumerate(factors.groups[kind]):
+            tensors[f"{kind}.{g}.sigma"] = f.sigma.contiguous()
+            tensors[f"{kind}.{g}.down"] = f.down.contiguous()
+            tensors[f"{kind}.{g}.up"] = f.up.contiguous()
+    meta = {
+        "layer": factors.layer,
+        "group_size": factors.group_size,
+        "method": factors.method,
+        "n_groups": len(factors.groups["k"]),
+        "info": factors.info,
+    }
+    save_tensors(tensors, str(path), metadata={"lrkv": json.dumps(meta)})
+
+
+def load_layer_factors(path: str | Path) -> LayerFactors:
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["lrkv"])
+        groups = {
+            kind: [
+                GroupFactors(*(f.get_tensor(f"{kind}.{g}.{part}") for part in ("sigma", "down", "up")))
+                for g in range(meta["n_groups"])
+            ]
+            for kind in KINDS
+        }
+    return LayerFactors(meta["layer"], meta["group_size"], meta["method"], groups, meta["info"])

@@ -1,0 +1,23 @@
+"""Calibration statistics: one file per statistic, one registry, one file format.
+
+Add a statistic: a new file here with a frozen dataclass ``@STATISTICS.register``-ed whose ``collect``
+returns one value per layer, and its import below; methods that read it name it in their ``needs``.
+"""
+
+from . import fisher, gram  # noqa: F401  (registration)
+from .base import STATISTICS, LayerValue, Statistic, load_statistic, read_header, save_statistic
+from .fisher import Fisher, collect_fisher
+from .gram import Gram, collect_gram
+
+__all__ = [
+    "STATISTICS",
+    "Fisher",
+    "Gram",
+    "LayerValue",
+    "Statistic",
+    "collect_fisher",
+    "collect_gram",
+    "load_statistic",
+    "read_header",
+    "save_statistic",
+]
