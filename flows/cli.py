@@ -19,6 +19,27 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Low-rank KV-cache compression (Palu and friends)."
 )
 console = Console()
+# what a user error looks like: one line, no traceback (FileExistsError/FileNotFoundError are OSErrors)
+USER_ERRORS = (ValueError, OSError, KeyError)
+
+
+def _choices(registry) -> str:
+    return " | ".join(registry.names())
+
+
+def _registries():
+    from lrkv_core.allocation import ALLOCATORS
+    from lrkv_core.decompositions import DECOMPOSITIONS
+
+    return DECOMPOSITIONS, ALLOCATORS
+
+
+DECOMPOSITIONS, ALLOCATORS = _registries()
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    console.print(f"[red]error:[/red] {escape(message)}")
+    return typer.Exit(code)
 
 
 def _parse_set(values: list[str]) -> dict:
@@ -79,17 +100,23 @@ def convert(
         Optional[str], typer.Option(help="calibration: hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH")
     ] = None,
     eval_dataset: Annotated[
-        Optional[str], typer.Option(help="evaluation dataset (same forms); 'none' skips evaluation")
+        Optional[str],
+        typer.Option(
+            help="evaluation dataset (same forms); default: the held-out part of the calibration data; "
+            "'none' skips evaluation"
+        ),
     ] = None,
     ratio: Annotated[
         Optional[float], typer.Option(help="compressed KV width / original (0.5 halves the cache)")
     ] = None,
     group_size: Annotated[
-        Optional[int], typer.Option(help="KV heads per group: 1 = M-LRD, Hkv = J-LRD")
+        Optional[str], typer.Option(help="KV heads per group: 1 = M-LRD, Hkv = J-LRD, auto = min(Hkv, 4)")
     ] = None,
-    decomposition: Annotated[Optional[str], typer.Option(help="whitened | plain | pca")] = None,
+    decomposition: Annotated[
+        Optional[str], typer.Option(help=f"{_choices(DECOMPOSITIONS)}. {DECOMPOSITIONS.help()}")
+    ] = None,
     allocator: Annotated[
-        Optional[str], typer.Option(help="uniform | fisher | lorc | eigen | fisher-greedy")
+        Optional[str], typer.Option(help=f"{_choices(ALLOCATORS)}. {ALLOCATORS.help()}")
     ] = None,
     rank_multiple: Annotated[
         Optional[int], typer.Option(help="round ranks down to a multiple of this")
@@ -116,7 +143,7 @@ def convert(
         "model": model,
         "calibration.dataset": dataset,
         "compression.ratio": ratio,
-        "compression.group_size": group_size,
+        "compression.group_size": _group_size(group_size),
         "compression.decomposition": decomposition,
         "compression.allocator": allocator,
         "compression.rank_multiple": rank_multiple,
@@ -137,43 +164,48 @@ def convert(
     try:
         rec = load_recipe(recipe, overrides)
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
-        console.print(f"[red]invalid recipe:[/red] {e}")
+        console.print(f"[red]invalid recipe:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     _configure_prefect(LocalStore(rec.store).root, verbose)
-    console.print("[bold]recipe[/bold]\n" + recipe_yaml(rec))
-    from lrkv_core.adapters import UnsupportedModelError
+    try:
+        _build_builtin(rec.model)
+        from lrkv_tasks.preflight import prepare
+
+        prepared = prepare(rec)  # everything cheap is checked before Prefect starts
+    except USER_ERRORS as e:
+        raise _fail(str(e)) from None
+    console.print("[bold]recipe[/bold]\n" + recipe_yaml(prepared.recipe))
+    for note in prepared.notes:
+        console.print(f"[cyan]note:[/cyan] {escape(note)}")
+    from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
 
     try:
-        _preflight(rec.model)
-        from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
-
         with _rich_progress():
-            result = convert_flow(rec)
-    except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError) as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(1) from None
+            result = convert_flow(prepared.recipe)
+    except USER_ERRORS as e:
+        raise _fail(str(e)) from None
     _print_summary(result)
 
 
-def _preflight(model_ref: str) -> None:
-    """Fail fast, before Prefect starts: the model must exist and be a supported architecture.
+def _group_size(value: str | None) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"--group-size takes a positive integer or 'auto', got {value!r}") from None
 
-    A ``builtin:`` model is built here on first use (about two minutes), with a progress bar.
-    """
-    from transformers import AutoConfig
 
-    if model_ref.startswith("builtin:"):
-        from lrkv_core.builtin import ensure_builtin_model
-        from lrkv_tasks.progress import step
+def _build_builtin(model_ref: str) -> None:
+    """A ``builtin:`` model is built here on first use (about two minutes), with a progress bar."""
+    if not model_ref.startswith("builtin:"):
+        return
+    from lrkv_core.builtin import ensure_builtin_model
+    from lrkv_tasks.progress import step
 
-        with _rich_progress(), step(f"{model_ref} (built on first use)") as advance:
-            name = model_ref.split(":", 1)[1]
-            ensure_builtin_model(name, progress=lambda done, total, _loss: advance(done, total))
-
-    from lrkv_core.adapters import get_adapter
-    from lrkv_core.models import resolve_model_dir
-
-    get_adapter(AutoConfig.from_pretrained(str(resolve_model_dir(model_ref))))
+    with _rich_progress(), step(f"{model_ref} (built on first use)") as advance:
+        name = model_ref.split(":", 1)[1]
+        ensure_builtin_model(name, progress=lambda done, total, _loss: advance(done, total))
 
 
 def _print_summary(result: dict) -> None:
@@ -181,7 +213,8 @@ def _print_summary(result: dict) -> None:
     for col in ("task", "state", "seconds"):
         steps.add_column(col)
     for row in result["timings"]:
-        steps.add_row(escape(row["task"]), row["state"], f"{row['seconds']:.2f}")
+        seconds = "—" if row["seconds"] is None else f"{row['seconds']:.2f}"
+        steps.add_row(escape(row["task"]), row["state"], seconds)
     console.print(steps)
     table = Table(title="result")
     table.add_column("metric")
@@ -204,14 +237,14 @@ def _print_summary(result: dict) -> None:
                 table.add_row(f"{task_name} {metric}", f"{base_value:.4f}", f"{value:.4f}")
         ratio = comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"]
         table.add_row("KV bytes ratio (measured)", "1", f"{ratio:.4f}")
-    plan = result["plan"]
+    plan = result["plan"].meta
     table.add_row(
         "KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}"
     )
     console.print(table)
-    console.print(f"compressed model: {result['compressed']['path']}")
+    console.print(f"compressed model: {result['compressed'].uri}")
     if result["exported"]:
-        console.print(f"exported to: {result['exported']['path']}")
+        console.print(f"exported to: {result['exported'].uri}")
     run = result["mlflow"]
     console.print(f"MLflow run {run['run_id']} (experiment {run['experiment_id']}) at {run['tracking_uri']}")
 
@@ -228,11 +261,11 @@ def ablate(
     model: Annotated[Optional[str], typer.Option(help="hub id, local dir or builtin:NAME")] = None,
     dataset: Annotated[Optional[str], typer.Option(help="calibration dataset")] = None,
     eval_dataset: Annotated[Optional[str], typer.Option(help="evaluation dataset")] = None,
-    decompositions: Annotated[Optional[str], typer.Option(help="comma list: plain,whitened,pca")] = None,
-    group_sizes: Annotated[Optional[str], typer.Option(help="comma list, e.g. 1,2")] = None,
-    allocators: Annotated[
-        Optional[str], typer.Option(help="comma list: uniform,fisher,lorc,eigen,fisher-greedy")
+    decompositions: Annotated[
+        Optional[str], typer.Option(help=f"comma list of {_choices(DECOMPOSITIONS)}")
     ] = None,
+    group_sizes: Annotated[Optional[str], typer.Option(help="comma list, e.g. 1,2,auto")] = None,
+    allocators: Annotated[Optional[str], typer.Option(help=f"comma list of {_choices(ALLOCATORS)}")] = None,
     ratios: Annotated[Optional[str], typer.Option(help="comma list, e.g. 0.7,0.5,0.3")] = None,
     out_dir: Annotated[Optional[Path], typer.Option(help="write ablation.csv/.md/.png here")] = None,
     set_: Annotated[
@@ -249,7 +282,7 @@ def ablate(
         "base.calibration.dataset": dataset,
         "base.eval.dataset": eval_dataset,
         "decompositions": _csv(decompositions),
-        "group_sizes": _csv(group_sizes, int),
+        "group_sizes": _csv(group_sizes, _group_size),
         "allocators": _csv(allocators),
         "ratios": _csv(ratios, float),
     }
@@ -260,7 +293,10 @@ def ablate(
         console.print(f"[red]invalid recipe:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     _configure_prefect(LocalStore(rec.base.store).root, verbose)
-    _preflight(rec.base.model)
+    try:
+        _build_builtin(rec.base.model)
+    except USER_ERRORS as e:
+        raise _fail(str(e)) from None
     from lrkv_flows.ablate import ablate_flow
 
     with _rich_progress():
@@ -290,27 +326,14 @@ def eval_cmd(
     limit: Annotated[Optional[int], typer.Option(help="documents per zero-shot task")] = None,
 ) -> None:
     """Evaluate a model: prefill PPL, teacher-forced decode PPL, measured KV bytes/token."""
-    from lrkv_core.pipeline import evaluate_dir
-
-    with _rich_progress():
-        from lrkv_tasks.progress import step
-
-        with step("evaluate") as advance:
-            res = evaluate_dir(
-                model_dir,
-                dataset,
-                seq_len=seq_len,
-                max_windows=max_windows,
-                decode_prefix=decode_prefix or seq_len // 2,
-                decode_windows=decode_windows,
-                batch_size=batch_size,
-                base_dir=base,
-                progress=advance,
-            )
+    try:
+        res = _evaluate(
+            model_dir, dataset, seq_len, max_windows, decode_prefix, decode_windows, batch_size, base
+        )
         if tasks:
             from lrkv_tasks.zeroshot import run_zeroshot
 
-            with step("zero-shot tasks") as advance:
+            with _rich_progress(), _step("zero-shot tasks"):
                 res["zeroshot"] = run_zeroshot(
                     model_dir,
                     _csv(tasks),
@@ -318,6 +341,46 @@ def eval_cmd(
                     limit=limit,
                     batch_size=batch_size,
                 )
+    except USER_ERRORS as e:
+        raise _fail(str(e)) from None
+    _print_eval(model_dir, res)
+    text = json.dumps(res, indent=2)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)
+        console.print(f"wrote {json_out}")
+    else:
+        console.print_json(text)
+
+
+def _step(description: str):
+    from lrkv_tasks.progress import step
+
+    return step(description)
+
+
+def _evaluate(
+    model_dir, dataset, seq_len, max_windows, decode_prefix, decode_windows, batch_size, base
+) -> dict:
+    from lrkv_core.pipeline import evaluate_dir
+
+    if decode_prefix is not None and not 0 < decode_prefix < seq_len:
+        raise ValueError(f"--decode-prefix {decode_prefix} must be inside the window (1..{seq_len - 1})")
+    with _rich_progress(), _step("evaluate") as advance:
+        return evaluate_dir(
+            model_dir,
+            dataset,
+            seq_len=seq_len,
+            max_windows=max_windows,
+            decode_prefix=decode_prefix or seq_len // 2,
+            decode_windows=decode_windows,
+            batch_size=batch_size,
+            base_dir=base,
+            progress=advance,
+        )
+
+
+def _print_eval(model_dir: str, res: dict) -> None:
     table = Table(title=f"eval {model_dir}")
     for col in ("measure", "nll", "ppl", "tokens"):
         table.add_column(col)
@@ -335,13 +398,6 @@ def eval_cmd(
         )
     for task_name, metrics in res.get("zeroshot", {}).get("results", {}).items():
         console.print(f"{task_name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    text = json.dumps(res, indent=2)
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(text)
-        console.print(f"wrote {json_out}")
-    else:
-        console.print_json(text)
 
 
 if __name__ == "__main__":

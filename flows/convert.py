@@ -1,78 +1,86 @@
-"""The convert flow: calibration → stats → per-layer decomposition (mapped) → ranks → build → eval → log."""
+"""The convert flow: calibration → statistics → decompose (per layer) → summarize (per layer) → plan → build
+→ evaluate → log → export. Which statistics and features are computed follows from the methods' ``needs``."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import flow, unmapped
 
-from lrkv_core.decompose import needs_gram
-from lrkv_core.ranks import needs_fisher
+from lrkv_core.allocation import statistics_for
 from lrkv_tasks import convert as t
+from lrkv_tasks.preflight import prepare
 from lrkv_tasks.recipe import ConvertRecipe
 from lrkv_tasks.store import LocalStore
+from lrkv_tasks.tracking import log_run
 from lrkv_tasks.zeroshot import zeroshot
 
 
-def _record(timings: list[dict], name: str, future_or_state) -> Any:
-    """Wait for a task, note its state (Completed / Cached) and duration, and return its result."""
-    start = time.perf_counter()
-    state = future_or_state.wait() or future_or_state.state
-    timings.append({"task": name, "state": state.name, "seconds": round(time.perf_counter() - start, 3)})
-    return future_or_state.result()
+def _record(timings: list[dict], name: str, future) -> Any:
+    """Wait for a task and note its state (Completed / Cached) and its own run time; return its result."""
+    future.wait()
+    seconds = t.run_seconds(future.task_run_id)
+    timings.append({"task": name, "state": future.state.name, "seconds": seconds})
+    return future.result()
 
 
 @flow(name="lrkv-convert", log_prints=True)
 def convert_flow(recipe: ConvertRecipe) -> dict:
     """Compress a model's KV projections to a latent cache, evaluate it and log it to MLflow."""
+    prepared = prepare(recipe)
+    recipe = prepared.recipe
+    for note in prepared.notes:
+        print(note)
     store = str(LocalStore(recipe.store).root)
     timings: list[dict] = []
-    comp = recipe.compression
+    comp, cal = recipe.compression, recipe.calibration
+    config = comp.to_config()
     model = _record(timings, "resolve_model", t.resolve_model.submit(recipe.model))
-    cal = recipe.calibration
     calib = _record(
         timings,
         "extract_calibration",
         t.extract_calibration.submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
     )
-    stats = None
-    if needs_gram(comp.decomposition):
-        stats = _record(
+    stats = {
+        s.name: _record(
             timings,
-            "collect_stats",
-            t.collect_stats.submit(model, calib, recipe.dtype, cal.batch_size, store),
+            f"collect_statistic[{s.name}]",
+            t.collect_statistic.submit(model, calib, s.to_dict(), recipe.dtype, cal.batch_size, store),
         )
-    futures = t.decompose_layer.map(
+        for s in config.needed_statistics()
+    }
+    layer_ids = list(range(model.meta["shape"]["L"]))
+    decomposed = t.decompose_layer.map(
         model=unmapped(model),
-        stats=unmapped(stats),
-        layer=list(range(model["shape"]["L"])),
+        stats=unmapped({name: stats[name] for name in config.decomposition.needs}),
+        layer=layer_ids,
         group_size=unmapped(comp.group_size),
-        method=unmapped(comp.decomposition),
+        decomposition=unmapped(comp.decomposition.to_dict()),
         store=unmapped(store),
     )
-    layers = [_record(timings, f"decompose_layer[{i}]", f) for i, f in enumerate(futures)]
-    fisher = None
-    if needs_fisher(comp.allocator):
-        fisher = _record(
-            timings,
-            "collect_fisher",
-            t.collect_fisher.submit(model, calib, recipe.dtype, cal.batch_size, comp.fisher_per_row, store),
-        )
-    plan = _record(timings, "plan_ranks", t.plan_ranks.submit(layers, comp.model_dump(), fisher, store))
+    layers = [_record(timings, f"decompose_layer[{i}]", f) for i, f in enumerate(decomposed)]
+    features = sorted(config.features())
+    summarized = t.summarize_layer.map(
+        factors=layers,
+        stats=unmapped({name: stats[name] for name in statistics_for(features)}),
+        features=unmapped(features),
+        store=unmapped(store),
+    )
+    summaries = [_record(timings, f"summarize_layer[{i}]", f) for i, f in enumerate(summarized)]
+    plan = _record(
+        timings,
+        "plan_ranks",
+        t.plan_ranks.submit(
+            model, summaries, comp.ratio, comp.group_size, comp.rank_multiple, comp.allocator.to_dict(), store
+        ),
+    )
     built = _record(
         timings,
         "build_model",
-        t.build_model.submit(model, layers, plan, comp.decomposition, recipe.dtype, store),
+        t.build_model.submit(
+            model, layers, plan, comp.decomposition.to_dict(), config.cache, recipe.dtype, store
+        ),
     )
-    exported = None
-    if recipe.out:
-        refresh = not t.export_is_current(built, recipe.out)  # a deleted or edited export is redone
-        exported = _record(
-            timings,
-            "export_model",
-            t.export_model.with_options(refresh_cache=refresh).submit(built, recipe.out),
-        )
     base_eval = comp_eval = None
     if recipe.eval.dataset:
         ev = recipe.eval.model_dump()
@@ -87,9 +95,19 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     run = _record(
         timings,
         "log_run",
-        t.log_run.submit(recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval),
+        log_run.submit(recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval),
     )
+    exported = None
+    if recipe.out:  # last: a failed evaluation or log leaves no complete-looking --out
+        refresh = not t.export_is_current(built, recipe.out)  # a deleted or edited export is redone
+        exported = _record(
+            timings,
+            "export_model",
+            t.export_model.with_options(refresh_cache=refresh).submit(built, recipe.out),
+        )
     return {
+        "recipe": recipe,
+        "notes": prepared.notes,
         "model": model,
         "plan": plan,
         "compressed": built,

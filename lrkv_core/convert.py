@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .adapters import AttnShape, get_adapter
+from .adapters import get_adapter
 from .allocation import (
     ALLOCATORS,
     FEATURES,
@@ -147,33 +147,6 @@ def model_layer_weights(model: nn.Module, layer: int, *, query: bool = False) ->
     return LayerWeights(weight["k"], weight["v"], weight["q"] if query else None)
 
 
-def decompose(
-    config: CompressionConfig, shape: AttnShape, layer: int, weights: LayerWeights, stats: Mapping[str, Any]
-) -> LayerFactors:
-    """One layer's full-spectrum factors under ``config`` (group size resolved)."""
-    return decompose_layer(
-        layer,
-        weights,
-        stats,
-        n_kv_heads=shape.Hkv,
-        head_dim=shape.D,
-        group_size=config.group_size,
-        decomposition=config.decomposition,
-    )
-
-
-def plan(config: CompressionConfig, shape: AttnShape, summaries: Sequence[LayerSummary]) -> RankPlan:
-    """The rank plan for ``config``'s ratio from the layers' summaries."""
-    return plan_from_summaries(
-        summaries,
-        ratio=config.ratio,
-        group_size=config.group_size,
-        head_dim=shape.D,
-        rank_multiple=config.rank_multiple,
-        allocator=config.allocator,
-    )
-
-
 @dataclass
 class Conversion:
     """A planned conversion: the resolved config, every layer's factors, and the rank plan."""
@@ -220,10 +193,26 @@ def plan_conversion(
     factors, summaries = [], []
     for layer in range(shape.L):
         layer_stats = {name: values[layer] for name, values in stats.items()}
-        f = decompose(config, shape, layer, model_layer_weights(model, layer, query=query), layer_stats)
+        f = decompose_layer(
+            layer,
+            model_layer_weights(model, layer, query=query),
+            layer_stats,
+            n_kv_heads=shape.Hkv,
+            head_dim=shape.D,
+            group_size=config.group_size,
+            decomposition=config.decomposition,
+        )
         factors.append(f)
         summaries.append(summarize_layer(f, layer_stats, config.features()))
-    return Conversion(config, factors, summaries, plan(config, shape, summaries))
+    plan = plan_from_summaries(
+        summaries,
+        ratio=config.ratio,
+        group_size=config.group_size,
+        head_dim=shape.D,
+        rank_multiple=config.rank_multiple,
+        allocator=config.allocator,
+    )
+    return Conversion(config, factors, summaries, plan)
 
 
 def convert(

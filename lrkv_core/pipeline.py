@@ -14,10 +14,15 @@ from transformers import AutoConfig
 
 from . import evaluate
 from .adapters import get_adapter
-from .allocation import LayerSummary, RankPlan, summarize_layer
-from .convert import CompressionConfig, decompose, plan
+from .allocation import LayerSummary, RankPlan, plan_from_summaries, summarize_layer
 from .data import eval_windows, extract_calibration, read_token_rows
-from .decompositions import LayerWeights, load_layer_factors, save_layer_factors
+from .decompositions import (
+    DECOMPOSITIONS,
+    LayerWeights,
+    decompose_layer,
+    load_layer_factors,
+    save_layer_factors,
+)
 from .format import LrkvFormat
 from .fuse import compress_model
 from .io import model_card, save_compressed
@@ -69,14 +74,29 @@ def read_layer_weights(model_dir: str, layer: int, *, query: bool = False) -> La
 
 
 def decompose_file(
-    model_dir: str, stats: StatPaths, layer: int, out_path: str, *, compression: CompressionConfig
+    model_dir: str,
+    stats: StatPaths,
+    layer: int,
+    out_path: str,
+    *,
+    group_size: int,
+    decomposition: str | Mapping[str, Any],
 ) -> dict:
     """Full-spectrum factors of one layer (k and v, every group), written as safetensors."""
     config = AutoConfig.from_pretrained(model_dir)
     adapter = get_adapter(config)
-    compression = compression.for_model(config)
-    weights = read_layer_weights(model_dir, layer, query=compression.decomposition.uses_query(adapter.rope))
-    factors = decompose(compression, adapter.shape(config), layer, weights, _layer_stats(stats, layer))
+    shape = adapter.shape(config)
+    method = DECOMPOSITIONS.create(decomposition)
+    weights = read_layer_weights(model_dir, layer, query=method.uses_query(adapter.rope))
+    factors = decompose_layer(
+        layer,
+        weights,
+        _layer_stats(stats, layer),
+        n_kv_heads=shape.Hkv,
+        head_dim=shape.D,
+        group_size=group_size,
+        decomposition=method,
+    )
     save_layer_factors(factors, out_path)
     top = {kind: [float(f.sigma[0]) for f in factors.groups[kind]] for kind in ("k", "v")}
     return {"layer": layer, "info": factors.info, "sigma_max": top}
@@ -91,15 +111,27 @@ def summarize_file(factors_path: str, stats: StatPaths, out_path: str, *, featur
 
 
 def plan_file(
-    model_dir: str, summary_paths: list[str], out_path: str, *, compression: CompressionConfig
+    model_dir: str,
+    summary_paths: list[str],
+    out_path: str,
+    *,
+    ratio: float,
+    group_size: int,
+    rank_multiple: int,
+    allocator: str | Mapping[str, Any],
 ) -> dict:
     """Allocate ranks from the layers' summaries; writes the plan as JSON."""
     config = AutoConfig.from_pretrained(model_dir)
-    compression = compression.for_model(config)
-    summaries = [LayerSummary.load(p) for p in summary_paths]
-    result = plan(compression, get_adapter(config).shape(config), summaries)
-    result.save(out_path)
-    return {"target_ratio": result.target_ratio, "achieved_ratio": result.achieved_ratio}
+    plan = plan_from_summaries(
+        [LayerSummary.load(p) for p in summary_paths],
+        ratio=ratio,
+        group_size=group_size,
+        head_dim=get_adapter(config).shape(config).D,
+        rank_multiple=rank_multiple,
+        allocator=allocator,
+    )
+    plan.save(out_path)
+    return {"target_ratio": plan.target_ratio, "achieved_ratio": plan.achieved_ratio, "kept": plan.kept}
 
 
 def build_file(
@@ -108,20 +140,19 @@ def build_file(
     plan_path: str,
     out_dir: str,
     *,
-    compression: CompressionConfig,
+    decomposition: str | Mapping[str, Any],
+    cache: Mapping[str, Any] | None = None,
     dtype: str = "float32",
 ) -> dict:
     """Fuse the factors into the model and save the compressed model directory."""
     model, tokenizer = load_model(model_dir, dtype=dtype)
     factors = [load_layer_factors(p) for p in factor_paths]
-    rank_plan = RankPlan.load(plan_path)
-    compress_model(
-        model, factors, rank_plan, decomposition=compression.decomposition.to_dict(), cache=compression.cache
-    )
-    save_compressed(
-        model, out_dir, tokenizer=tokenizer, card=model_card(LrkvFormat.of(model.config), model_dir)
-    )
-    return {"achieved_ratio": rank_plan.achieved_ratio}
+    plan = RankPlan.load(plan_path)
+    decomposition = DECOMPOSITIONS.create(decomposition).to_dict()
+    compress_model(model, factors, plan, decomposition=decomposition, cache=cache)
+    card = model_card(LrkvFormat.of(model.config), model_dir)
+    save_compressed(model, out_dir, tokenizer=tokenizer, card=card)
+    return {"achieved_ratio": plan.achieved_ratio}
 
 
 def evaluate_dir(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from prefect import task
 
+from .recipe import method_label
 from .store import LocalStore
 
 COLUMNS = [
@@ -27,12 +28,18 @@ COLUMNS = [
 
 def ablation_row(compression: dict, result: dict | None, error: str | None = None) -> dict:
     """One table row from a convert-flow result (or the error that stopped it)."""
-    row = {k: compression[k] for k in ("decomposition", "group_size", "allocator", "ratio")}
+    row = {
+        "decomposition": method_label(compression["decomposition"]),
+        "group_size": compression["group_size"],
+        "allocator": method_label(compression["allocator"]),
+        "ratio": compression["ratio"],
+    }
     if result is None:
         return row | {"error": error}
     base, comp = result["eval"]["base"], result["eval"]["compressed"]
+    row["group_size"] = result["recipe"].compression.group_size  # "auto" resolved
     return row | {
-        "achieved_ratio": result["plan"]["achieved_ratio"],
+        "achieved_ratio": result["plan"].meta["achieved_ratio"],
         "prefill_ppl": comp["prefill"]["ppl"],
         "decode_ppl": comp["decode"]["ppl"],
         "kl": comp["kl"]["kl"],

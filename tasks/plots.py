@@ -12,7 +12,9 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from lrkv_core.ranks import RankPlan
+from lrkv_core.allocation import RankPlan
+
+from .recipe import method_label
 
 
 def rank_matrix(plan: RankPlan) -> tuple[np.ndarray, list[str]]:
@@ -50,7 +52,8 @@ def plot_rank_heatmap(plan: RankPlan, path: str | Path, *, annotate: bool | None
             colour = "black" if r / plan.group_width > 0.6 else "white"
             ax.text(j, i, f"{int(r)}", ha="center", va="center", fontsize=7, color=colour)
     ax.set_title(
-        f"{plan.allocator} ranks (group width {plan.group_width}, multiple {plan.rank_multiple})\n"
+        f"{method_label(plan.allocator)} ranks "
+        f"(group width {plan.group_width}, multiple {plan.rank_multiple})\n"
         f"target {plan.target_ratio:.3f}, achieved {plan.achieved_ratio:.4f}",
         fontsize=9,
     )

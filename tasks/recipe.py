@@ -1,22 +1,36 @@
-"""Recipes: strict pydantic models (unknown keys fail), loadable from YAML, used as the flow parameter."""
+"""Recipes: strict pydantic models (unknown keys fail), loadable from YAML, used as the flow parameter.
+
+The methods a recipe may name (decomposition, allocator, statistics) come from lrkv_core's registries
+(:mod:`lrkv_tasks.registered`): nothing here lists them.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lrkv_core.allocation import ALLOCATORS
+from lrkv_core.convert import CompressionConfig
+from lrkv_core.decompositions import DECOMPOSITIONS
+from lrkv_core.statistics import STATISTICS
+
+from .registered import registered
+
 DEFAULT_MODEL = "builtin:pydoc-llama"
+HELD_OUT = "heldout"  # eval.dataset: the held-out part of the calibration source
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class CalibrationRecipe(Strict):
-    dataset: str = "builtin:pydoc-llama:train"
+    dataset: str | None = Field(
+        None, description="default: the model's own training text for builtin: models, else WikiText-2 train"
+    )
     n_samples: int = Field(64, ge=1)
     seq_len: int = Field(256, ge=2)
     seed: int = 0
@@ -24,20 +38,43 @@ class CalibrationRecipe(Strict):
 
 
 class PaluRecipe(Strict):
-    """Palu: whitened SVD per group of KV heads (G-LRD), latent cache, B_v folded into o_proj."""
+    """Palu's latent cache: low-rank factors per group of KV heads, latents cached, B_v folded into o_proj."""
 
     name: Literal["palu"] = "palu"
-    decomposition: Literal["whitened", "plain", "pca"] = "whitened"
     ratio: float = Field(0.5, gt=0, le=1, description="compressed KV width / original; 0.5 halves the cache")
-    group_size: int = Field(1, ge=1, description="KV heads decomposed together: 1 = M-LRD, Hkv = J-LRD")
+    group_size: int | Literal["auto"] = Field(
+        "auto", description="KV heads decomposed together: 1 = M-LRD, Hkv = J-LRD; auto = min(Hkv, 4)"
+    )
     rank_multiple: int = Field(8, ge=1)
-    allocator: Literal["uniform", "fisher", "lorc", "eigen", "fisher-greedy"] = "uniform"
-    skip_threshold: float | None = Field(None, gt=0, description="lorc: layers with κ below keep full rank")
-    fisher_per_row: bool = Field(True, description="Fisher: squared gradients per row, else per batch")
+    decomposition: registered(DECOMPOSITIONS) = "whitened"  # type: ignore[valid-type]
+    allocator: registered(ALLOCATORS) = "uniform"  # type: ignore[valid-type]
+    statistics: list[registered(STATISTICS)] = Field(  # type: ignore[valid-type]
+        [], description="options of calibration statistics, e.g. [{name: fisher, per_row: false}]"
+    )
+
+    @model_validator(mode="after")
+    def _positive_group(self) -> PaluRecipe:
+        if isinstance(self.group_size, int) and self.group_size < 1:
+            raise ValueError(f"group_size must be ≥ 1 or 'auto', got {self.group_size}")
+        return self
+
+    def to_config(self) -> CompressionConfig:
+        """The in-memory config of this section (group size still unresolved if 'auto')."""
+        return CompressionConfig(
+            ratio=self.ratio,
+            group_size=None if self.group_size == "auto" else self.group_size,
+            rank_multiple=self.rank_multiple,
+            decomposition=self.decomposition,
+            allocator=self.allocator,
+            statistics=tuple(self.statistics),
+        )
 
 
 class EvalRecipe(Strict):
-    dataset: str | None = "builtin:pydoc-llama:valid"
+    dataset: str | None = Field(
+        HELD_OUT,
+        description="'heldout': the part of the calibration source not used for calibration; null: skip",
+    )
     seq_len: int = Field(256, ge=2)
     max_windows: int | None = Field(64, ge=1)
     decode_prefix: int = Field(128, ge=1)
@@ -118,9 +155,9 @@ class AblateRecipe(Strict):
     """A grid of conversions of one model: decomposition × group size × allocator × ratio."""
 
     base: ConvertRecipe = ConvertRecipe()
-    decompositions: list[Literal["whitened", "plain", "pca"]] = ["plain", "whitened", "pca"]
-    group_sizes: list[int] = [1, 2]
-    allocators: list[Literal["uniform", "fisher", "lorc", "eigen", "fisher-greedy"]] = ["uniform"]
+    decompositions: list[registered(DECOMPOSITIONS)] = ["plain", "whitened", "pca"]  # type: ignore[valid-type]
+    group_sizes: list[int | Literal["auto"]] = [1, 2]
+    allocators: list[registered(ALLOCATORS)] = ["uniform"]  # type: ignore[valid-type]
     ratios: list[float] = [0.7, 0.5, 0.3]
 
     def grid(self) -> list[PaluRecipe]:
@@ -132,3 +169,10 @@ class AblateRecipe(Strict):
             for a in self.allocators
             for r in self.ratios
         ]
+
+
+def method_label(method: Any) -> str:
+    """``lorc`` or ``lorc(skip_threshold=1e9)``: a registered method's name with its options, for tables."""
+    form = method.to_dict() if hasattr(method, "to_dict") else dict(method)
+    options = ", ".join(f"{k}={v}" for k, v in form.items() if k != "name" and v is not None)
+    return f"{form['name']}({options})" if options else form["name"]

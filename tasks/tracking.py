@@ -8,7 +8,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from prefect import task
+
 from lrkv_core.paths import lrkv_home
+
+from .convert import CACHED
+from .keys import code_version, task_key
+from .recipe import flatten, method_label
+from .refs import ArtifactRef
 
 
 def default_tracking_uri() -> str:
@@ -33,8 +40,6 @@ def versions() -> dict[str, str]:
     import prefect
     import torch
     import transformers
-
-    from .convert import code_version
 
     return {
         "lrkv": code_version(),
@@ -84,3 +89,68 @@ def log_conversion(
         client.set_terminated(rid, "FAILED")
         raise
     return {"run_id": rid, "experiment_id": exp_id, "tracking_uri": uri}
+
+
+def conversion_metrics(plan: ArtifactRef, base_eval: dict | None, eval_: dict | None) -> dict[str, float]:
+    """The MLflow metrics of one conversion: ratios, perplexities, bytes, KL, zero-shot scores."""
+    metrics = {"target_ratio": plan.meta["target_ratio"], "achieved_ratio": plan.meta["achieved_ratio"]}
+    for label, ev in (("base", base_eval), ("compressed", eval_)):
+        if ev is None:
+            continue
+        metrics[f"{label}_prefill_ppl"] = ev["prefill"]["ppl"]
+        metrics[f"{label}_decode_ppl"] = ev["decode"]["ppl"]
+        metrics[f"{label}_kv_bytes_per_token"] = ev["kv"]["kv_bytes_per_token"]
+        for task_name, task_metrics in ev.get("zeroshot", {}).get("results", {}).items():
+            for metric, value in task_metrics.items():
+                metrics[f"{label}_zeroshot.{task_name}.{metric}"] = value
+    if eval_ and "kl" in eval_:
+        metrics["kl_base_compressed"] = eval_["kl"]["kl"]
+        metrics["top1_agreement"] = eval_["kl"]["top1_agreement"]
+    if base_eval and eval_:
+        metrics["kv_bytes_ratio"] = eval_["kv"]["kv_bytes_per_token"] / base_eval["kv"]["kv_bytes_per_token"]
+    return metrics
+
+
+@task(name="log_run", cache_key_fn=task_key, **CACHED)
+def log_run(
+    recipe: dict,
+    model: ArtifactRef,
+    calib: ArtifactRef,
+    plan: ArtifactRef,
+    built: ArtifactRef,
+    base_eval: dict | None,
+    eval_: dict | None,
+) -> dict:
+    """Log params, metrics and artifacts of the conversion to MLflow."""
+    params = {f"recipe.{k}": v for k, v in flatten(recipe).items()}
+    params.update({f"version.{k}": v for k, v in versions().items()})
+    params.update(
+        {
+            "fingerprint.model": model.sha256,
+            "fingerprint.calibration": calib.sha256,
+            "fingerprint.compressed": built.sha256,
+        }
+    )
+    metrics = conversion_metrics(plan, base_eval, eval_)
+    comp = recipe["compression"]
+    evals = {"base": base_eval, "compressed": eval_}
+    tracking = recipe["tracking"]
+    return log_conversion(
+        tracking_uri=tracking["mlflow_uri"],
+        experiment=tracking["experiment"],
+        run_name=f"convert-{Path(model.meta['ref']).name}-r{comp['ratio']}-g{comp['group_size']}",
+        params=params,
+        metrics=metrics,
+        json_artifacts={
+            "eval.json": {k: v for k, v in evals.items() if v is not None},
+            "rank_plan.json": json.loads(Path(plan.uri).read_text()),
+            "recipe.json": recipe,
+        },
+        file_artifacts={"rank_plan_heatmap.png": plan.meta["heatmap"]},
+        tags={
+            "lrkv.method": comp["name"],
+            "lrkv.model": model.meta["ref"],
+            "lrkv.decomposition": method_label(comp["decomposition"]),
+            "lrkv.allocator": method_label(comp["allocator"]),
+        },
+    ) | {"metrics": metrics}

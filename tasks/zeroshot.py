@@ -13,7 +13,9 @@ from prefect import task
 
 from lrkv_core.models import load_model
 
-from .convert import CACHED, _key
+from .convert import CACHED
+from .keys import task_key
+from .refs import ArtifactRef
 
 
 def run_zeroshot(
@@ -68,11 +70,11 @@ def run_zeroshot(
     return extra | {"results": results, "protocol": protocol | {"samples": samples}}
 
 
-@task(name="zeroshot", cache_key_fn=_key, **CACHED)
-def zeroshot(model: dict, eval_cfg: dict, dtype: str, label: str) -> dict:
+@task(name="zeroshot", cache_key_fn=task_key, **CACHED)
+def zeroshot(model: ArtifactRef, eval_cfg: dict, dtype: str, label: str) -> dict:
     """lm-eval zero-shot tasks of one model."""
     return run_zeroshot(
-        model["path"] if "path" in model else model["dir"],
+        model.uri,
         eval_cfg["zeroshot_tasks"],
         include_path=eval_cfg["zeroshot_include"],
         limit=eval_cfg["zeroshot_limit"],

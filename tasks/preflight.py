@@ -1,0 +1,85 @@
+"""Everything the recipe and the model's config decide, resolved and checked before any expensive step.
+
+:func:`prepare` turns a recipe into a concrete one (group size, calibration and evaluation datasets chosen)
+and checks, cheaply, what would otherwise fail minutes later: an unsupported model, a group size that does
+not divide the KV heads, a ratio and rank multiple that leave a group at rank 0, missing data files, text
+data for a model without a tokenizer, an ``--out`` that is not ours to replace. The CLI runs it before
+Prefect starts, and the flow runs it first (it is idempotent), so programmatic runs fail early too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from lrkv_core.adapters import get_adapter
+from lrkv_core.data import check_dataset, heldout, parse_dataset_spec
+from lrkv_core.io import is_compressed_dir
+from lrkv_core.models import TOKENIZER_FILES, resolve_model_dir
+
+from .recipe import HELD_OUT, ConvertRecipe
+
+DEFAULT_CALIBRATION = "hf:wikitext:wikitext-2-raw-v1:train"  # Palu's and SVD-LLM's calibration text
+
+
+@dataclass
+class Prepared:
+    """A concrete recipe and what was chosen for the user (printed by the CLI, logged by the flow)."""
+
+    recipe: ConvertRecipe
+    notes: list[str] = field(default_factory=list)
+
+
+def default_calibration(model_ref: str) -> str:
+    """The model's own training text for a ``builtin:`` model, else WikiText-2's train split."""
+    if model_ref.startswith("builtin:"):
+        return f"{model_ref}:train"
+    return DEFAULT_CALIBRATION
+
+
+def prepare(recipe: ConvertRecipe) -> Prepared:
+    """Resolve the recipe's model-dependent defaults and check everything cheap; raises ``ValueError``,
+    ``FileNotFoundError`` or ``FileExistsError`` with one clear line."""
+    notes: list[str] = []
+    model_dir = resolve_model_dir(recipe.model)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    get_adapter(config)  # unsupported architectures fail here, naming the supported ones
+    compression = recipe.compression
+    resolved = compression.to_config().for_model(config)  # group size, rank-0 budget: before any work
+    if compression.group_size == "auto":
+        notes.append(f"group size {resolved.group_size} (auto: the largest divisor of the KV heads ≤ 4)")
+        compression = compression.model_copy(update={"group_size": resolved.group_size})
+
+    has_tokenizer = any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES)
+    calibration = recipe.calibration
+    dataset = calibration.dataset
+    if dataset is None:
+        dataset = default_calibration(recipe.model)
+        notes.append(f"calibrating on {dataset} (the default for this model)")
+    ev = recipe.eval
+    eval_dataset = ev.dataset
+    if eval_dataset == HELD_OUT:
+        calib_spec, eval_spec, description = heldout(parse_dataset_spec(dataset))
+        dataset, eval_dataset = str(calib_spec), str(eval_spec)
+        notes.append(f"evaluating on {eval_dataset}: {description}")
+    check_dataset(parse_dataset_spec(dataset), has_tokenizer=has_tokenizer)
+    if eval_dataset is not None:
+        check_dataset(parse_dataset_spec(eval_dataset), has_tokenizer=has_tokenizer)
+        if ev.zeroshot_tasks and not has_tokenizer:
+            raise ValueError(f"zero-shot tasks need a tokenizer, and {recipe.model} has none")
+    if recipe.out:
+        out = Path(recipe.out)
+        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_compressed_dir(out))):
+            raise FileExistsError(
+                f"--out {out} exists and is not an lrkv model directory; refusing to replace it"
+            )
+    concrete = recipe.model_copy(
+        update={
+            "calibration": calibration.model_copy(update={"dataset": dataset}),
+            "compression": compression,
+            "eval": ev.model_copy(update={"dataset": eval_dataset}),
+        }
+    )
+    return Prepared(concrete, notes)
