@@ -9,11 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedModel
 
-from lrkv_core.adapters import get_adapter
-from lrkv_core.decompose import decompose_layer
-from lrkv_core.fuse import compress_model
-from lrkv_core.ranks import RankPlan, allocate_ranks
-from lrkv_core.stats import collect_gram
+from lrkv_core.allocation import RankPlan
+from lrkv_core.convert import CompressionConfig, plan_conversion
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +69,15 @@ def compress() -> Callable[..., tuple[PreTrainedModel, RankPlan]]:
         rank_multiple: int = 1,
         method: str = "whitened",
     ) -> tuple[PreTrainedModel, RankPlan]:
-        adapter, shape = get_adapter(model.config), get_adapter(model.config).shape(model.config)
-        if grams is None:
-            if rows is None:
-                gen = torch.Generator().manual_seed(123)
-                rows = torch.randint(3, model.config.vocab_size, (8, 24), generator=gen)
-            grams, _ = collect_gram(model, rows)
-        factors = []
-        for i in range(shape.L):
-            attn = adapter.attention(model, i)
-            w_k, w_v = getattr(attn, adapter.k_name).weight, getattr(attn, adapter.v_name).weight
-            kw = dict(n_kv_heads=shape.Hkv, head_dim=shape.D, group_size=group_size, method=method)
-            factors.append(decompose_layer(i, w_k, w_v, grams[i], **kw))
-        spectra = [f.spectra() for f in factors]
-        plan = allocate_ranks(
-            spectra, ratio=ratio, group_size=group_size, head_dim=shape.D, rank_multiple=rank_multiple
+        if grams is None and rows is None:
+            gen = torch.Generator().manual_seed(123)
+            rows = torch.randint(3, model.config.vocab_size, (8, 24), generator=gen)
+        config = CompressionConfig(
+            ratio=ratio, group_size=group_size, rank_multiple=rank_multiple, decomposition=method
         )
-        return compress_model(copy.deepcopy(model), factors, plan, method), plan
+        stats = {"gram": grams} if grams is not None else None
+        conversion = plan_conversion(model, rows, config, statistics=stats)
+        return conversion.apply(copy.deepcopy(model)), conversion.plan
 
     return run
 

@@ -72,18 +72,26 @@ def _weight_condition(factors: LayerFactors, stats: Mapping[str, Any]) -> PerKin
 
 def _group_blocks(factors: LayerFactors, fisher: Mapping[str, torch.Tensor], kind: str) -> list[torch.Tensor]:
     """Each group's rows (s·D, d) of the layer's per-element Fisher for ``kind``."""
-    f = fisher[kind]
     width = factors.groups[kind][0].up.shape[0]
-    if f.shape[0] != width * len(factors.groups[kind]):
-        raise ValueError(f"Fisher of layer {factors.layer} has {f.shape[0]} rows, not groups of {width}")
-    return list(f.split(width))
+    return group_rows(fisher[kind], width)
+
+
+def group_rows(fisher: torch.Tensor, group_width: int) -> list[torch.Tensor]:
+    """Split a (Hkv·D, d) per-element Fisher into its groups' (s·D, d) row blocks."""
+    if fisher.shape[0] % group_width:
+        raise ValueError(
+            f"Fisher has {fisher.shape[0]} rows, not a multiple of the group width {group_width}"
+        )
+    return list(fisher.split(group_width))
+
+
+def fisher_group_sums(fisher: Mapping[str, torch.Tensor], group_width: int) -> PerKind:
+    """Palu's group sensitivity: the Fisher of k_proj / v_proj summed over each group's rows."""
+    return {kind: [float(b.double().sum()) for b in group_rows(fisher[kind], group_width)] for kind in KINDS}
 
 
 def _fisher_sums(factors: LayerFactors, stats: Mapping[str, Any]) -> PerKind:
-    return {
-        kind: [float(b.double().sum()) for b in _group_blocks(factors, stats["fisher"], kind)]
-        for kind in KINDS
-    }
+    return fisher_group_sums(stats["fisher"], factors.groups["k"][0].up.shape[0])
 
 
 @torch.no_grad()

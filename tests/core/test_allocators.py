@@ -8,21 +8,39 @@ import math
 import pytest
 import torch
 
-from lrkv_core.allocators import ALLOCATORS, RankProblem, fit_to_budget, needs_fisher, relative_errors
-from lrkv_core.decompose import decompose_layer
+from lrkv_core.allocation import (
+    ALLOCATORS,
+    RankPlan,
+    RankProblem,
+    allocate_ranks,
+    fit_to_budget,
+    plan_from_summaries,
+    relative_errors,
+    statistics_for,
+    summarize_layer,
+)
+from lrkv_core.allocation.features import log_condition
+from lrkv_core.convert import CompressionConfig, model_layer_weights, plan_conversion
+from lrkv_core.decompositions import decompose_layer
 from lrkv_core.evaluate import kv_bytes_per_token
-from lrkv_core.fisher import collect_fisher
-from lrkv_core.fuse import compress_model
-from lrkv_core.ranks import RankPlan, allocate_ranks, plan_from_factors, weight_log_condition
-from lrkv_core.stats import collect_gram
+from lrkv_core.statistics import collect_fisher, collect_gram
 
 N_LAYERS, HKV, HEAD_DIM, GROUP_SIZE = 4, 4, 32, 2
 WIDTH = GROUP_SIZE * HEAD_DIM  # 64
 SHORT_LAYER, SHORT_RANK = 1, 56  # d < s·D: this layer's groups have only 56 directions (partial last steps)
 
 
+def _spectral_condition(spectra: list[dict]) -> list[dict]:
+    """``weight_condition`` per group: the largest log σ_max/σ_min over the groups of each layer's K or V."""
+    return [
+        {kind: [max(log_condition(s) for s in layer[kind])] * len(layer[kind]) for kind in "kv"}
+        for layer in spectra
+    ]
+
+
 def _inputs(seed: int = 0) -> dict:
-    """Synthetic spectra (geometric decay, a rate per group), Fisher sums and Fisher-weighted error curves."""
+    """Synthetic spectra (geometric decay, a rate per group), Fisher sums, Fisher-weighted error curves and
+    condition numbers (read off the spectra), laid out as allocation features."""
     gen = torch.Generator().manual_seed(seed)
     spectra, sensitivity, curves = [], [], []
     for layer in range(N_LAYERS):
@@ -41,10 +59,15 @@ def _inputs(seed: int = 0) -> dict:
         spectra.append(entry)
         sensitivity.append(sens)
         curves.append(curve)
-    return {"spectra": spectra, "sensitivity": sensitivity, "error_curves": curves}
+    features = {
+        "fisher_sums": sensitivity,
+        "error_curves": curves,
+        "weight_condition": _spectral_condition(spectra),
+    }
+    return {"spectra": spectra, "features": features}
 
 
-def _allocate(allocator: str, ratio: float, multiple: int, inputs: dict | None = None, **kw) -> RankPlan:
+def _allocate(allocator, ratio: float, multiple: int, inputs: dict | None = None) -> RankPlan:
     inputs = inputs or _inputs()
     return allocate_ranks(
         inputs["spectra"],
@@ -53,9 +76,7 @@ def _allocate(allocator: str, ratio: float, multiple: int, inputs: dict | None =
         head_dim=HEAD_DIM,
         rank_multiple=multiple,
         allocator=allocator,
-        sensitivity=inputs["sensitivity"],
-        error_curves=inputs["error_curves"],
-        **kw,
+        features=inputs["features"],
     )
 
 
@@ -71,7 +92,7 @@ MULTIPLES = (1, 8, 16, 32)
 RATIOS = (0.2, 0.35, 0.5, 0.7, 0.9, 1.0)
 
 
-@pytest.mark.parametrize("allocator", sorted(ALLOCATORS))
+@pytest.mark.parametrize("allocator", sorted(ALLOCATORS.names()))
 @pytest.mark.parametrize("multiple", MULTIPLES)
 def test_every_allocator_meets_the_budget_within_one_rounding_step(allocator: str, multiple: int) -> None:
     inputs = _inputs()
@@ -94,12 +115,15 @@ def test_every_allocator_meets_the_budget_within_one_rounding_step(allocator: st
             assert min(multiple, cap) <= r <= cap and (r % multiple == 0 or r == cap)
 
 
-@pytest.mark.parametrize("allocator", sorted(ALLOCATORS))
+@pytest.mark.parametrize("allocator", sorted(ALLOCATORS.names()))
 def test_allocation_is_deterministic(allocator: str, tmp_path) -> None:
-    options = {"skip_threshold": 1.5} if allocator == "lorc" else None
-    a = _allocate(allocator, 0.45, 8, _inputs(3), options=options)
-    b = _allocate(allocator, 0.45, 8, _inputs(3), options=options)  # fresh tensors, same values
-    assert a == b and a.allocator == allocator
+    method = allocator
+    if allocator == "lorc":  # a threshold between the first two layers' cumulative log κ: layer 0 is skipped
+        kappa = [sum(layer[kind][0] for kind in "kv") for layer in _inputs(3)["features"]["weight_condition"]]
+        method = {"name": "lorc", "skip_threshold": math.exp(sum(kappa) - kappa[0] / 2)}
+    a = _allocate(method, 0.45, 8, _inputs(3))
+    b = _allocate(method, 0.45, 8, _inputs(3))  # fresh tensors, same values
+    assert a == b and a.allocator == ALLOCATORS.create(method).to_dict() and a.allocator["name"] == allocator
     a.save(tmp_path / "a.json")
     b.save(tmp_path / "b.json")
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
@@ -111,7 +135,10 @@ def _equal_spectra(sensitivity: list[float]) -> dict:
     sigma = torch.exp(-0.05 * torch.arange(WIDTH, dtype=torch.float64))
     it = iter(sensitivity)
     sens = [{kind: [next(it) for _ in range(2)] for kind in "kv"} for _ in range(2)]
-    return {"spectra": [{kind: [sigma] * 2 for kind in "kv"} for _ in range(2)], "sensitivity": sens}
+    return {
+        "spectra": [{kind: [sigma] * 2 for kind in "kv"} for _ in range(2)],
+        "features": {"fisher_sums": sens},
+    }
 
 
 @pytest.mark.parametrize("multiple", MULTIPLES)
@@ -123,7 +150,7 @@ def test_fisher_rank_is_monotone_in_the_fisher_sum(multiple: int, ratio: float) 
         ratio=ratio, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=multiple, allocator="fisher"
     )
     inputs = _equal_spectra(fisher)
-    ranks = _flat(allocate_ranks(inputs["spectra"], sensitivity=inputs["sensitivity"], **kw))
+    ranks = _flat(allocate_ranks(inputs["spectra"], features=inputs["features"], **kw))
     for a in range(8):
         for b in range(8):
             if fisher[a] > fisher[b]:
@@ -131,15 +158,13 @@ def test_fisher_rank_is_monotone_in_the_fisher_sum(multiple: int, ratio: float) 
     # holding the rest equal: raising one group's Fisher never lowers its rank
     for j in range(8):
         raised = _equal_spectra([f * 4 if i == j else f for i, f in enumerate(fisher)])
-        assert (
-            _flat(allocate_ranks(raised["spectra"], sensitivity=raised["sensitivity"], **kw))[j] >= ranks[j]
-        )
+        assert _flat(allocate_ranks(raised["spectra"], features=raised["features"], **kw))[j] >= ranks[j]
 
 
 def test_fisher_ranks_are_proportional_to_the_fisher_sum() -> None:
     inputs = _equal_spectra([1.0, 2.0, 3.0, 2.0, 1.0, 1.0, 4.0, 2.0])  # Σ = 16, budget 0.5·8·64 = 256
     plan = allocate_ranks(
-        inputs["spectra"], sensitivity=inputs["sensitivity"], ratio=0.5, group_size=2, head_dim=32,
+        inputs["spectra"], features=inputs["features"], ratio=0.5, group_size=2, head_dim=32,
         rank_multiple=1, allocator="fisher",
     )  # fmt: skip
     assert _flat(plan) == [16, 32, 48, 32, 16, 16, 64, 32] and plan.kept == 256
@@ -181,6 +206,7 @@ def test_lorc_is_progressive_and_solves_d_min() -> None:
         for _ in range(6)
     ]  # fmt: skip
     kw = dict(group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1, allocator="lorc")
+    kw["features"] = {"weight_condition": _spectral_condition(spectra)}
     plan = allocate_ranks(spectra, ratio=0.6, **kw)
     per_layer = [plan.ranks["k"][layer][0] for layer in range(6)]
     assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] == WIDTH  # shallow layers keep more
@@ -194,32 +220,39 @@ def test_lorc_is_progressive_and_solves_d_min() -> None:
     assert low.budget_width - low.kept < 1
 
 
-def test_lorc_skip_threshold_keeps_well_conditioned_layers_at_full_rank() -> None:
-    decaying = torch.exp(-0.1 * torch.arange(WIDTH, dtype=torch.float64))  # κ = e^6.3 per matrix
-    flat = torch.linspace(1.0, 0.8, WIDTH, dtype=torch.float64)  # κ = 1.25 per matrix
-    spectra = [{kind: [s] * 2 for kind in "kv"} for s in (decaying, decaying, flat, decaying)]
-    kw = dict(group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=8, allocator="lorc")
-    plan = allocate_ranks(spectra, ratio=0.5, options={"skip_threshold": 2.0}, **kw)
-    assert plan.details["skipped_layers"] == [2]
-    assert plan.ranks["k"][2] == plan.ranks["v"][2] == [WIDTH, WIDTH]
-    assert plan.budget_width - plan.kept < 8 and all(r < WIDTH for r in plan.ranks["k"][3])
-    with pytest.raises(
-        ValueError, match="skip threshold 1000000.0 keeps layers \\[0, 1, 2, 3\\] at full rank"
-    ):
-        allocate_ranks(spectra, ratio=0.5, options={"skip_threshold": 1e6}, **kw)
+def test_lorc_skip_threshold_keeps_the_layers_above_it_in_cumulative_condition_at_full_rank() -> None:
+    """LoRC's Algorithm 1: layers whose cumulative κ̃_l exceeds the threshold (the shallow, sensitive ones)
+    are not compressed; the others follow the progressive rule among themselves."""
+    log_kappa = [(1.0, 2.0), (0.5, 0.5), (3.0, 1.0), (2.0, 2.0)]  # log κ̃ = 12, 9, 8, 4
+    condition = [{"k": [k] * 2, "v": [v] * 2} for k, v in log_kappa]
+    spectra = [{kind: [torch.ones(WIDTH, dtype=torch.float64)] * 2 for kind in "kv"} for _ in range(N_LAYERS)]
+    kw = dict(
+        group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=8, features={"weight_condition": condition}
+    )
+    lorc = {"name": "lorc", "skip_threshold": math.exp(8.5)}
+    plan = allocate_ranks(spectra, ratio=0.7, allocator=lorc, **kw)
+    assert plan.details["skipped_layers"] == [0, 1]  # κ̃ = e^12 and e^9 exceed e^8.5
+    for layer in (0, 1):
+        assert plan.ranks["k"][layer] == plan.ranks["v"][layer] == [WIDTH, WIDTH]
+    assert plan.budget_width - plan.kept < 8
+    assert all(r < WIDTH for r in plan.ranks["k"][3]) and plan.ranks["k"][2][0] >= plan.ranks["k"][3][0]
+    no_skip = allocate_ranks(spectra, ratio=0.7, allocator="lorc", **kw)
+    assert no_skip.details["skipped_layers"] == [] and no_skip.ranks != plan.ranks
+    with pytest.raises(ValueError, match=r"keeps layers \[0, 1, 2\] at full rank"):
+        allocate_ranks(spectra, ratio=0.5, allocator={"name": "lorc", "skip_threshold": math.exp(5.0)}, **kw)
 
 
 def test_lorc_follows_the_progressive_rule_in_closed_form() -> None:
     """Given κ per layer, rank = ⌊(d_min + (1 − d_min)·n_l)·width⌋ (multiple 1), n_l = normalised log κ̃_l."""
     log_kappa = [(1.0, 2.0), (0.5, 0.5), (3.0, 1.0), (2.0, 2.0)]  # (K, V) per layer: κ_l = e^{sum}
-    condition = [{"k": k, "v": v} for k, v in log_kappa]
-    spectra = _inputs()["spectra"]  # ignored for κ once the weights' condition numbers are given
+    condition = [{"k": [k] * 2, "v": [v] * 2} for k, v in log_kappa]
+    spectra = _inputs()["spectra"]  # κ comes from the weights' condition numbers, not the spectra
     plan = allocate_ranks(
         spectra, ratio=0.6, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1, allocator="lorc",
-        weight_condition=condition,
+        features={"weight_condition": condition},
     )  # fmt: skip
     per_layer = [k + v for k, v in log_kappa]
-    cumulative = [sum(per_layer[layer:]) for layer in range(N_LAYERS)]  # 11, 8, 7, 4
+    cumulative = [sum(per_layer[layer:]) for layer in range(N_LAYERS)]  # 12, 9, 8, 4
     assert (
         plan.details["log_condition"] == per_layer and plan.details["log_cumulative_condition"] == cumulative
     )
@@ -231,8 +264,12 @@ def test_lorc_follows_the_progressive_rule_in_closed_form() -> None:
                 target = (d_min + (1 - d_min) * norm[layer]) * sigma.numel()
                 assert math.floor(target) <= r <= math.floor(target) + 1  # + at most one leftover step
     assert plan.budget_width - plan.kept < 1
-    with pytest.raises(ValueError, match="'k' and 'v' for each of the 4 layers"):
-        _allocate("lorc", 0.6, 1, weight_condition=condition[:3])
+    short = _inputs()
+    short["features"]["weight_condition"] = condition[:3]
+    with pytest.raises(
+        ValueError, match="feature 'weight_condition' does not match the spectra: no entry for layer 3"
+    ):
+        _allocate("lorc", 0.6, 1, short)
 
 
 def test_lorc_reads_the_weights_condition_numbers_whatever_the_decomposition(make_tiny, one_thread) -> None:
@@ -242,11 +279,11 @@ def test_lorc_reads_the_weights_condition_numbers_whatever_the_decomposition(mak
     grams, _ = collect_gram(model, rows)
     plans = {}
     for method in ("plain", "whitened", "pca"):
-        factors = []
-        for i, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            kw = dict(n_kv_heads=2, head_dim=8, group_size=1, method=method)
-            factors.append(decompose_layer(i, attn.k_proj.weight, attn.v_proj.weight, grams[i], **kw))
+        summaries = []
+        for i in range(2):
+            kw = dict(n_kv_heads=2, head_dim=8, group_size=1, decomposition=method)
+            factors = decompose_layer(i, model_layer_weights(model, i), {"gram": grams[i]}, **kw)
+            summaries.append(summarize_layer(factors, features=["weight_condition"]))
         expected = []
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -255,10 +292,12 @@ def test_lorc_reads_the_weights_condition_numbers_whatever_the_decomposition(mak
                 for kind, s in (("k", torch.linalg.svdvals(attn.k_proj.weight.detach().double())),
                                 ("v", torch.linalg.svdvals(attn.v_proj.weight.detach().double())))
             })  # fmt: skip
-        got = weight_log_condition(factors)
-        for g, e in zip(got, expected):
-            assert g == pytest.approx(e, rel=1e-9)
-        plans[method] = plan_from_factors(factors, ratio=0.5, rank_multiple=1, allocator="lorc")
+        for summary, e in zip(summaries, expected):
+            got = {kind: summary.features["weight_condition"][kind][0] for kind in "kv"}
+            assert got == pytest.approx(e, rel=1e-9)
+        plans[method] = plan_from_summaries(
+            summaries, ratio=0.5, group_size=1, head_dim=8, rank_multiple=1, allocator="lorc"
+        )
         assert plans[method].details["log_condition"] == pytest.approx([e["k"] + e["v"] for e in expected])
     assert plans["plain"].ranks == plans["whitened"].ranks == plans["pca"].ranks
 
@@ -275,7 +314,7 @@ def test_fisher_greedy_with_unit_fisher_keeps_the_globally_largest_singular_valu
                        for k, v in s.items()})  # fmt: skip
     plan = allocate_ranks(
         spectra, ratio=0.4, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1,
-        allocator="fisher-greedy", error_curves=curves,
+        allocator="fisher-greedy", features={"error_curves": curves},
     )  # fmt: skip
     kept = sum(
         float((spectra[layer][kind][g][:r] ** 2).sum())
@@ -292,16 +331,21 @@ def test_fisher_greedy_with_unit_fisher_keeps_the_globally_largest_singular_valu
 def test_allocators_that_need_fisher_say_so() -> None:
     spectra = _inputs()["spectra"]
     kw = dict(ratio=0.5, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=8)
-    assert [name for name in sorted(ALLOCATORS) if needs_fisher(name)] == ["fisher", "fisher-greedy"]
+    needs_fisher = [
+        n for n in sorted(ALLOCATORS.names()) if "fisher" in statistics_for(ALLOCATORS.get(n).needs)
+    ]
+    assert needs_fisher == ["fisher", "fisher-greedy"]
     for name in ("fisher", "fisher-greedy"):
-        with pytest.raises(ValueError, match=f"allocator '{name}' needs the Fisher information"):
+        with pytest.raises(ValueError, match=f"allocator '{name}' needs the feature"):
             allocate_ranks(spectra, allocator=name, **kw)
-    for name in ("uniform", "lorc", "eigen"):
+    for name in ("uniform", "eigen"):
         assert allocate_ranks(spectra, allocator=name, **kw).kept <= 512
-    with pytest.raises(ValueError, match=r"allocator 'eigen' has no options \['skip_threshold'\]"):
-        allocate_ranks(spectra, allocator="eigen", options={"skip_threshold": 2.0}, **kw)
+    condition = {"weight_condition": _spectral_condition(spectra)}
+    assert allocate_ranks(spectra, allocator="lorc", features=condition, **kw).kept <= 512
+    with pytest.raises(ValueError, match=r"allocator 'eigen' has no option\(s\) \['skip_threshold'\]"):
+        allocate_ranks(spectra, allocator={"name": "eigen", "skip_threshold": 2.0}, **kw)
     coarse = _inputs()
-    for layer in coarse["error_curves"]:
+    for layer in coarse["features"]["error_curves"]:
         for kind in "kv":
             for c in layer[kind]:
                 c[1::2] = float("nan")  # as if computed for rank multiple 2
@@ -345,21 +389,25 @@ def test_plans_from_a_tiny_model_are_what_the_cache_holds(make_tiny, one_thread)
     rows = torch.randint(3, 61, (8, 16), generator=torch.Generator().manual_seed(0))
     grams, _ = collect_gram(model, rows)
     fisher, _ = collect_fisher(model, rows, batch_size=4)
-    factors = []
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        kw = dict(n_kv_heads=2, head_dim=8, group_size=1, method="whitened")
-        factors.append(decompose_layer(i, attn.k_proj.weight, attn.v_proj.weight, grams[i], **kw))
+    stats = {"gram": grams, "fisher": fisher}
     windows = rows[:2]
-    for name in sorted(ALLOCATORS):
-        plan = plan_from_factors(factors, ratio=0.55, rank_multiple=1, allocator=name, fisher=fisher)
+    for name in sorted(ALLOCATORS.names()):
+        config = CompressionConfig(ratio=0.55, group_size=1, rank_multiple=1, allocator=name)
+        conversion = plan_conversion(model, rows, config, statistics=stats)
+        plan = conversion.plan
         assert plan.budget_width == 35 and plan.kept == 35 and plan.achieved_ratio == 35 / 64
-        comp = compress_model(copy.deepcopy(model), factors, plan, "whitened")
+        comp = conversion.apply(copy.deepcopy(model))
         got = kv_bytes_per_token(comp, windows, n_rows=2)
         assert (
             got["kv_bytes_per_token"] == plan.kept * 4 + 2 * 4
         )  # fp32 latents + an int32 position per layer
         with torch.no_grad():
             assert torch.isfinite(comp(windows).logits).all()
-    with pytest.raises(ValueError, match="needs the Fisher information"):
-        plan_from_factors(factors, ratio=0.5, rank_multiple=1, allocator="fisher-greedy")
+    config = CompressionConfig(
+        ratio=0.5, group_size=1, rank_multiple=1
+    )  # uniform: summaries carry no features
+    summaries = plan_conversion(model, rows, config, statistics=stats).summaries
+    with pytest.raises(ValueError, match="'fisher-greedy' needs the feature"):
+        plan_from_summaries(
+            summaries, ratio=0.5, group_size=1, head_dim=8, rank_multiple=1, allocator="fisher-greedy"
+        )

@@ -6,18 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lrkv_core.decompose import decompose_layer
-from lrkv_core.fisher import (
-    collect_fisher,
-    fisher_error_curves,
-    group_sensitivity,
-    load_fisher,
-    save_fisher,
-    weighted_error_curve,
-)
+from lrkv_core.allocation import summarize_layer
+from lrkv_core.allocation.features import fisher_group_sums, weighted_error_curve
+from lrkv_core.convert import model_layer_weights
+from lrkv_core.decompositions import decompose_layer
 from lrkv_core.linalg import fit_group, truncation_error
+from lrkv_core.statistics import Fisher, collect_fisher, load_statistic, read_header, save_statistic
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def group_sensitivity(fisher, group_width: int) -> list[dict]:
+    return [fisher_group_sums(layer, group_width) for layer in fisher]
 
 
 def _rows(n: int = 6, t: int = 12, seed: int = 1) -> torch.Tensor:
@@ -161,11 +161,16 @@ def test_group_sensitivity_sums_each_groups_rows() -> None:
 
 
 def test_save_load_roundtrip(make_tiny, tmp_path) -> None:
-    fisher, n = collect_fisher(make_tiny("llama", 2), _rows(2), batch_size=2)
-    save_fisher(fisher, n, tmp_path / "fisher.safetensors", per_row=True)
-    back, meta = load_fisher(tmp_path / "fisher.safetensors")
-    assert meta == {"n_samples": 2, "per_row": True, "layers": 2}
+    stat = Fisher(per_row=True)
+    fisher, meta = stat.collect(make_tiny("llama", 2), _rows(2), batch_size=2)
+    path = tmp_path / "fisher.safetensors"
+    save_statistic(stat, fisher, meta, path)
+    header = read_header(path)
+    assert header["meta"] == {"n_samples": 2, "per_row": True} and header["layers"] == 2
+    assert header["statistic"] == {"name": "fisher", "per_row": True}
+    back = load_statistic(path)
     assert all(torch.equal(a, b) for a, b in zip(_flat(back), _flat(fisher), strict=True))
+    assert torch.equal(load_statistic(path, layer=1)["v"], fisher[1]["v"])
 
 
 def test_unit_fisher_error_curve_is_the_eckart_young_tail() -> None:
@@ -176,38 +181,29 @@ def test_unit_fisher_error_curve_is_the_eckart_young_tail() -> None:
     assert torch.allclose(curve, expected, rtol=1e-10, atol=1e-10) and curve[12] == 0
 
 
-def test_weighted_error_curve_on_a_grid_matches_direct_truncation() -> None:
+def test_weighted_error_curve_matches_direct_truncation_at_every_rank() -> None:
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(16, 24, generator=gen, dtype=torch.float64)
     weight = torch.rand(16, 24, generator=gen, dtype=torch.float64)
     factors = fit_group(w)
-    curve = weighted_error_curve(factors, weight, rank_multiple=4)
-    for r in (0, 4, 8, 12, 16):
+    curve = weighted_error_curve(factors, weight)
+    assert curve.shape == (17,)
+    for r in range(17):
         direct = (weight * (w - factors.up[:, :r] @ factors.down[:r]) ** 2).sum()
         assert curve[r] == pytest.approx(float(direct), rel=1e-10, abs=1e-10)
-    assert torch.isnan(curve[[1, 2, 3, 5, 15]]).all()
 
 
 def test_fisher_error_curves_follow_the_group_slices(make_tiny) -> None:
     model = make_tiny("llama", 2)
     fisher, _ = collect_fisher(model, _rows(2), batch_size=2)
-    attn = model.model.layers[0].self_attn
-    factors = [
-        decompose_layer(
-            0,
-            attn.k_proj.weight,
-            attn.v_proj.weight,
-            None,
-            n_kv_heads=2,
-            head_dim=8,
-            group_size=1,
-            method="plain",
-        )
-    ]
-    curves = fisher_error_curves(factors, fisher[:1])
-    assert [len(curves[0][k]) for k in "kv"] == [2, 2]
-    g1 = factors[0].groups["v"][1]
-    assert torch.equal(curves[0]["v"][1], weighted_error_curve(g1, fisher[0]["v"][8:16]))
-    assert curves[0]["v"][1][0] == pytest.approx(
+    kw = dict(n_kv_heads=2, head_dim=8, group_size=1, decomposition="plain")
+    factors = decompose_layer(0, model_layer_weights(model, 0), **kw)
+    summary = summarize_layer(factors, {"fisher": fisher[0]}, ["error_curves", "fisher_sums"])
+    curves = summary.features["error_curves"]
+    assert [len(curves[k]) for k in "kv"] == [2, 2]
+    assert summary.features["fisher_sums"] == group_sensitivity(fisher[:1], 8)[0]
+    g1 = factors.groups["v"][1]
+    assert torch.equal(curves["v"][1], weighted_error_curve(g1, fisher[0]["v"][8:16]))
+    assert curves["v"][1][0] == pytest.approx(
         float((fisher[0]["v"][8:16].double() * (g1.up @ g1.down) ** 2).sum())
     )

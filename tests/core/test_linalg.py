@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core.decompose import DECOMPOSITIONS, decompose_layer, load_layer_factors, save_layer_factors
+from lrkv_core.decompositions import (
+    DECOMPOSITIONS,
+    LayerWeights,
+    decompose_layer,
+    load_layer_factors,
+    save_layer_factors,
+)
 from lrkv_core.linalg import fit_group, fit_whitening, group_slices, truncate, truncation_error
 
 D_IN, D_OUT, N_TOKENS = 7, 5, 400
@@ -115,7 +121,7 @@ def test_singular_gram_takes_the_damping_path_and_stays_exact_at_full_rank() -> 
     w = _weight()
     f = fit_group(w, wh)
     assert (f.up @ f.down - w).abs().max() <= 1e-10
-    layer = decompose_layer(0, w, w, gram, n_kv_heads=1, head_dim=D_OUT, group_size=1)
+    layer = decompose_layer(0, LayerWeights(w, w), {"gram": gram}, n_kv_heads=1, head_dim=D_OUT, group_size=1)
     assert layer.info == {"whitening": "cholesky+damping", "damping": wh.damping}
 
 
@@ -166,7 +172,7 @@ def test_truncate_bounds() -> None:
             truncate(f, bad)
 
 
-@pytest.mark.parametrize("method", sorted(DECOMPOSITIONS))
+@pytest.mark.parametrize("method", sorted(DECOMPOSITIONS.names()))
 @pytest.mark.parametrize("group_size", [1, 2, 4])
 def test_decompose_layer_factors_each_group_exactly(method: str, group_size: int) -> None:
     """Hkv=4 heads of D=3 rows from d=7 inputs; group width s·D may exceed d (then the SVDs' max rank is d;
@@ -175,8 +181,9 @@ def test_decompose_layer_factors_each_group_exactly(method: str, group_size: int
     w_k, w_v = (torch.randn(12, D_IN, generator=gen) for _ in range(2))
     x = _activations()
     layer = decompose_layer(
-        3, w_k, w_v, x @ x.T, n_kv_heads=4, head_dim=3, group_size=group_size, method=method
-    )
+        3, LayerWeights(w_k, w_v), {"gram": x @ x.T}, n_kv_heads=4, head_dim=3, group_size=group_size,
+        decomposition=method,
+    )  # fmt: skip
     assert layer.layer == 3 and layer.group_size == group_size and layer.method == method
     for kind, w in (("k", w_k), ("v", w_v)):
         groups = layer.groups[kind]
@@ -188,11 +195,12 @@ def test_decompose_layer_factors_each_group_exactly(method: str, group_size: int
 
 def test_decompose_layer_rejects_unknown_method_and_missing_gram() -> None:
     w = _weight()
+    kw = dict(n_kv_heads=1, head_dim=D_OUT, group_size=1)
     with pytest.raises(ValueError, match="unknown decomposition 'palu'"):
-        decompose_layer(0, w, w, None, n_kv_heads=1, head_dim=D_OUT, group_size=1, method="palu")
-    with pytest.raises(ValueError, match="Gram"):
-        decompose_layer(0, w, w, None, n_kv_heads=1, head_dim=D_OUT, group_size=1, method="whitened")
-    plain = decompose_layer(0, w, w, None, n_kv_heads=1, head_dim=D_OUT, group_size=1, method="plain")
+        decompose_layer(0, LayerWeights(w, w), decomposition="palu", **kw)
+    with pytest.raises(ValueError, match="whitened SVD needs the gram statistic"):
+        decompose_layer(0, LayerWeights(w, w), decomposition="whitened", **kw)
+    plain = decompose_layer(0, LayerWeights(w, w), decomposition="plain", **kw)
     assert plain.info == {"whitening": "none", "damping": 0}
 
 
@@ -200,7 +208,9 @@ def test_layer_factors_roundtrip_through_safetensors(tmp_path) -> None:
     gen = torch.Generator().manual_seed(3)
     w_k, w_v = (torch.randn(8, D_IN, generator=gen) for _ in range(2))
     x = _activations()
-    layer = decompose_layer(1, w_k, w_v, x @ x.T, n_kv_heads=2, head_dim=4, group_size=1)
+    layer = decompose_layer(
+        1, LayerWeights(w_k, w_v), {"gram": x @ x.T}, n_kv_heads=2, head_dim=4, group_size=1
+    )
     save_layer_factors(layer, tmp_path / "layer1.safetensors")
     back = load_layer_factors(tmp_path / "layer1.safetensors")
     assert (back.layer, back.group_size, back.method, back.info) == (1, 1, "whitened", layer.info)

@@ -12,7 +12,7 @@ import torch
 from lrkv_core import load_compressed, save_compressed
 from lrkv_core.adapters import get_adapter
 from lrkv_core.cache import LatentCache
-from lrkv_core.decompose import decompose_layer, load_layer_factors, save_layer_factors
+from lrkv_core.decompositions import LayerWeights, decompose_layer, load_layer_factors, save_layer_factors
 from lrkv_core.linalg import GroupFactors, fit_shared_basis, group_slices, truncate, truncation_error
 
 HKV, D, D_IN, N_TOKENS = 4, 4, 16, 600
@@ -36,8 +36,8 @@ def _weights(n_kv: int = HKV, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor
 def _layer(method: str, group_size: int, n_kv: int = HKV, x: torch.Tensor | None = None):
     x = _activations() if x is None else x
     w_k, w_v = _weights(n_kv)
-    kw = dict(n_kv_heads=n_kv, head_dim=D, group_size=group_size, method=method)
-    return decompose_layer(0, w_k, w_v, x @ x.T, **kw), w_k, w_v, x
+    kw = dict(n_kv_heads=n_kv, head_dim=D, group_size=group_size, decomposition=method)
+    return decompose_layer(0, LayerWeights(w_k, w_v), {"gram": x @ x.T}, **kw), w_k, w_v, x
 
 
 def _product(f: GroupFactors, rank: int) -> torch.Tensor:
@@ -87,11 +87,21 @@ def test_singular_gram_needs_no_damping_and_stays_exact() -> None:
 
 def test_pca_needs_the_gram() -> None:
     w_k, w_v = _weights()
-    with pytest.raises(ValueError, match="activation PCA needs the Gram matrix"):
-        decompose_layer(0, w_k, w_v, None, n_kv_heads=HKV, head_dim=D, group_size=1, method="pca")
+    with pytest.raises(ValueError, match="activation PCA needs the gram statistic"):
+        decompose_layer(
+            0, LayerWeights(w_k, w_v), n_kv_heads=HKV, head_dim=D, group_size=1, decomposition="pca"
+        )
     with pytest.raises(ValueError, match="not finite"):
         zero = torch.zeros(D_IN, D_IN)
-        decompose_layer(0, w_k, w_v, zero, n_kv_heads=HKV, head_dim=D, group_size=1, method="pca")
+        decompose_layer(
+            0,
+            LayerWeights(w_k, w_v),
+            {"gram": zero},
+            n_kv_heads=HKV,
+            head_dim=D,
+            group_size=1,
+            decomposition="pca",
+        )
 
 
 # ------------------------------------------------------------------------------------------------ values
@@ -227,7 +237,7 @@ def test_full_rank_model_is_the_original(make_tiny, compress, family: str, hkv: 
     ids = _ids(2, 12)
     model = make_tiny(family, hkv)
     comp, plan = compress(model, group_size, method="pca")
-    assert plan.achieved_ratio == 1.0 and comp.config.lrkv["decomposition"] == "pca"
+    assert plan.achieved_ratio == 1.0 and comp.config.lrkv["decomposition"] == {"name": "pca"}
     with torch.no_grad():
         assert (comp(ids).logits - model(ids).logits).abs().max() <= 1e-4
     model64 = make_tiny(family, hkv).double()
@@ -260,7 +270,7 @@ def test_truncated_model_runs_generates_and_roundtrips(
     generated = _greedy(comp, ids[:, :5])
     assert generated.shape == (2, 13)
     loaded = load_compressed(save_compressed(comp, tmp_path / "m"))
-    assert loaded.config.lrkv["decomposition"] == "pca"
+    assert loaded.config.lrkv["decomposition"] == {"name": "pca"}
     assert loaded.config.lrkv["ranks_k"] == plan.ranks["k"]
     attn = get_adapter(loaded.config).attention(loaded, 0)
     assert attn.k_down.weight.shape[0] == sum(plan.ranks["k"][0])

@@ -5,11 +5,11 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 from lrkv_core.adapters import get_adapter
-from lrkv_core.decompose import load_layer_factors
+from lrkv_core.allocation import allocate_ranks
+from lrkv_core.decompositions import load_layer_factors
 from lrkv_core.fuse import compress_model
 from lrkv_core.pipeline import decompose_file
-from lrkv_core.ranks import allocate_ranks
-from lrkv_core.stats import collect_gram, save_grams
+from lrkv_core.statistics import Gram, collect_gram, save_statistic
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,7 +30,7 @@ def _opt(tmp_path):
     model.save_pretrained(tmp_path / "opt")
     rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
     grams, n = collect_gram(model, rows)
-    save_grams(grams, n, tmp_path / "stats.safetensors")
+    save_statistic(Gram(), grams, {"n_tokens": n}, tmp_path / "stats.safetensors")
     return model
 
 
@@ -47,11 +47,11 @@ def test_opt_pca_key_basis_is_the_joint_k_q_basis_and_exact(tmp_path):
         out = tmp_path / f"f{layer}.safetensors"
         info = decompose_file(
             str(tmp_path / "opt"),
-            str(tmp_path / "stats.safetensors"),
+            {"gram": str(tmp_path / "stats.safetensors")},
             layer,
             str(out),
             group_size=1,
-            method="pca",
+            decomposition="pca",
         )
         assert info["info"]["key_basis"] == "joint K and Q, shared per layer"
         paths.append(out)
@@ -76,7 +76,7 @@ def test_opt_pca_key_basis_is_the_joint_k_q_basis_and_exact(tmp_path):
         [f.spectra() for f in factors], ratio=1.0, group_size=1, head_dim=shape.D, rank_multiple=1
     )
     original = OPTForCausalLM.from_pretrained(tmp_path / "opt").eval()
-    compressed = compress_model(original, factors, plan, "pca")
+    compressed = compress_model(original, factors, plan, decomposition={"name": "pca"})
     ids = torch.randint(3, 61, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (model(ids).logits - compressed(ids).logits).abs().max() < 1e-4

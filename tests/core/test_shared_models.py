@@ -20,7 +20,7 @@ from lrkv_core import load_compressed, load_model, save_compressed
 from lrkv_core.adapters import get_adapter
 from lrkv_core.data import eval_windows, parse_dataset_spec, read_token_rows, token_sequences
 from lrkv_core.evaluate import kv_bytes_per_token, prefill_perplexity
-from lrkv_core.stats import collect_gram
+from lrkv_core.statistics import collect_gram
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
