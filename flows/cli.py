@@ -163,7 +163,7 @@ def _preflight(model_ref: str) -> None:
     from transformers import AutoConfig
 
     if model_ref.startswith("builtin:"):
-        from lrkv_core.builtin import ensure_builtin_model
+        from lrkv_demo.builtin import ensure_builtin_model
         from lrkv_tasks.progress import step
 
         with _rich_progress(), step(f"{model_ref} (built on first use)") as advance:
