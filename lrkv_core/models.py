@@ -51,7 +51,7 @@ def load_model(
     ref: str | Path, *, dtype: str | torch.dtype = "float32", attn_implementation: str | None = None
 ) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
     """Load ``(model, tokenizer)`` in eval mode; lrkv-compressed directories load through load_compressed."""
-    model_dir = resolve_model_dir(str(ref))
+    model_dir = resolve_model_dir(ref)  # a Path is always a local directory, never SCHEME:REST
     config = AutoConfig.from_pretrained(str(model_dir))
     if getattr(config, "lrkv", None):
         from .io import load_compressed
