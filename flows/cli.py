@@ -200,7 +200,7 @@ def _build_builtin(model_ref: str) -> None:
     """A ``builtin:`` model is built here on first use (about two minutes), with a progress bar."""
     if not model_ref.startswith("builtin:"):
         return
-    from lrkv_core.builtin import ensure_builtin_model
+    from lrkv_demo.builtin import ensure_builtin_model
     from lrkv_tasks.progress import step
 
     with _rich_progress(), step(f"{model_ref} (built on first use)") as advance:

@@ -1,11 +1,15 @@
-"""Datasets: spec strings, token streams, calibration windows (Parquet) and evaluation windows.
+"""Datasets: token streams, calibration windows (Parquet) and evaluation windows.
 
-A dataset is named by a spec string:
+A dataset is named by a spec string, parsed and resolved by :mod:`lrkv_core.refs`:
 
 - ``hf:NAME[:CONFIG[:SPLIT]]``  a hub dataset with a ``text`` column (split "train" by default);
 - ``text:PATH``                 a local text file, read whole (newlines kept), tokenized as one stream;
 - ``parquet:PATH``              pre-tokenized rows: an ``input_ids`` list-of-int column (BOS-started samples);
-- ``builtin:NAME:SPLIT``        ``<split>.txt`` beside lrkv's embedded default model NAME (a text source).
+- ``SCHEME:REST``               a plugin scheme, e.g. ``builtin:NAME:SPLIT`` from lrkv_demo (a text source).
+
+Any of them may end in a percent slice, ``text:X[:90%]`` / ``text:X[90%:]`` (:mod:`lrkv_core.slices`): a
+text source is cut on its token stream (so two parts never share a token), a Parquet source on its rows in
+file order. Held-out evaluation data and early checks live in :mod:`lrkv_core.heldout`.
 
 Text sources become one long token stream; Parquet sources stay one sequence per row, because such rows
 start at BOS and must be scored from position 0. All loading goes through the ``datasets`` library.
@@ -15,9 +19,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -27,76 +30,24 @@ import torch
 from datasets import load_dataset
 
 from lrkv_core.fingerprint import hash_bytes, hash_json
+from lrkv_core.heldout import check_dataset, heldout
+from lrkv_core.refs import SPEC_FORMS, DatasetSpec, parse_dataset_spec, resolve_spec
 
-SPEC_FORMS = "hf:NAME[:CONFIG[:SPLIT]], text:PATH, parquet:PATH, builtin:NAME:SPLIT"
-
-Kind = Literal["hf", "text", "parquet", "builtin"]
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """A parsed dataset spec; ``str(spec)`` gives back its canonical string form.
-
-    ``name`` is the hub dataset name (hf), the file path (text, parquet) or the model name (builtin).
-    """
-
-    kind: Kind
-    name: str
-    config: str | None = None
-    split: str | None = None
-
-    def __str__(self) -> str:
-        if self.kind == "hf":
-            return f"hf:{self.name}:{self.config or ''}:{self.split}"
-        if self.kind == "builtin":
-            return f"builtin:{self.name}:{self.split}"
-        return f"{self.kind}:{self.name}"
-
-    @property
-    def is_tokenized(self) -> bool:
-        """True when the source holds token ids (one sequence per row) rather than text."""
-        return self.kind == "parquet"
-
-
-def parse_dataset_spec(spec: str | DatasetSpec) -> DatasetSpec:
-    """Parse ``hf:NAME[:CONFIG[:SPLIT]]``, ``text:PATH``, ``parquet:PATH`` or ``builtin:NAME:SPLIT``.
-
-    Raises
-    ------
-    ValueError
-        For any other form; the message lists the accepted ones.
-    """
-    if isinstance(spec, DatasetSpec):
-        return spec
-    kind, sep, rest = str(spec).partition(":")
-    bad = ValueError(f"bad dataset spec {spec!r}; accepted forms: {SPEC_FORMS}")
-    if not sep or not rest:
-        raise bad
-    if kind in ("text", "parquet"):
-        return DatasetSpec(kind=kind, name=rest)  # a path may itself hold ':'
-    parts = rest.split(":")
-    if kind == "hf":
-        if len(parts) > 3 or not parts[0]:
-            raise bad
-        config = parts[1] if len(parts) > 1 and parts[1] else None
-        split = parts[2] if len(parts) > 2 and parts[2] else "train"
-        return DatasetSpec(kind="hf", name=parts[0], config=config, split=split)
-    if kind == "builtin":
-        if len(parts) != 2 or not all(parts):
-            raise bad
-        return DatasetSpec(kind="builtin", name=parts[0], split=parts[1])
-    raise bad
-
-
-def resolve_spec(spec: str | DatasetSpec) -> DatasetSpec:
-    """Turn ``builtin:NAME:SPLIT`` into ``text:<model_dir>/<split>.txt`` (building the model if needed)."""
-    spec = parse_dataset_spec(spec)
-    if spec.kind != "builtin":
-        return spec
-    from lrkv_core.builtin import ensure_builtin_model  # lazy: building the model is heavy
-
-    model_dir = Path(ensure_builtin_model(spec.name))
-    return DatasetSpec(kind="text", name=str(model_dir / f"{spec.split}.txt"))
+__all__ = [
+    "SPEC_FORMS",
+    "DatasetSpec",
+    "check_dataset",
+    "eval_windows",
+    "extract_calibration",
+    "heldout",
+    "load_text",
+    "load_token_rows",
+    "parse_dataset_spec",
+    "read_token_rows",
+    "resolve_spec",
+    "token_sequences",
+    "write_token_rows",
+]
 
 
 def _local_file(path: str) -> Path:
@@ -107,11 +58,18 @@ def _local_file(path: str) -> Path:
 
 
 def load_text(spec: str | DatasetSpec) -> str:
-    """The whole text of a text source (text, builtin or hf), exactly as stored.
+    """The whole text of a text source (text, hf or a plugin scheme resolving to one), exactly as stored.
 
     Hub rows are joined as they are (wikitext rows already end in a newline).
+
+    Raises
+    ------
+    ValueError
+        A sliced spec (slices cut tokens, see :func:`token_sequences`) or a pre-tokenized source.
     """
     spec = resolve_spec(spec)
+    if spec.part is not None:
+        raise ValueError(f"{spec}: a slice cuts the token stream; read it with token_sequences")
     if spec.kind == "text":
         ds = load_dataset("text", data_files=str(_local_file(spec.name)), sample_by="document", split="train")
         return "".join(ds["text"])
@@ -124,25 +82,31 @@ def load_text(spec: str | DatasetSpec) -> str:
 
 
 def load_token_rows(spec: str | DatasetSpec) -> list[torch.Tensor]:
-    """Rows of a ``parquet:`` source, one (T_i,) LongTensor per row."""
+    """Rows of a ``parquet:`` source (its slice of rows, in file order), one (T_i,) LongTensor per row."""
     spec = resolve_spec(spec)
     if spec.kind != "parquet":
         raise ValueError(f"{spec} is a text source, not pre-tokenized rows")
     ds = load_dataset("parquet", data_files=str(_local_file(spec.name)), split="train")
     if "input_ids" not in ds.column_names:
         raise ValueError(f"{spec} has no 'input_ids' column (columns: {ds.column_names})")
+    if spec.part is not None:
+        begin, end = spec.part.bounds(len(ds))
+        if begin >= end:
+            raise ValueError(f"{spec} selects no rows: the file has {len(ds)}")
+        ds = ds.select(range(begin, end))
     return [torch.tensor(row, dtype=torch.long) for row in ds["input_ids"]]
 
 
 def token_sequences(spec: str | DatasetSpec, tokenizer: Any | None) -> list[torch.Tensor]:
     """Token sequences of a source: one (N_tokens,) stream for text, one (T_i,) tensor per Parquet row.
 
-    Text is tokenized whole with ``add_special_tokens=False`` (no BOS/EOS inserted).
+    Text is tokenized whole with ``add_special_tokens=False`` (no BOS/EOS inserted); a slice then cuts
+    that stream, so ``X[:p%]`` and ``X[p%:]`` together are exactly the stream of ``X``.
 
     Raises
     ------
     ValueError
-        A text source with ``tokenizer=None``.
+        A text source with ``tokenizer=None``, or a slice that selects nothing.
     """
     spec = resolve_spec(spec)
     if spec.is_tokenized:
@@ -151,8 +115,14 @@ def token_sequences(spec: str | DatasetSpec, tokenizer: Any | None) -> list[torc
         raise ValueError(
             f"cannot tokenize {spec}: this model has no tokenizer; use a parquet: dataset of input_ids"
         )
-    ids = tokenizer(load_text(spec), add_special_tokens=False, verbose=False)["input_ids"]
-    return [torch.tensor(ids, dtype=torch.long)]
+    ids = tokenizer(load_text(spec.whole), add_special_tokens=False, verbose=False)["input_ids"]
+    stream = torch.tensor(ids, dtype=torch.long)  # (N_tokens,)
+    if spec.part is not None:
+        begin, end = spec.part.bounds(stream.numel())
+        if begin >= end:
+            raise ValueError(f"{spec} selects no tokens: the source has {stream.numel()}")
+        stream = stream[begin:end]
+    return [stream]
 
 
 def _draw_windows(
@@ -218,7 +188,8 @@ def extract_calibration(
 
     Text streams give windows at distinct random start offsets; Parquet sources give the first
     ``seq_len`` tokens of randomly chosen rows (without replacement; shorter rows are skipped), so every
-    window keeps the row's position 0 (BOS). Draws use ``numpy.random.default_rng(seed)``.
+    window keeps the row's position 0 (BOS). Draws use ``numpy.random.default_rng(seed)``. A sliced spec
+    (``text:X[:90%]``) draws only inside its slice, so no window reaches into the rest of the source.
 
     Returns
     -------
@@ -258,8 +229,9 @@ def eval_windows(
 ) -> torch.Tensor:
     """Non-overlapping evaluation windows, (N, seq_len) LongTensor.
 
-    A text stream is cut into consecutive windows from its start; each Parquet row is cut into windows
-    starting at its position 0. Short tails are dropped; ``max_windows`` keeps the first N windows.
+    A text stream (or its slice) is cut into consecutive windows from its start; each Parquet row (of the
+    slice, if any) is cut into windows starting at its position 0. Short tails are dropped;
+    ``max_windows`` keeps the first N windows.
     """
     spec = parse_dataset_spec(spec)
     seqs = token_sequences(spec, tokenizer)

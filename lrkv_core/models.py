@@ -1,4 +1,8 @@
-"""Resolve and load models: a hub id, a local directory, or ``builtin:NAME`` (lrkv's embedded model)."""
+"""Load models and read their tensors without loading them.
+
+Model references (a local directory, a hub id, ``SCHEME:REST`` such as ``builtin:NAME``) resolve in
+:mod:`lrkv_core.refs`; ``resolve_model_dir`` is importable from here too.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from .adapters import ArchAdapter, get_adapter
 from .fingerprint import hash_dir
+from .refs import resolve_model_dir  # also imported from here by callers
 
 DTYPES = {
     "float32": torch.float32,
@@ -30,25 +35,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_model_dir(ref: str) -> Path:
-    """Local directory holding the model files for ``ref`` (downloading a hub snapshot if needed)."""
-    if ref.startswith("builtin:"):
-        from .builtin import ensure_builtin_model
-
-        return ensure_builtin_model(ref.split(":", 1)[1])
-    path = Path(ref).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-        return path
-    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
-        raise FileNotFoundError(f"model directory {ref} does not exist")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
-    return Path(snapshot_download(ref, allow_patterns=patterns))
-
-
 def model_fingerprint(model_dir: str | Path) -> str:
     """Content hash of the files that decide a model's behaviour (config, weights, tokenizer)."""
     return hash_dir(model_dir)
@@ -65,7 +51,7 @@ def load_model(
     ref: str | Path, *, dtype: str | torch.dtype = "float32", attn_implementation: str | None = None
 ) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
     """Load ``(model, tokenizer)`` in eval mode; lrkv-compressed directories load through load_compressed."""
-    model_dir = resolve_model_dir(str(ref))
+    model_dir = resolve_model_dir(ref)  # a Path is always a local directory, never SCHEME:REST
     config = AutoConfig.from_pretrained(str(model_dir))
     if getattr(config, "lrkv", None):
         from .io import load_compressed

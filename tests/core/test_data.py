@@ -1,9 +1,7 @@
-"""Dataset specs, token streams, calibration extraction and evaluation windows."""
+"""Dataset specs, token streams, calibration extraction and evaluation windows (slices: test_heldout.py)."""
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,8 @@ from lrkv_core.data import (
     resolve_spec,
     token_sequences,
 )
+from lrkv_core.refs import DATASET_SCHEMES, DatasetScheme, register_dataset_scheme
+from lrkv_core.slices import PercentSlice
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
@@ -60,7 +60,12 @@ def _write_rows(path: Path, rows: list[list[int]]) -> Path:
         ("hf:org/name::validation", DatasetSpec("hf", "org/name", None, "validation")),
         ("text:/a/b:c.txt", DatasetSpec("text", "/a/b:c.txt")),
         ("parquet:rel/x.parquet", DatasetSpec("parquet", "rel/x.parquet")),
-        ("builtin:shakespeare:valid", DatasetSpec("builtin", "shakespeare", None, "valid")),
+        ("text:/a/b:c.txt[:90%]", DatasetSpec("text", "/a/b:c.txt", part=PercentSlice(0, 90))),
+        ("parquet:x.parquet[90%:]", DatasetSpec("parquet", "x.parquet", part=PercentSlice(90, 100))),
+        ("hf:org/n::valid[10%:50%]", DatasetSpec("hf", "org/n", None, "valid", PercentSlice(10, 50))),
+        ("hf:org/n[0%:100%]", DatasetSpec("hf", "org/n", None, "train")),  # the whole source: no slice
+        ("text:odd[1].txt", DatasetSpec("text", "odd[1].txt")),  # brackets inside a name are a name
+        ("text:x[:90%][:]", DatasetSpec("text", "x[:90%]")),  # [:] names a file that ends like a slice
     ],
 )
 def test_parse_good_specs_round_trip(spec: str, expected: DatasetSpec) -> None:
@@ -72,8 +77,11 @@ def test_parse_good_specs_round_trip(spec: str, expected: DatasetSpec) -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    ["", "wikitext", "foo:bar", "hf:", "hf:a:b:c:d", "text:", "builtin:x", "builtin:x:y:z", "builtin::v"],
-)
+    [
+        "", "wikitext", "foo:bar", "hf:", "hf:a:b:c:d", "text:", "text:[:90%]", "Bad_Scheme:x",
+        "text:x[:150%]", "text:x[50%:50%]", "text:x[90%:10%]", "text:x[:90]", "hf:a[%:]", "parquet:x[a:b]",
+    ],
+)  # fmt: skip
 def test_parse_bad_specs_list_accepted_forms(spec: str) -> None:
     with pytest.raises(ValueError, match=r"accepted forms: hf:NAME\[:CONFIG\[:SPLIT\]\], text:PATH"):
         parse_dataset_spec(spec)
@@ -100,6 +108,15 @@ def test_text_is_one_stream_without_special_tokens(tok) -> None:
     assert tok.decode(stream.tolist()) == VALID_TXT.read_text()  # newlines kept, whole file one document
 
 
+def test_text_slices_cut_the_token_stream(tok) -> None:
+    (whole,) = token_sequences(f"text:{VALID_TXT}", tok)
+    (head,) = token_sequences(f"text:{VALID_TXT}[:90%]", tok)
+    (tail,) = token_sequences(f"text:{VALID_TXT}[90%:]", tok)
+    assert head.numel() == round(0.9 * 24524) and torch.equal(torch.cat([head, tail]), whole)
+    with pytest.raises(ValueError, match="a slice cuts the token stream"):
+        load_text(f"text:{VALID_TXT}[:90%]")
+
+
 def test_hub_rows_are_joined_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
@@ -112,13 +129,31 @@ def test_hub_rows_are_joined_as_they_are(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "test"})]
 
 
-def test_builtin_resolves_to_text_beside_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def toy_scheme(tmp_path: Path):
+    """A dataset scheme ``toy:SPLIT`` registered from this test module: ``text:<tmp>/<split>.txt``."""
     (tmp_path / "valid.txt").write_text("ab\ncd\n")
-    fake = types.ModuleType("lrkv_core.builtin")
-    fake.ensure_builtin_model = lambda name: tmp_path if name == "shakespeare" else None
-    monkeypatch.setitem(sys.modules, "lrkv_core.builtin", fake)
-    assert resolve_spec("builtin:shakespeare:valid") == DatasetSpec("text", str(tmp_path / "valid.txt"))
-    assert load_text("builtin:shakespeare:valid") == "ab\ncd\n"
+    calls: list[str] = []
+
+    def resolve(rest: str) -> DatasetSpec:
+        calls.append(rest)
+        return DatasetSpec("text", str(tmp_path / f"{rest}.txt"))
+
+    register_dataset_scheme("toy", DatasetScheme(form="toy:SPLIT", resolve=resolve))
+    yield tmp_path, calls
+    DATASET_SCHEMES.unregister("toy")
+
+
+def test_plugin_scheme_resolves_to_a_core_spec(toy_scheme) -> None:
+    root, calls = toy_scheme
+    spec = parse_dataset_spec("toy:valid[:50%]")
+    assert spec == DatasetSpec("toy", "valid", part=PercentSlice(0, 50))
+    assert calls == []  # parsing resolves nothing
+    assert resolve_spec(spec) == DatasetSpec("text", str(root / "valid.txt"), part=PercentSlice(0, 50))
+    assert resolve_spec("toy:valid") == DatasetSpec("text", str(root / "valid.txt"))
+    assert load_text("toy:valid") == "ab\ncd\n" and calls == ["valid"] * 3
+    with pytest.raises(ValueError, match="accepted forms: .*toy:SPLIT"):
+        parse_dataset_spec("nosuch:x")
 
 
 def test_extract_calibration_is_deterministic_per_seed(tmp_path: Path, tok) -> None:

@@ -1,4 +1,4 @@
-"""Tests for lrkv_core/builtin.py: corpus walking, the split, a 30-step build, atomic caching."""
+"""Tests for lrkv_demo.builtin: corpus walking, the split, a 30-step build, atomic caching."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lrkv_core import builtin
-from lrkv_core.builtin import (
+from lrkv_demo import builtin
+from lrkv_demo.builtin import (
     BUILTIN_MODELS,
     DEFAULT_BUILTIN,
     DOC_SEPARATOR,

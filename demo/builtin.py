@@ -3,7 +3,8 @@
 The quickstart has to run on a fresh machine with no network, so lrkv builds its own model from text every
 Python install has. ``ensure_builtin_model()`` builds it once (about two minutes on two CPU cores) into
 ``lrkv_home()/builtin/<name>`` and returns that directory afterwards; other code names it
-``builtin:pydoc-llama``. The directory loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` like any
+``builtin:pydoc-llama`` (the ``builtin`` scheme, registered with lrkv_core's resolver by
+:mod:`lrkv_demo.refs`). The directory loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` like any
 Hugging Face checkpoint, and its ``README.md`` / ``build_info.json`` hold the numbers measured in the build.
 """
 
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from lrkv_core.corpus import (  # noqa: F401  (re-exported: the build's corpus and tokenizer)
+from lrkv_core.paths import lrkv_home
+from lrkv_demo.corpus import (  # noqa: F401  (re-exported: the build's corpus and tokenizer)
     BOS_TOKEN,
     DOC_SEPARATOR,
     EOS_TOKEN,
@@ -35,11 +37,9 @@ from lrkv_core.corpus import (  # noqa: F401  (re-exported: the build's corpus a
     split_corpus,
     train_tokenizer,
 )
-from lrkv_core.paths import lrkv_home
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_PREFIX = "builtin:"
 DEFAULT_BUILTIN = "pydoc-llama"
 SAMPLE_PROMPT = "Return the"
 _PARTIAL = ".partial-"
