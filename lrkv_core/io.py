@@ -23,11 +23,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.initialization import no_init_weights
 
+from .dtypes import parse_dtype
 from .files import make_readable
 from .format import FormatError, LrkvFormat
 from .fuse import build_latent_skeleton
 from .hf_quantizer import LrkvConfig
-from .models import parse_dtype
 
 WEIGHTS = "model.safetensors"
 

@@ -14,25 +14,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from .adapters import ArchAdapter, get_adapter
+from .adapters import get_adapter
+from .dtypes import parse_dtype
 from .fingerprint import hash_dir
 from .refs import resolve_model_dir  # also imported from here by callers
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
@@ -92,12 +79,3 @@ def read_tensors(model_dir: str | Path, names: list[str]) -> dict[str, torch.Ten
         with safe_open(str(files[name]), framework="pt") as f:
             out[name] = f.get_tensor(name)
     return out
-
-
-def read_kv_weights(
-    model_dir: str | Path, adapter: ArchAdapter, layer: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """k_proj and v_proj weights (Hkv·D, d) of one layer, without loading the model."""
-    k, v = adapter.weight_name(layer, "k") + ".weight", adapter.weight_name(layer, "v") + ".weight"
-    t = read_tensors(model_dir, [k, v])
-    return t[k], t[v]

@@ -16,6 +16,7 @@ from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
 import lrkv_core
+from lrkv_core.data import parse_dataset_spec
 from lrkv_core.fingerprint import hash_bytes, hash_sources
 from lrkv_core.models import resolve_model_dir
 from lrkv_core.version import __version__
@@ -56,8 +57,9 @@ def resolve_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
 
 
 def _dataset_signature(dataset: str) -> object:
-    kind, _, rest = dataset.partition(":")
-    path = Path(rest.split("[", 1)[0]) if kind in ("text", "parquet") else None
+    """The local file behind a ``text:``/``parquet:`` spec (slices stripped), so an edited file is re-read."""
+    spec = parse_dataset_spec(dataset)
+    path = Path(spec.name) if spec.kind in ("text", "parquet") else None
     return stat_signature(path) if path is not None and path.exists() else dataset
 
 

@@ -64,9 +64,9 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
         calib_spec, eval_spec, description = heldout(parse_dataset_spec(dataset))
         dataset, eval_dataset = str(calib_spec), str(eval_spec)
         notes.append(f"evaluating on {eval_dataset}: {description}")
-    check_dataset(parse_dataset_spec(dataset), has_tokenizer=has_tokenizer)
+    check_dataset(parse_dataset_spec(dataset), has_tokenizer=has_tokenizer, model=recipe.model)
     if eval_dataset is not None:
-        check_dataset(parse_dataset_spec(eval_dataset), has_tokenizer=has_tokenizer)
+        check_dataset(parse_dataset_spec(eval_dataset), has_tokenizer=has_tokenizer, model=recipe.model)
         if ev.zeroshot_tasks and not has_tokenizer:
             raise ValueError(f"zero-shot tasks need a tokenizer, and {recipe.model} has none")
     if recipe.out:

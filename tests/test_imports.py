@@ -40,3 +40,73 @@ def test_core_never_imports_demo():
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             assert not any(n.split(".")[0] == "lrkv_demo" for n in names), f"{path.name} imports lrkv_demo"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"lrkv_core": "lrkv_core", "lrkv_kernels": "kernels", "lrkv_demo": "demo", "lrkv_tasks": "tasks",
+            "lrkv_flows": "flows"}  # fmt: skip
+LAYER = {"lrkv_kernels": 0, "lrkv_core": 1, "lrkv_demo": 2, "lrkv_tasks": 3, "lrkv_flows": 4}
+
+
+def _modules() -> dict[str, Path]:
+    """Every project module by dotted name (packages as their ``__init__``)."""
+    out = {}
+    for name, folder in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> project modules it imports, at any depth of its code (lazy imports inside functions too)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                # `from pkg import sub` imports the submodule sub; `from mod import name` imports mod
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != mod}
+        graph[mod] = edges
+    return graph
+
+
+def test_the_import_graph_has_no_circles():
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*path[path.index(nxt) :], nxt]))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert len(graph) > 40  # the walk saw the project, not an empty tree
+
+
+def test_imports_go_one_way():
+    """flows → tasks → (demo) → lrkv_core → lrkv_kernels: no package imports one above it."""
+    for mod, edges in _import_graph().items():
+        for target in edges:
+            src, dst = mod.split(".")[0], target.split(".")[0]
+            assert LAYER[dst] <= LAYER[src], f"{mod} imports {target}: against the dependency direction"

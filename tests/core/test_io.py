@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,9 @@ from lrkv_core import load_compressed, load_model, save_compressed
 from lrkv_core.adapters import get_adapter
 from lrkv_core.attention import LatentAttention
 from lrkv_core.cache import LatentCache
+from lrkv_core.format import FORMAT_VERSION, LrkvFormat
 from lrkv_core.hf_quantizer import LrkvConfig
+from lrkv_core.io import ModelFileError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,9 +68,10 @@ def test_config_has_the_lrkv_section_and_no_pickle_is_written(compressed, tmp_pa
     section = json.loads((out / "config.json").read_text())["lrkv"]
     assert section["group_size"] == 2
     assert section["ranks_k"] == plan.ranks["k"] == [[8], [8]] and section["ranks_v"] == plan.ranks["v"]
-    assert section["version"] == lrkv_core.__version__
+    assert section["lrkv_version"] == lrkv_core.__version__ and section["format_version"] == FORMAT_VERSION
     assert section["achieved_ratio"] == plan.achieved_ratio == 0.5
-    assert section["target_ratio"] == 0.5 and section["decomposition"] == "whitened"
+    assert section["target_ratio"] == 0.5 and section["decomposition"] == {"name": "whitened"}
+    assert section["allocator"] == {"name": "uniform"} and section["cache"] == {"name": "dense"}
     assert (out / "README.md").read_text() == "# my card\n"
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
@@ -81,7 +86,8 @@ def test_default_card_describes_the_compression(compressed, tmp_path) -> None:
     assert "| 0 | [8] | [8] |" in card and "| 1 | [8] | [8] |" in card  # the ranks table
     assert "then RoPE at the cached positions" in card
     assert "load_compressed" in card and "from_pretrained" in card and "Source model" not in card
-    assert "Source model: `org/name`" in lrkv_io.model_card(compressed[0].config.lrkv, "org/name")
+    fmt = LrkvFormat.of(compressed[0].config)
+    assert "Source model: `org/name`" in lrkv_io.model_card(fmt, "org/name")
 
 
 def test_refuses_to_overwrite_a_foreign_directory(compressed, tmp_path) -> None:
@@ -192,3 +198,63 @@ def test_lrkv_quant_method_cannot_compress_on_the_fly(make_tiny, tmp_path) -> No
     make_tiny("llama", 2).save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="pre-quantized"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=LrkvConfig())
+
+
+def test_every_saved_file_is_readable_by_the_umask(compressed, tmp_path) -> None:
+    """safetensors writes 0600 whatever the umask; an exported model must be as readable as its config."""
+    old = os.umask(0o022)
+    try:
+        out = save_compressed(compressed[0], tmp_path / "m")
+    finally:
+        os.umask(old)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        name: 0o644 for name in EXPECTED_FILES
+    }
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+
+
+def test_truncated_weights_are_one_clear_error_naming_the_file(compressed, tmp_path) -> None:
+    out = save_compressed(compressed[0], tmp_path / "m")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(
+        ModelFileError, match=r"model\.safetensors: unreadable safetensors file \(truncated or"
+    ):
+        load_compressed(out)
+    weights.unlink()
+    with pytest.raises(ModelFileError, match=r"model\.safetensors: missing"):
+        load_compressed(out)
+
+
+def test_ranks_that_do_not_match_the_weights_are_one_clear_error(compressed, tmp_path) -> None:
+    out = save_compressed(compressed[0], tmp_path / "m")
+    config = json.loads((out / "config.json").read_text())
+    config["lrkv"]["ranks_k"] = [[16], [8]]  # the weights hold rank 8 in layer 0
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match=r"model\.safetensors: tensor shapes do not match the ranks"):
+        load_compressed(out)
+
+
+def test_a_newer_format_version_is_refused_and_format_1_is_migrated(compressed, tmp_path) -> None:
+    model, plan = compressed
+    out = save_compressed(model, tmp_path / "m")
+    config = json.loads((out / "config.json").read_text())
+    newer = {**config, "lrkv": {**config["lrkv"], "format_version": FORMAT_VERSION + 1}}
+    (out / "config.json").write_text(json.dumps(newer))
+    with pytest.raises(ModelFileError, match=f"lrkv format {FORMAT_VERSION + 1}, newer than the format"):
+        load_compressed(out)
+    section = config["lrkv"]
+    v1 = {  # what lrkv 0.1.0 wrote
+        "version": "0.1.0", "method": "palu", "decomposition": "whitened", "group_size": 2,
+        "ranks_k": section["ranks_k"], "ranks_v": section["ranks_v"], "rank_multiple": 8,
+        "target_ratio": 0.5, "achieved_ratio": 0.5, "allocator": "uniform", "rope": "reconstruct-then-rope",
+        "qkv_bias": False, "o_bias": False, "rotation": None, "bits": None,
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps({**config, "lrkv": v1}))
+    loaded = load_compressed(out)
+    fmt = LrkvFormat.of(loaded.config)
+    assert fmt.decomposition == {"name": "whitened"} and fmt.cache == {"name": "dense"}
+    assert fmt.lrkv_version == "0.1.0" and fmt.format_version == FORMAT_VERSION
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -98,3 +99,78 @@ def test_unsupported_architecture_is_named(tmp_path):
     )
     assert res.returncode == 1
     assert "gpt2" in res.stdout and "llama" in res.stdout and "mistral" in res.stdout
+
+
+def _convert_args(model_dir, data, out, *extra):
+    common = ["--n-samples", "8", "--seq-len", "32", "--set", "eval.max_windows=4"]
+    common += ["--set", "eval.decode_windows=1"]
+    return ["convert", "--model", str(model_dir), "--dataset", data, "--out", str(out), *common, *extra]
+
+
+def test_without_eval_dataset_it_evaluates_on_held_out_calibration_rows(tmp_path):
+    model_dir = tiny_llama_dir(tmp_path)
+    data = token_parquet(tmp_path / "data.parquet", rows=20, seq_len=32)
+    out = tmp_path / "out"
+    res = _lrkv(_convert_args(model_dir, f"parquet:{data}", out, "--ratio", "0.5"), tmp_path / "home")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = " ".join(res.stdout.split())  # rich wraps long lines
+    assert f"evaluating on parquet:{data}[90%:]" in text and "not used for calibration" in text
+    assert f"parquet:{data}[:90%]" in text  # calibration draws from the other rows only
+    assert "group size 2 (auto" in text
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) & 0o044 for p in out.iterdir()}
+    assert set(modes.values()) == {0o044}, modes  # every exported file readable like config.json
+
+
+def test_bad_settings_fail_before_any_work(tmp_path):
+    """Checks the recipe and the model's config decide run before Prefect starts: fast, one line, no --out."""
+    model_dir = tiny_llama_dir(tmp_path)  # Hkv = 2, D = 8, 2 layers
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    out = tmp_path / "out"
+    cases = [
+        (["--group-size", "3"], "group size 3 must divide the number of KV heads (2); valid: [1, 2]"),
+        (["--ratio", "0.2", "--group-size", "1"], "leaves rank 0 for some groups"),
+        (["--eval-dataset", f"parquet:{tmp_path / 'missing.parquet'}"], "missing.parquet"),
+        (["--eval-dataset", f"text:{tmp_path / 'data.parquet'}"], "has no tokenizer"),
+    ]
+    for extra, message in cases:
+        res = _lrkv(_convert_args(model_dir, data, out, *extra), tmp_path / "home", timeout=120)
+        assert res.returncode == 1, (extra, res.stdout[-2000:], res.stderr[-2000:])
+        assert message in " ".join(res.stdout.split()), (extra, res.stdout[-2000:])
+        assert "Traceback" not in res.stdout + res.stderr and "Prefect" not in res.stdout
+        assert not out.exists()
+    res = _lrkv(_convert_args(model_dir, f"parquet:{tmp_path / 'nope.parquet'}", out), tmp_path / "home")
+    assert res.returncode == 1 and "nope.parquet" in res.stdout and not out.exists()
+
+
+def test_a_failed_evaluation_leaves_no_exported_model(tmp_path):
+    model_dir = tiny_llama_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    short = f"parquet:{token_parquet(tmp_path / 'short.parquet', rows=2, seq_len=16)}"  # no 32-token window
+    out = tmp_path / "out"
+    res = _lrkv(_convert_args(model_dir, data, out, "--eval-dataset", short), tmp_path / "home")
+    assert res.returncode == 1 and "too little data" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "Traceback" not in res.stdout + res.stderr
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_eval_reports_user_errors_in_one_line(tmp_path):
+    model_dir = tiny_llama_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=4, seq_len=32)}"
+    compressed = tmp_path / "c"
+    from lrkv_core import convert, save_compressed
+    from lrkv_core.convert import CompressionConfig
+
+    model, _ = load_model(model_dir)
+    save_compressed(convert(model, None, CompressionConfig(ratio=0.5, decomposition="plain")), compressed)
+    weights = compressed / "model.safetensors"
+    cases = [
+        (tmp_path / "absent", "does not exist"),
+        (compressed, "model.safetensors: unreadable safetensors file (truncated or corrupt"),
+    ]
+    weights.write_bytes(weights.read_bytes()[:2000])
+    for path, message in cases:
+        res = _lrkv(["eval", str(path), "--dataset", data, "--seq-len", "32"], tmp_path / "home", timeout=120)
+        assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+        assert message in " ".join(res.stdout.split()) and "Traceback" not in res.stdout + res.stderr
+    res = _lrkv(["eval", str(model_dir), "--dataset", f"{data}x", "--seq-len", "32"], tmp_path / "home")
+    assert res.returncode == 1 and "dataset file not found" in res.stdout

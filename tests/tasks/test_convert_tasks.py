@@ -9,6 +9,8 @@ import lrkv_core
 from lrkv_core import load_compressed, load_model
 from lrkv_core.fingerprint import hash_sources
 from lrkv_tasks import convert as t
+from lrkv_tasks.keys import code_version
+from lrkv_tasks.refs import ArtifactRef
 from tests.support.models import tiny_llama_dir, token_parquet
 
 
@@ -23,21 +25,27 @@ def setup(tmp_path_factory):
 def test_task_chain_produces_an_exact_full_rank_model(setup):
     store = setup["store"]
     model = t.resolve_model.fn(str(setup["model_dir"]))
-    assert model["shape"] == {"L": 2, "d": 32, "H": 4, "Hkv": 2, "D": 8} and len(model["fingerprint"]) == 64
+    assert model.meta["shape"] == {"L": 2, "d": 32, "H": 4, "Hkv": 2, "D": 8} and len(model.sha256) == 64
     calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
-    assert calib["path"].startswith(store) and calib["n_samples"] == 8
-    stats = t.collect_stats.fn(model, calib, "float32", 4, store)
-    assert stats["n_tokens"] == 8 * 32
-    layers = [t.decompose_layer.fn(model, stats, i, 2, "whitened", store) for i in range(2)]
-    comp = {"ratio": 1.0, "group_size": 2, "rank_multiple": 8, "allocator": "uniform"}
-    plan = t.plan_ranks.fn(layers, comp, None, store)
-    assert plan["achieved_ratio"] == 1.0 and plan["heatmap"].endswith(".png")
-    assert json.loads(open(plan["path"]).read())["ranks"]["k"] == [[16], [16]]
-    built = t.build_model.fn(model, layers, plan, "whitened", "float32", store)
-    assert built["path"].startswith(store) and len(built["fingerprint"]) == 64
+    assert calib.uri.startswith(store) and calib.meta["n_samples"] == 8 and calib.kind == "calibration"
+    gram = t.collect_statistic.fn(model, calib, {"name": "gram"}, "float32", 4, store)
+    assert gram.meta["n_tokens"] == 8 * 32 and gram.meta["statistic"] == {"name": "gram"}
+    fisher = t.collect_statistic.fn(model, calib, {"name": "fisher", "per_row": False}, "float32", 4, store)
+    assert fisher.meta["n_samples"] == 2 and fisher.meta["per_row"] is False  # batches of 4
+    layers = [
+        t.decompose_layer.fn(model, {"gram": gram}, i, 2, {"name": "whitened"}, store) for i in range(2)
+    ]
+    assert [f.meta["layer"] for f in layers] == [0, 1] and layers[0].meta["info"]["whitening"] == "cholesky"
+    summaries = [t.summarize_layer.fn(f, {"fisher": fisher}, ["error_curves"], store) for f in layers]
+    assert summaries[1].meta == {"layer": 1, "features": ["error_curves"]}
+    plan = t.plan_ranks.fn(model, summaries, 1.0, 2, 8, {"name": "fisher-greedy"}, store)
+    assert plan.meta["achieved_ratio"] == 1.0 and plan.meta["heatmap"].endswith(".png")
+    assert json.loads(open(plan.uri).read())["ranks"]["k"] == [[16], [16]]
+    built = t.build_model.fn(model, layers, plan, {"name": "whitened"}, {"name": "dense"}, "float32", store)
+    assert built.uri.startswith(store) and len(built.sha256) == 64 and built.kind == "model"
 
     base, _ = load_model(setup["model_dir"])
-    compressed = load_compressed(built["path"])
+    compressed = load_compressed(built.uri)
     ids = torch.randint(3, 64, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (base(ids).logits - compressed(ids).logits).abs().max() < 1e-4
@@ -70,7 +78,7 @@ def test_export_refuses_to_clobber_foreign_directories(setup, tmp_path):
     foreign.mkdir()
     (foreign / "precious.txt").write_text("keep")
     with pytest.raises(FileExistsError):
-        t.export_model.fn({"path": str(setup["model_dir"]), "fingerprint": "x"}, str(foreign))
+        t.export_model.fn(ArtifactRef(kind="model", uri=str(setup["model_dir"]), sha256="x"), str(foreign))
     assert (foreign / "precious.txt").read_text() == "keep"
 
 
@@ -88,4 +96,4 @@ def test_code_version_changes_with_any_source_change(tmp_path):
     changed = hash_sources(pkg)
     (pkg / "sub" / "b.py").rename(pkg / "b.py")
     assert len({before, changed, hash_sources(pkg)}) == 3
-    assert t.code_version().startswith(lrkv_core.__version__ + "+")
+    assert code_version().startswith(lrkv_core.__version__ + "+")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.image
 import numpy as np
 
-from lrkv_core.ranks import RankPlan
+from lrkv_core.allocation import RankPlan
 from lrkv_tasks.plots import plot_rank_heatmap, rank_matrix
 
 
@@ -16,15 +16,18 @@ def _plan(n_layers: int, n_groups: int, width: int = 32) -> RankPlan:
         ]
         for kind in "kv"
     }
-    return RankPlan("fisher", 2, width, 8, 0.6, ranks)
+    return RankPlan({"name": "fisher"}, 2, width, 8, 0.6, ranks)
 
 
 def test_rank_matrix_puts_k_groups_then_v_groups() -> None:
-    plan = RankPlan("uniform", 1, 16, 8, 0.5, {"k": [[8, 16], [8, 8]], "v": [[16, 8], [8, 16]]})
+    plan = RankPlan({"name": "uniform"}, 1, 16, 8, 0.5, {"k": [[8, 16], [8, 8]], "v": [[16, 8], [8, 16]]})
     matrix, labels = rank_matrix(plan)
     assert labels == ["K0", "K1", "V0", "V1"]
     assert np.array_equal(matrix, [[8, 16, 16, 8], [8, 8, 8, 16]])
-    assert rank_matrix(RankPlan("uniform", 2, 16, 8, 0.5, {"k": [[8]], "v": [[16]]}))[1] == ["K", "V"]
+    assert rank_matrix(RankPlan({"name": "uniform"}, 2, 16, 8, 0.5, {"k": [[8]], "v": [[16]]}))[1] == [
+        "K",
+        "V",
+    ]
 
 
 def test_heatmap_png_is_written_and_readable(tmp_path) -> None:

@@ -1,14 +1,34 @@
 import pytest
 from pydantic import ValidationError
 
+from lrkv_core.allocation import Allocator
+from lrkv_core.decompositions import Decomposition
 from lrkv_tasks.recipe import ConvertRecipe, flatten, load_recipe
 
 
 def test_defaults_are_the_embedded_quickstart():
     r = ConvertRecipe()
     assert r.model == "builtin:pydoc-llama"
-    assert r.calibration.dataset.startswith("builtin:") and r.eval.dataset.startswith("builtin:")
-    assert r.compression.name == "palu" and r.compression.ratio == 0.5
+    assert r.calibration.dataset is None and r.eval.dataset == "heldout"  # chosen per model by preflight
+    assert r.compression.name == "palu" and r.compression.ratio == 0.5 and r.compression.group_size == "auto"
+    assert isinstance(r.compression.decomposition, Decomposition) and isinstance(
+        r.compression.allocator, Allocator
+    )
+
+
+def test_methods_come_from_the_registries_with_strict_options():
+    r = load_recipe(None, {"compression.allocator": {"name": "lorc", "skip_threshold": "5"}})
+    assert r.compression.allocator.skip_threshold == 5.0  # options are typed from the method's dataclass
+    assert r.model_dump(mode="json")["compression"]["allocator"] == {"name": "lorc", "skip_threshold": 5.0}
+    assert load_recipe(None, {"compression.decomposition": "pca"}).compression.decomposition.name == "pca"
+    with pytest.raises(ValidationError, match="unknown allocator 'typo'; choose from"):
+        load_recipe(None, {"compression.allocator": "typo"})
+    with pytest.raises(ValidationError, match=r"allocator 'lorc': skip: Unexpected keyword argument"):
+        load_recipe(None, {"compression.allocator": {"name": "lorc", "skip": 5}})
+    with pytest.raises(ValidationError, match="skip_threshold must be > 0"):
+        load_recipe(None, {"compression.allocator": {"name": "lorc", "skip_threshold": -1}})
+    with pytest.raises(ValidationError, match="statistic 'fisher': per_rows"):
+        load_recipe(None, {"compression.statistics": [{"name": "fisher", "per_rows": False}]})
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -29,6 +49,8 @@ def test_yaml_and_overrides(tmp_path):
         "modle: x\n",  # typo at top level
         "compression:\n  ratoi: 0.5\n",  # typo in a section
         "compression:\n  name: gear\n",  # unknown method
+        "compression:\n  group_size: 0\n",  # not a group
+        "compression:\n  decomposition: {name: plain, rank: 3}\n",  # an option plain does not take
         "compression:\n  ratio: 1.5\n",  # out of range
         "eval:\n  seq_len: 64\n  decode_prefix: 64\n",  # prefix outside the window
     ],
