@@ -6,11 +6,10 @@ import subprocess
 import sys
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from lrkv_core import load_compressed, load_model
 from lrkv_core.data import read_token_rows
-from tests.support.models import tiny_llama_dir, token_parquet
+from tests.support.models import tiny_model_dir, token_parquet
 
 
 def _lrkv(args, home, timeout=300):
@@ -27,7 +26,7 @@ def _lrkv(args, home, timeout=300):
 
 
 def test_convert_then_eval(tmp_path):
-    model_dir = tiny_llama_dir(tmp_path)
+    model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
     out = tmp_path / "out"
     res = _lrkv(
@@ -89,8 +88,7 @@ def test_bad_recipe_key_fails_with_a_message(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    gpt2 = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(gpt2)
+    gpt2 = tiny_model_dir(tmp_path, "gpt2", vocab_size=50)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=4, seq_len=16, vocab=50)}"
     res = _lrkv(
         ["convert", "--model", str(gpt2), "--dataset", data, "--n-samples", "2", "--seq-len", "16"],

@@ -9,13 +9,13 @@ import lrkv_core
 from lrkv_core import load_compressed, load_model
 from lrkv_core.fingerprint import hash_sources
 from lrkv_tasks import convert as t
-from tests.support.models import tiny_llama_dir, token_parquet
+from tests.support.models import tiny_model_dir, token_parquet
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("tasks")
-    model_dir = tiny_llama_dir(root)
+    model_dir = tiny_model_dir(root)
     data = token_parquet(root / "calib.parquet", rows=12, seq_len=32)
     return {"root": root, "model_dir": model_dir, "data": f"parquet:{data}", "store": str(root / "store")}
 
