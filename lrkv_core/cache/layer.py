@@ -36,7 +36,7 @@ class LatentLayer(CacheLayerMixin):
 
     Attributes
     ----------
-    store : the :class:`LatentStore` holding the tokens (None before the first update and after none).
+    store : the :class:`LatentStore` holding the tokens (None until the first update).
     window : the window policy (:class:`FullWindow` or :class:`SlidingWindow`).
     """
 
