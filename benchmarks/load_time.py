@@ -19,10 +19,9 @@ from safetensors.torch import load_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from lrkv_core import load_compressed, save_compressed
-from lrkv_core.decompose import decompose_layer
-from lrkv_core.fuse import build_latent_skeleton, compress_model
+from lrkv_core.convert import CompressionConfig, convert
+from lrkv_core.fuse import build_latent_skeleton
 from lrkv_core.io import WEIGHTS
-from lrkv_core.ranks import plan_from_factors
 
 
 def load_with_random_init(path: Path) -> torch.nn.Module:
@@ -47,20 +46,7 @@ def main() -> None:
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    factors = [
-        decompose_layer(
-            i,
-            layer.self_attn.k_proj.weight.detach(),
-            layer.self_attn.v_proj.weight.detach(),
-            None,
-            n_kv_heads=heads // 2,
-            head_dim=head_dim,
-            group_size=2,
-            method="plain",
-        )
-        for i, layer in enumerate(model.model.layers)
-    ]
-    compressed = compress_model(model, factors, plan_from_factors(factors, ratio=0.5), "plain")
+    compressed = convert(model, None, CompressionConfig(ratio=0.5, group_size=2, decomposition="plain"))
     path = save_compressed(compressed, Path(tempfile.mkdtemp()) / "model")
     ids = torch.randint(0, config.vocab_size, (1, 32))
     with torch.no_grad():

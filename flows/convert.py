@@ -78,7 +78,7 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         timings,
         "build_model",
         t.build_model.submit(
-            model, layers, plan, comp.decomposition.to_dict(), config.cache, recipe.dtype, store
+            model, layers, plan, comp.decomposition.to_dict(), comp.cache.to_dict(), recipe.dtype, store
         ),
     )
     base_eval = comp_eval = None

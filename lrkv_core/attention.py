@@ -8,7 +8,9 @@ Per layer, with groups g of s KV heads and ranks r_g:
 - ``o_proj`` (d × Σ_h r_{g(h)}): ``B_v`` folded into the output projection, one block per query head,
   ``W_o,h B_v,g,h`` (d × r_g), so attention probabilities multiply latents directly and values are never
   rebuilt. A v bias folds into the o_proj bias (softmax rows sum to 1).
-At full rank the module reproduces the original attention up to float rounding.
+At full rank the module reproduces the original attention up to float rounding. Attention reads the latents
+per group through the cache's :class:`~lrkv_core.cache.LatentView` (the cache's storage strategy decides how
+they are kept); it never slices the concatenated latents itself.
 
 :class:`LatentAttentionBase` holds what every latent attention shares (down projections, the folded
 output projection, the cache and the attention interface); models without RoPE use
@@ -28,7 +30,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from lrkv_kernels.latent_rope import apply_rope, reconstruct_rope_keys
 
 from .adapters import ArchAdapter, AttnShape
-from .cache import LatentCache
+from .cache import LatentCache, LatentView
 
 
 @dataclass(frozen=True)
@@ -76,18 +78,22 @@ class LatentAttentionBase(nn.Module):
         h_v: torch.Tensor,
         position_ids: torch.Tensor | None,
         past_key_values: LatentCache | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Append this step's latents (B, T, R) to the cache; all latents (B, S, R) and positions (B, S)."""
+    ) -> LatentView:
+        """Store this step's latents h_k (B, T, R_k), h_v (B, T, R_v) in the cache; the per-group view of
+        every latent attention reads, (B, S, r_g) per group, and positions (B, S)."""
+        layout = self.layout
         if past_key_values is None:
             B, T = h_k.shape[:2]
-            return h_k, h_v, None if position_ids is None else position_ids.expand(B, T)
+            pos = None if position_ids is None else position_ids.expand(B, T)
+            return LatentView.from_latents(h_k, h_v, pos, layout.ranks_k, layout.ranks_v)
         if not isinstance(past_key_values, LatentCache):
             raise TypeError(
                 "an lrkv-compressed model caches latents in a LatentCache, "
                 f"got {type(past_key_values).__name__}; "
                 "pass no cache (one is created) or lrkv_core.LatentCache"
             )
-        return past_key_values.update_latents(h_k, h_v, position_ids, self.layer_idx)
+        ranks = (layout.ranks_k, layout.ranks_v)
+        return past_key_values.update_latents(h_k, h_v, position_ids, self.layer_idx, ranks)
 
     def attend(
         self,
@@ -143,17 +149,12 @@ class LatentAttention(LatentAttentionBase):
             raise ValueError("LatentAttention needs position_ids (the decoder layer passes them)")
         h_k = self.k_down(hidden_states)  # (B, T, R_k)
         h_v = self.v_down(hidden_states)  # (B, T, R_v)
-        h_k, h_v, pos = self.cached_latents(h_k, h_v, position_ids, past_key_values)
-        S = h_k.shape[1]
-        cos_k, sin_k = self.rotary_emb(h_k, pos.long())  # (B, S, D)
-        outs, ok, ov, nq = [], 0, 0, self.q_heads_per_group
-        for g, (rk, rv) in enumerate(zip(self.layout.ranks_k, self.layout.ranks_v)):
-            up = self.k_up[g]
-            k_g = reconstruct_rope_keys(
-                h_k[..., ok : ok + rk], up.weight, up.bias, cos_k, sin_k, D
-            )  # (B,s,S,D)
-            v_g = h_v[..., ov : ov + rv].unsqueeze(1).expand(B, s, S, rv)  # (B, s, S, r_g)
+        view = self.cached_latents(h_k, h_v, position_ids, past_key_values)
+        cos_k, sin_k = self.rotary_emb(view.keys[0], view.positions.long())  # (B, S, D); keys[0]: dtype only
+        outs, nq = [], self.q_heads_per_group
+        for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):
+            k_g = reconstruct_rope_keys(hk_g, up.weight, up.bias, cos_k, sin_k, D)  # (B, s, S, D)
+            v_g = hv_g.unsqueeze(1).expand(B, s, *hv_g.shape[1:])  # (B, s, S, r_g)
             q_g = q[:, g * nq : (g + 1) * nq]  # (B, s·n_rep, T, D)
             outs.append(self.attend(q_g, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_g)
-            ok, ov = ok + rk, ov + rv
         return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)

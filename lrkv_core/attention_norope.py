@@ -44,12 +44,11 @@ class NoRopeLatentAttention(LatentAttentionBase):
         q = self.q_proj(hidden_states)  # (B, T, Σ_g s·n_rep·r_g)
         h_k = self.k_down(hidden_states)  # (B, T, R_k)
         h_v = self.v_down(hidden_states)  # (B, T, R_v)
-        h_k, h_v, _ = self.cached_latents(h_k, h_v, None, past_key_values)  # (B, S, R_k), (B, S, R_v)
-        outs, oq, ok, ov = [], 0, 0, 0
-        for rk, rv in zip(self.layout.ranks_k, self.layout.ranks_v):
-            q_g = q[..., oq : oq + nq * rk].view(B, T, nq, rk).transpose(1, 2)  # (B, s·n_rep, T, r_g)
-            k_g = h_k[..., ok : ok + rk].unsqueeze(1)  # (B, 1, S, r_g)
-            v_g = h_v[..., ov : ov + rv].unsqueeze(1)  # (B, 1, S, r_g)
+        view = self.cached_latents(h_k, h_v, None, past_key_values)  # per group (B, S, r_g)
+        q_groups = torch.split(q, [nq * r for r in self.layout.ranks_k], dim=-1)  # (B, T, s·n_rep·r_g)
+        outs = []
+        for q_g, hk_g, hv_g in zip(q_groups, view.keys, view.values, strict=True):
+            q_g = q_g.view(B, T, nq, hk_g.shape[-1]).transpose(1, 2)  # (B, s·n_rep, T, r_g)
+            k_g, v_g = hk_g.unsqueeze(1), hv_g.unsqueeze(1)  # (B, 1, S, r_g)
             outs.append(self.attend(q_g, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_g)
-            oq, ok, ov = oq + nq * rk, ok + rk, ov + rv
         return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)

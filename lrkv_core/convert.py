@@ -12,7 +12,7 @@ functions directly.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from .allocation import (
     summarize_layer,
 )
 from .allocation.problem import budget_width, check_one_step_fits
+from .cache import CACHE_STORAGES, CacheStorage
 from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
 from .fuse import compress_model
 from .linalg import group_slices
@@ -53,7 +54,8 @@ class CompressionConfig:
     decomposition, allocator : registered methods, by name, recipe form or instance.
     statistics : options for calibration statistics (by name, recipe form or instance); statistics not
         listed that a method needs are collected with their defaults.
-    cache : the cache storage the compressed model uses, as a recipe form.
+    cache : the cache storage the compressed model uses (a registered strategy: name, recipe form or
+        instance); recorded in the model-format section, so loading rebuilds the same cache.
     """
 
     ratio: float = 0.5
@@ -62,7 +64,7 @@ class CompressionConfig:
     decomposition: Decomposition | str | Mapping[str, Any] = "whitened"
     allocator: Allocator | str | Mapping[str, Any] = "uniform"
     statistics: Sequence[Statistic | str | Mapping[str, Any]] = ()
-    cache: Mapping[str, Any] = field(default_factory=lambda: {"name": "dense"})
+    cache: CacheStorage | str | Mapping[str, Any] = "dense"
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
@@ -77,7 +79,7 @@ class CompressionConfig:
         if len({s.name for s in stats}) != len(stats):
             raise ValueError("each statistic may be configured once")
         object.__setattr__(self, "statistics", stats)
-        object.__setattr__(self, "cache", dict(self.cache))
+        object.__setattr__(self, "cache", CACHE_STORAGES.create(self.cache))
 
     def features(self) -> frozenset[str]:
         """Per-group features the allocator reads besides the spectra."""
@@ -163,7 +165,7 @@ class Conversion:
             self.factors,
             self.plan,
             decomposition=self.config.decomposition.to_dict(),
-            cache=self.config.cache,
+            cache=self.config.cache.to_dict(),
         )
 
 

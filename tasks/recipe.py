@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lrkv_core.allocation import ALLOCATORS
+from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
 from lrkv_core.statistics import STATISTICS
@@ -51,6 +52,7 @@ class PaluRecipe(Strict):
     statistics: list[registered(STATISTICS)] = Field(  # type: ignore[valid-type]
         [], description="options of calibration statistics, e.g. [{name: fisher, per_row: false}]"
     )
+    cache: registered(CACHE_STORAGES) = "dense"  # type: ignore[valid-type]
 
     @model_validator(mode="after")
     def _positive_group(self) -> PaluRecipe:
@@ -67,6 +69,7 @@ class PaluRecipe(Strict):
             decomposition=self.decomposition,
             allocator=self.allocator,
             statistics=tuple(self.statistics),
+            cache=self.cache,
         )
 
 

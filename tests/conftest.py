@@ -1,4 +1,4 @@
-"""Shared fixtures: one intra-op thread for tiny models, and a factory of tiny random Llama/Mistral models."""
+"""Shared fixtures: one intra-op thread for tiny models, the tiny-model factory, and ``compress``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from lrkv_core.allocation import RankPlan
 from lrkv_core.convert import CompressionConfig, plan_conversion
+from tests.support.models import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -22,33 +23,10 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-TINY = dict(
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    head_dim=8,
-    max_position_embeddings=128,
-    initializer_range=0.2,  # large enough that predictions depend on the context, not on ties
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
 @pytest.fixture
 def make_tiny() -> Callable[..., PreTrainedModel]:
-    """``make_tiny(family, n_kv_heads, seed=0, **overrides)``: a fresh 2-layer model in eval mode."""
-
-    def build(family: str = "llama", n_kv_heads: int = 2, seed: int = 0, **overrides) -> PreTrainedModel:
-        families = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
-        cfg_cls, model_cls = families[family]
-        torch.manual_seed(seed)
-        config = cfg_cls(**(TINY | {"num_key_value_heads": n_kv_heads} | overrides))
-        return model_cls(config).eval()
-
-    return build
+    """``make_tiny(arch, n_kv_heads, seed=0, **overrides)``: :func:`tests.support.models.tiny_model`."""
+    return tiny_model
 
 
 @pytest.fixture

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from lrkv_core.data import eval_windows
 from lrkv_core.evaluate import decode_perplexity, kl_and_agreement, kv_bytes_per_token, prefill_perplexity
+from tests.support.models import tiny_model
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
@@ -21,19 +22,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """A 2-layer GQA Llama; a large init range makes predictions depend strongly on the context."""
-    kwargs = dict(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**(kwargs | overrides))).eval()
+    """A 2-layer GQA Llama with a wider vocabulary and MLP; a large init range makes predictions depend
+    strongly on the context."""
+    kwargs = dict(vocab_size=97, intermediate_size=64, initializer_range=0.3, pad_token_id=None)
+    return tiny_model("llama", 2, seed, **(kwargs | overrides))
 
 
 def _windows(n: int, t: int, vocab: int = 97, seed: int = 1) -> torch.Tensor:

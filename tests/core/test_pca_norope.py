@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import OPTConfig, OPTForCausalLM
+from transformers import OPTForCausalLM
 
 from lrkv_core.adapters import get_adapter
 from lrkv_core.allocation import allocate_ranks
@@ -10,23 +10,13 @@ from lrkv_core.decompositions import load_layer_factors
 from lrkv_core.fuse import compress_model
 from lrkv_core.pipeline import decompose_file
 from lrkv_core.statistics import Gram, collect_gram, save_statistic
+from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _opt(tmp_path):
-    torch.manual_seed(0)
-    config = OPTConfig(
-        vocab_size=61,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=48,
-        word_embed_proj_dim=32,
-        max_position_embeddings=128,
-        init_std=0.2,
-    )
-    model = OPTForCausalLM(config).eval()
+    model = tiny_model("opt")
     model.save_pretrained(tmp_path / "opt")
     rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
     grams, n = collect_gram(model, rows)

@@ -10,11 +10,11 @@ from lrkv_core.data import eval_windows
 from lrkv_flows.ablate import ablate_flow
 from lrkv_tasks.recipe import AblateRecipe
 from tests.support.inputs import full_rank_kl_bound
-from tests.support.models import tiny_llama_dir, token_parquet
+from tests.support.models import tiny_model_dir, token_parquet
 
 
 def test_ablation_grid_table_plot_and_run(prefect_api, tmp_path):
-    model_dir = tiny_llama_dir(tmp_path)
+    model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     recipe = AblateRecipe.model_validate(

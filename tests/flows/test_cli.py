@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from lrkv_core import load_compressed, load_model
 from lrkv_core.data import read_token_rows
-from tests.support.models import tiny_llama_dir, token_parquet
+from tests.support.models import tiny_model_dir, token_parquet
 
 
 def _lrkv(args, home, timeout=300):
@@ -28,7 +27,7 @@ def _lrkv(args, home, timeout=300):
 
 
 def test_convert_then_eval(tmp_path):
-    model_dir = tiny_llama_dir(tmp_path)
+    model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
     out = tmp_path / "out"
     res = _lrkv(
@@ -90,8 +89,7 @@ def test_bad_recipe_key_fails_with_a_message(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    gpt2 = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(gpt2)
+    gpt2 = tiny_model_dir(tmp_path, "gpt2", vocab_size=50)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=4, seq_len=16, vocab=50)}"
     res = _lrkv(
         ["convert", "--model", str(gpt2), "--dataset", data, "--n-samples", "2", "--seq-len", "16"],
@@ -108,7 +106,7 @@ def _convert_args(model_dir, data, out, *extra):
 
 
 def test_without_eval_dataset_it_evaluates_on_held_out_calibration_rows(tmp_path):
-    model_dir = tiny_llama_dir(tmp_path)
+    model_dir = tiny_model_dir(tmp_path)
     data = token_parquet(tmp_path / "data.parquet", rows=20, seq_len=32)
     out = tmp_path / "out"
     res = _lrkv(_convert_args(model_dir, f"parquet:{data}", out, "--ratio", "0.5"), tmp_path / "home")
@@ -123,7 +121,7 @@ def test_without_eval_dataset_it_evaluates_on_held_out_calibration_rows(tmp_path
 
 def test_bad_settings_fail_before_any_work(tmp_path):
     """Checks the recipe and the model's config decide run before Prefect starts: fast, one line, no --out."""
-    model_dir = tiny_llama_dir(tmp_path)  # Hkv = 2, D = 8, 2 layers
+    model_dir = tiny_model_dir(tmp_path)  # Hkv = 2, D = 8, 2 layers
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
     out = tmp_path / "out"
     cases = [
@@ -143,7 +141,7 @@ def test_bad_settings_fail_before_any_work(tmp_path):
 
 
 def test_a_failed_evaluation_leaves_no_exported_model(tmp_path):
-    model_dir = tiny_llama_dir(tmp_path)
+    model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
     short = f"parquet:{token_parquet(tmp_path / 'short.parquet', rows=2, seq_len=16)}"  # no 32-token window
     out = tmp_path / "out"
@@ -154,7 +152,7 @@ def test_a_failed_evaluation_leaves_no_exported_model(tmp_path):
 
 
 def test_eval_reports_user_errors_in_one_line(tmp_path):
-    model_dir = tiny_llama_dir(tmp_path)
+    model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=4, seq_len=32)}"
     compressed = tmp_path / "c"
     from lrkv_core import convert, save_compressed

@@ -9,7 +9,7 @@ from lrkv_core.data import eval_windows, read_token_rows
 from lrkv_flows.convert import convert_flow
 from lrkv_tasks.recipe import load_recipe
 from tests.support.inputs import full_rank_kl_bound, max_diff
-from tests.support.models import SHARED, tiny_llama_dir, token_parquet
+from tests.support.models import SHARED, tiny_model_dir, token_parquet
 
 
 def _recipe(model, data, store, out, mlflow_uri, ratio=1.0, group_size=2, **extra):
@@ -35,7 +35,7 @@ def _recipe(model, data, store, out, mlflow_uri, ratio=1.0, group_size=2, **extr
 
 
 def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_server, tmp_path):
-    model_dir = tiny_llama_dir(tmp_path)
+    model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
     recipe = _recipe(model_dir, data, tmp_path / "store", tmp_path / "out", mlflow_server)
 

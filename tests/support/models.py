@@ -1,4 +1,17 @@
-"""Tiny model directories on disk for task and flow tests (built from configs, never downloaded)."""
+"""The one factory of tiny random models for every test (built from configs, never downloaded).
+
+Every architecture shares one shape: vocabulary 61, d = 32, 2 layers, H = 4 query heads of D = 8, GQA with 2
+KV heads unless asked otherwise (OPT is MHA), weights drawn large enough (std 0.2) that predictions depend on
+the context. Architecture differences:
+
+- ``llama``, ``mistral``: no attention biases (pass ``sliding_window=SLIDING_WINDOW`` for a windowed Mistral);
+- ``qwen2``: q/k/v biases; layer 1 slides over ``SLIDING_WINDOW`` tokens (``max_window_layers=1``);
+- ``opt``: no RoPE (learned positions), biases everywhere, MHA;
+- ``gpt2``: an architecture lrkv does not support (for the refusal tests).
+
+Attention biases are drawn at random (std 0.5; transformers initialises them to zero), so a fusion that
+mishandles them fails.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +19,107 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
+from lrkv_core.adapters import get_adapter
 from lrkv_core.data import write_token_rows
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 
+SLIDING_WINDOW = (
+    6  # Qwen2's layer 1 (and a Mistral given it) slides over 6 tokens, fewer than the test inputs
+)
+PARQUET_VOCAB = 64  # token ids of token_parquet's rows, and the vocabulary of a saved tiny model by default
 
-def tiny_llama_dir(root: Path, *, n_kv_heads: int = 2, seed: int = 0) -> Path:
-    """A saved 2-layer GQA Llama (no tokenizer) at ``root / 'tiny-llama'``."""
+_TOKENS = dict(vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_DECODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+_LLAMA_LIKE = _TOKENS | _DECODER | dict(intermediate_size=48, head_dim=8, initializer_range=0.2)
+_ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM, _LLAMA_LIKE),
+    "mistral": (MistralConfig, MistralForCausalLM, _LLAMA_LIKE),
+    "qwen2": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        _LLAMA_LIKE | dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1),
+    ),
+    "opt": (
+        OPTConfig,
+        OPTForCausalLM,
+        _TOKENS | _DECODER | dict(ffn_dim=48, word_embed_proj_dim=32, init_std=0.2),
+    ),
+    "gpt2": (GPT2Config, GPT2LMHeadModel, _TOKENS | dict(n_embd=32, n_layer=2, n_head=4, n_positions=128)),
+}
+MHA_ONLY = ("opt", "gpt2")  # no num_key_value_heads: KV heads = query heads
+UNSUPPORTED = ("gpt2",)
+ARCHS = tuple(_ARCHS)
+
+
+def tiny_config(arch: str = "llama", n_kv_heads: int | None = None, **overrides) -> PretrainedConfig:
+    """The config of :func:`tiny_model` (``n_kv_heads`` defaults to 2, or H for MHA-only architectures)."""
+    cfg_cls, _, kwargs = _ARCHS[arch]
+    if arch in MHA_ONLY:
+        if n_kv_heads not in (None, 4):
+            raise ValueError(f"{arch} is MHA: it has 4 KV heads, not {n_kv_heads}")
+    else:
+        kwargs = kwargs | {"num_key_value_heads": 2 if n_kv_heads is None else n_kv_heads}
+    return cfg_cls(**(kwargs | overrides))
+
+
+def tiny_model(
+    arch: str = "llama", n_kv_heads: int | None = None, seed: int = 0, **overrides
+) -> PreTrainedModel:
+    """A fresh 2-layer random model in eval mode, with random attention biases where it has biases.
+
+    ``overrides`` are config fields (``sliding_window=SLIDING_WINDOW``, ``vocab_size=97``, ...).
+    """
+    config = tiny_config(arch, n_kv_heads, **overrides)
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=n_kv_heads,
-        head_dim=8,
-        max_position_embeddings=128,
-        initializer_range=0.2,
-    )
-    out = root / "tiny-llama"
-    LlamaForCausalLM(config).save_pretrained(out)
+    model = _ARCHS[arch][1](config)
+    if arch in UNSUPPORTED:
+        return model.eval()
+    adapter = get_adapter(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for i in range(config.num_hidden_layers):
+            for proj in "qkvo":
+                bias = getattr(adapter.attention(model, i), getattr(adapter, f"{proj}_name")).bias
+                if bias is not None:
+                    bias.copy_(0.5 * torch.randn(bias.shape, generator=gen))
+    return model.eval()
+
+
+def tiny_model_dir(
+    root: Path,
+    arch: str = "llama",
+    n_kv_heads: int | None = None,
+    seed: int = 0,
+    *,
+    name: str | None = None,
+    vocab_size: int = PARQUET_VOCAB,
+    **overrides,
+) -> Path:
+    """:func:`tiny_model` saved (no tokenizer) at ``root / name`` (default ``tiny-<arch>``).
+
+    Its vocabulary defaults to :data:`PARQUET_VOCAB`, the ids :func:`token_parquet` writes.
+    """
+    out = root / (name or f"tiny-{arch}")
+    tiny_model(arch, n_kv_heads, seed, vocab_size=vocab_size, **overrides).save_pretrained(out)
     return out
 
 
-def token_parquet(path: Path, *, rows: int, seq_len: int, vocab: int = 64, seed: int = 0) -> Path:
+def token_parquet(path: Path, *, rows: int, seq_len: int, vocab: int = PARQUET_VOCAB, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     return write_token_rows(rng.integers(3, vocab, size=(rows, seq_len)).astype(np.int32), path)

@@ -11,13 +11,13 @@ from lrkv_core.fingerprint import hash_sources
 from lrkv_tasks import convert as t
 from lrkv_tasks.keys import code_version
 from lrkv_tasks.refs import ArtifactRef
-from tests.support.models import tiny_llama_dir, token_parquet
+from tests.support.models import tiny_model_dir, token_parquet
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("tasks")
-    model_dir = tiny_llama_dir(root)
+    model_dir = tiny_model_dir(root)
     data = token_parquet(root / "calib.parquet", rows=12, seq_len=32)
     return {"root": root, "model_dir": model_dir, "data": f"parquet:{data}", "store": str(root / "store")}
 

@@ -1,0 +1,35 @@
+"""The latent KV cache: a storage strategy (registered in :data:`CACHE_STORAGES`) × a window policy per layer.
+
+- :mod:`.storage`: :class:`CacheStorage` (a strategy's registered config), :class:`LatentStore` (its mutable
+  per-layer store, generic per-token operations written once), :class:`LatentView` (what attention reads);
+- :mod:`.window`: :class:`FullWindow`, :class:`SlidingWindow`;
+- :mod:`.layer`: :class:`LatentLayer`, one store × one window behind transformers' cache-layer API;
+- :mod:`.latent_cache`: :class:`LatentCache` (``from_config`` reads ranks and storage from ``config.lrkv``)
+  and :func:`cache_nbytes`.
+
+A new storage strategy is one module beside :mod:`.dense` (a ``LatentStore`` subclass with ``encode`` and
+``decode``, and a ``@CACHE_STORAGES.register``-ed ``CacheStorage`` making it) plus its import line below.
+"""
+
+# storage strategies: importing a strategy's module registers it
+from . import dense  # noqa: F401
+from .dense import DenseStorage, DenseStore
+from .latent_cache import LatentCache, cache_nbytes
+from .layer import LatentLayer
+from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView, split_groups
+from .window import FullWindow, SlidingWindow
+
+__all__ = [
+    "CACHE_STORAGES",
+    "CacheStorage",
+    "DenseStorage",
+    "DenseStore",
+    "FullWindow",
+    "LatentCache",
+    "LatentLayer",
+    "LatentStore",
+    "LatentView",
+    "SlidingWindow",
+    "cache_nbytes",
+    "split_groups",
+]

@@ -1,0 +1,111 @@
+"""The transformers ``Cache`` of an lrkv-compressed model, and the bytes a cache really holds.
+
+Per layer the cache holds whatever its storage strategy keeps for every past token (``dense``: the key latents
+H_k = x A_kᵀ (B, S, R_k), *before* RoPE, and the value latents H_v = x A_vᵀ (B, S, R_v)), plus, for RoPE
+models, the (B, S) int32 position ids, so RoPE can be applied to rebuilt keys at any later step (left padding
+gives rows different positions; they come from the cache, never from ``arange``). Models without RoPE (OPT)
+append latents without positions and their layers hold none.
+
+``LatentCache`` subclasses ``DynamicCache``, so everything ``generate()`` does with a cache (beam reordering,
+cropping, batch expansion) goes through the same methods. Layers that the model's config makes sliding-window
+layers (Mistral, Qwen2's ``layer_types``) keep only the last ``window − 1`` tokens, exactly as transformers'
+``DynamicSlidingWindowLayer`` does for the original model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+
+from .layer import LatentLayer
+from .storage import CACHE_STORAGES, CacheStorage, LatentView
+
+
+class LatentCache(DynamicCache):
+    """Cache for an lrkv-compressed model: one :class:`LatentLayer` per decoder layer.
+
+    Parameters
+    ----------
+    num_layers : number of decoder layers.
+    sliding_windows : per layer, the sliding window or None (every token kept); default: no sliding layers.
+    ranks_k, ranks_v : per layer, the per-group ranks (as in the ``lrkv`` section); default: each layer learns
+        them from its first update (the latent attentions pass their layout).
+    storage : the storage strategy of every layer: a registered name, ``{"name": ..., **options}`` or a
+        :class:`CacheStorage`; default ``"dense"``.
+
+    :meth:`from_config` reads all of these off a compressed model's config.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        sliding_windows: Sequence[int | None] | None = None,
+        *,
+        ranks_k: Sequence[Sequence[int]] | None = None,
+        ranks_v: Sequence[Sequence[int]] | None = None,
+        storage: str | dict | CacheStorage = "dense",
+    ) -> None:
+        windows = list(sliding_windows) if sliding_windows is not None else [None] * num_layers
+        if len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} sliding windows for {num_layers} layers")
+        if (ranks_k is None) != (ranks_v is None):
+            raise ValueError("give both ranks_k and ranks_v, or neither")
+        if ranks_k is not None and not len(ranks_k) == len(ranks_v) == num_layers:
+            raise ValueError(f"ranks for {len(ranks_k)}/{len(ranks_v)} layers, the cache has {num_layers}")
+        self.storage = CACHE_STORAGES.create(storage)
+        ranks = zip(ranks_k, ranks_v) if ranks_k is not None else [(None, None)] * num_layers
+        layers = [LatentLayer(self.storage, w, rk, rv) for w, (rk, rv) in zip(windows, ranks)]
+        Cache.__init__(self, layers=layers)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> LatentCache:
+        """The layers transformers' ``DynamicCache(config=...)`` would make, as latent layers.
+
+        The ranks and the storage come from the ``lrkv`` section (``ranks_k``, ``ranks_v``, and ``cache``:
+        ``{"name": ..., **options}``, dense when absent, as in models saved before storages existed). A config
+        without the section gives layers that learn their ranks from their first update.
+        """
+        decoder = config.get_text_config(decoder=True)
+        types, per_layer = get_layer_types_and_kwargs(decoder)
+        windows = [
+            kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, per_layer)
+        ]
+        section = getattr(config, "lrkv", None) or getattr(decoder, "lrkv", None) or {}
+        return cls(
+            decoder.num_hidden_layers,
+            windows,
+            ranks_k=section.get("ranks_k"),
+            ranks_v=section.get("ranks_v"),
+            storage=section.get("cache", "dense"),
+        )
+
+    def update_latents(
+        self,
+        h_k: torch.Tensor,
+        h_v: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        layer_idx: int,
+        ranks: tuple[Sequence[int], Sequence[int]] | None = None,
+    ) -> LatentView:
+        """Store layer ``layer_idx``'s new latents (B, T, R); the view attention reads (see
+        :meth:`LatentLayer.update_latents`)."""
+        return self.layers[layer_idx].update_latents(h_k, h_v, position_ids, ranks)
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes of every tensor a cache holds, over all layers (latent parts, positions, scales, ...).
+
+    Latent layers report their tensors (:meth:`LatentLayer.tensors`); other layers (a ``DynamicCache``'s) are
+    scanned for tensor attributes (keys, values, a sliding window's scalar).
+    """
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, LatentLayer):
+            tensors = layer.tensors()
+        else:
+            tensors = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
