@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 import yaml
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+
+from .report import console, print_eval, print_summary, rich_progress
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Low-rank KV-cache compression (Palu and friends)."
 )
-console = Console()
 # what a user error looks like: one line, no traceback (FileExistsError/FileNotFoundError are OSErrors)
 USER_ERRORS = (ValueError, OSError, KeyError)
 
@@ -35,10 +32,33 @@ def _registries():
 
 
 DECOMPOSITIONS, ALLOCATORS = _registries()
+DATASET_FORMS = (
+    "hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH | builtin:NAME:SPLIT, each optionally [A%:B%]"
+)
+
+# options shared by the commands
+ModelOption = Annotated[Optional[str], typer.Option(help="hub id, local dir or builtin:NAME")]
+DatasetOption = Annotated[
+    Optional[str],
+    typer.Option(help=f"calibration data: {DATASET_FORMS}; default: WikiText-2 (builtin models: their own)"),
+]
+EvalDatasetOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="evaluation data (same forms); default: the held-out part of the calibration data; 'none' skips"
+    ),
+]
+VerboseOption = Annotated[bool, typer.Option(help="show Prefect's logs")]
+
+
+def _set_option(example: str):
+    return Annotated[
+        Optional[list[str]], typer.Option("--set", help=f"recipe override, e.g. --set {example}")
+    ]
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(message)}")
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -52,6 +72,14 @@ def _parse_set(values: list[str]) -> dict:
     return out
 
 
+def _overrides(flags: dict, eval_key: str) -> dict:
+    """The flags the user gave, as recipe overrides; ``--eval-dataset none`` turns evaluation off."""
+    out = {k: v for k, v in flags.items() if v is not None}
+    if out.get(eval_key) == "none":
+        out[eval_key] = None
+    return out
+
+
 def _configure_prefect(store_root: Path, verbose: bool) -> None:
     """Settings Prefect reads at start-up; set before it is imported, and only where the user has not."""
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(store_root / "prefect-results"))
@@ -59,53 +87,16 @@ def _configure_prefect(store_root: Path, verbose: bool) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-
-
-@contextmanager
-def _rich_progress():
-    from lrkv_tasks.progress import set_reporter
-
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
-
-        @contextmanager
-        def factory(description: str):
-            tid = progress.add_task(description, total=None)
-
-            def advance(done: int, total: int) -> None:
-                progress.update(tid, completed=done, total=total)
-
-            yield advance
-
-        set_reporter(factory)
-        try:
-            yield
-        finally:
-            set_reporter(None)
+    if not verbose:  # the CLI shows progress and reports failures itself; run logs still reach the API
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 
 
 @app.command()
 def convert(
     recipe: Annotated[Optional[Path], typer.Option(help="YAML recipe (strict: unknown keys fail)")] = None,
-    model: Annotated[Optional[str], typer.Option(help="hub id, local dir or builtin:NAME")] = None,
-    dataset: Annotated[
-        Optional[str], typer.Option(help="calibration: hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH")
-    ] = None,
-    eval_dataset: Annotated[
-        Optional[str],
-        typer.Option(
-            help="evaluation dataset (same forms); default: the held-out part of the calibration data; "
-            "'none' skips evaluation"
-        ),
-    ] = None,
+    model: ModelOption = None,
+    dataset: DatasetOption = None,
+    eval_dataset: EvalDatasetOption = None,
     ratio: Annotated[
         Optional[float], typer.Option(help="compressed KV width / original (0.5 halves the cache)")
     ] = None,
@@ -130,10 +121,8 @@ def convert(
     mlflow_uri: Annotated[
         Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
     ] = None,
-    set_: Annotated[
-        Optional[list[str]], typer.Option("--set", help="recipe override, e.g. --set eval.max_windows=8")
-    ] = None,
-    verbose: Annotated[bool, typer.Option(help="show Prefect's logs")] = False,
+    set_: _set_option("eval.max_windows=8") = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
     from lrkv_tasks.recipe import load_recipe, recipe_yaml
@@ -153,18 +142,16 @@ def convert(
         "out": str(out) if out else None,
         "store": str(store) if store else None,
         "tracking.mlflow_uri": mlflow_uri,
-        "eval.dataset": None if eval_dataset == "none" else eval_dataset,
+        "eval.dataset": eval_dataset,
     }
-    overrides = {
-        k: v for k, v in flags.items() if v is not None or (k == "eval.dataset" and eval_dataset == "none")
-    }
+    overrides = _overrides(flags, "eval.dataset")
     if seq_len is not None:
         overrides.setdefault("eval.decode_prefix", seq_len // 2)
     overrides.update(_parse_set(set_ or []))
     try:
         rec = load_recipe(recipe, overrides)
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
-        console.print(f"[red]invalid recipe:[/red] {escape(str(e))}")
+        console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
     _configure_prefect(LocalStore(rec.store).root, verbose)
     try:
@@ -174,17 +161,17 @@ def convert(
         prepared = prepare(rec)  # everything cheap is checked before Prefect starts
     except USER_ERRORS as e:
         raise _fail(str(e)) from None
-    console.print("[bold]recipe[/bold]\n" + recipe_yaml(prepared.recipe))
+    console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)
     for note in prepared.notes:
-        console.print(f"[cyan]note:[/cyan] {escape(note)}")
+        console.print(f"[cyan]note:[/cyan] {escape(note)}", soft_wrap=True)
     from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
 
     try:
-        with _rich_progress():
+        with rich_progress():
             result = convert_flow(prepared.recipe)
     except USER_ERRORS as e:
         raise _fail(str(e)) from None
-    _print_summary(result)
+    print_summary(result)
 
 
 def _group_size(value: str | None) -> int | str | None:
@@ -203,50 +190,9 @@ def _build_builtin(model_ref: str) -> None:
     from lrkv_demo.builtin import ensure_builtin_model
     from lrkv_tasks.progress import step
 
-    with _rich_progress(), step(f"{model_ref} (built on first use)") as advance:
+    with rich_progress(), step(f"{model_ref} (built on first use)") as advance:
         name = model_ref.split(":", 1)[1]
         ensure_builtin_model(name, progress=lambda done, total, _loss: advance(done, total))
-
-
-def _print_summary(result: dict) -> None:
-    steps = Table(title="tasks")
-    for col in ("task", "state", "seconds"):
-        steps.add_column(col)
-    for row in result["timings"]:
-        seconds = "—" if row["seconds"] is None else f"{row['seconds']:.2f}"
-        steps.add_row(escape(row["task"]), row["state"], seconds)
-    console.print(steps)
-    table = Table(title="result")
-    table.add_column("metric")
-    table.add_column("base", justify="right")
-    table.add_column("compressed", justify="right")
-    base, comp = result["eval"]["base"], result["eval"]["compressed"]
-    if base and comp:
-        for name, key in (
-            ("prefill ppl", ("prefill", "ppl")),
-            ("decode ppl", ("decode", "ppl")),
-            ("KV bytes/token", ("kv", "kv_bytes_per_token")),
-        ):
-            table.add_row(name, f"{base[key[0]][key[1]]:.4f}", f"{comp[key[0]][key[1]]:.4f}")
-        if "kl" in comp:
-            table.add_row("KL(base ‖ compressed) nats/token", "0", f"{comp['kl']['kl']:.5f}")
-            table.add_row("top-1 agreement", "1", f"{comp['kl']['top1_agreement']:.4f}")
-        for task_name, metrics in comp.get("zeroshot", {}).get("results", {}).items():
-            for metric, value in metrics.items():
-                base_value = base["zeroshot"]["results"][task_name][metric]
-                table.add_row(f"{task_name} {metric}", f"{base_value:.4f}", f"{value:.4f}")
-        ratio = comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"]
-        table.add_row("KV bytes ratio (measured)", "1", f"{ratio:.4f}")
-    plan = result["plan"].meta
-    table.add_row(
-        "KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}"
-    )
-    console.print(table)
-    console.print(f"compressed model: {result['compressed'].uri}")
-    if result["exported"]:
-        console.print(f"exported to: {result['exported'].uri}")
-    run = result["mlflow"]
-    console.print(f"MLflow run {run['run_id']} (experiment {run['experiment_id']}) at {run['tracking_uri']}")
 
 
 def _csv(value: str | None, cast=str) -> list | None:
@@ -258,9 +204,9 @@ def ablate(
     recipe: Annotated[
         Optional[Path], typer.Option(help="YAML ablation recipe: base (a convert recipe) + grid")
     ] = None,
-    model: Annotated[Optional[str], typer.Option(help="hub id, local dir or builtin:NAME")] = None,
-    dataset: Annotated[Optional[str], typer.Option(help="calibration dataset")] = None,
-    eval_dataset: Annotated[Optional[str], typer.Option(help="evaluation dataset")] = None,
+    model: ModelOption = None,
+    dataset: DatasetOption = None,
+    eval_dataset: EvalDatasetOption = None,
     decompositions: Annotated[
         Optional[str], typer.Option(help=f"comma list of {_choices(DECOMPOSITIONS)}")
     ] = None,
@@ -268,10 +214,8 @@ def ablate(
     allocators: Annotated[Optional[str], typer.Option(help=f"comma list of {_choices(ALLOCATORS)}")] = None,
     ratios: Annotated[Optional[str], typer.Option(help="comma list, e.g. 0.7,0.5,0.3")] = None,
     out_dir: Annotated[Optional[Path], typer.Option(help="write ablation.csv/.md/.png here")] = None,
-    set_: Annotated[
-        Optional[list[str]], typer.Option("--set", help="override, e.g. --set base.eval.max_windows=8")
-    ] = None,
-    verbose: Annotated[bool, typer.Option(help="show Prefect's logs")] = False,
+    set_: _set_option("base.eval.max_windows=8") = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
     from lrkv_tasks.recipe import AblateRecipe, apply_overrides, read_yaml
@@ -286,11 +230,11 @@ def ablate(
         "allocators": _csv(allocators),
         "ratios": _csv(ratios, float),
     }
-    overrides = {k: v for k, v in flags.items() if v is not None} | _parse_set(set_ or [])
+    overrides = _overrides(flags, "base.eval.dataset") | _parse_set(set_ or [])
     try:
         rec = AblateRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
     except (ValueError, OSError, yaml.YAMLError) as e:
-        console.print(f"[red]invalid recipe:[/red] {escape(str(e))}")
+        console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
     _configure_prefect(LocalStore(rec.base.store).root, verbose)
     try:
@@ -299,7 +243,7 @@ def ablate(
         raise _fail(str(e)) from None
     from lrkv_flows.ablate import ablate_flow
 
-    with _rich_progress():
+    with rich_progress():
         result = ablate_flow(rec, str(out_dir) if out_dir else None)
     console.print(result["markdown"])
     run = result["mlflow"]
@@ -309,9 +253,7 @@ def ablate(
 @app.command("eval")
 def eval_cmd(
     model_dir: Annotated[str, typer.Argument(help="compressed model dir (or any supported model)")],
-    dataset: Annotated[
-        str, typer.Option(help="hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH | builtin:NAME:SPLIT")
-    ],
+    dataset: Annotated[str, typer.Option(help=DATASET_FORMS)],
     seq_len: int = 256,
     max_windows: Optional[int] = None,
     decode_prefix: Optional[int] = None,
@@ -333,7 +275,7 @@ def eval_cmd(
         if tasks:
             from lrkv_tasks.zeroshot import run_zeroshot
 
-            with _rich_progress(), _step("zero-shot tasks"):
+            with rich_progress(), _step("zero-shot tasks"):
                 res["zeroshot"] = run_zeroshot(
                     model_dir,
                     _csv(tasks),
@@ -343,7 +285,7 @@ def eval_cmd(
                 )
     except USER_ERRORS as e:
         raise _fail(str(e)) from None
-    _print_eval(model_dir, res)
+    print_eval(model_dir, res)
     text = json.dumps(res, indent=2)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -366,7 +308,7 @@ def _evaluate(
 
     if decode_prefix is not None and not 0 < decode_prefix < seq_len:
         raise ValueError(f"--decode-prefix {decode_prefix} must be inside the window (1..{seq_len - 1})")
-    with _rich_progress(), _step("evaluate") as advance:
+    with rich_progress(), _step("evaluate") as advance:
         return evaluate_dir(
             model_dir,
             dataset,
@@ -378,26 +320,6 @@ def _evaluate(
             base_dir=base,
             progress=advance,
         )
-
-
-def _print_eval(model_dir: str, res: dict) -> None:
-    table = Table(title=f"eval {model_dir}")
-    for col in ("measure", "nll", "ppl", "tokens"):
-        table.add_column(col)
-    for name in ("prefill", "decode"):
-        r = res[name]
-        table.add_row(name, f"{r['nll']:.4f}", f"{r['ppl']:.4f}", str(r["tokens"]))
-    console.print(table)
-    console.print(
-        f"KV bytes/token (measured, {res['kv']['cache_class']}): {res['kv']['kv_bytes_per_token']:.1f}"
-    )
-    if "kl" in res:
-        kl = res["kl"]
-        console.print(
-            f"KL(base ‖ model): {kl['kl']:.5f} nats/token; top-1 agreement {kl['top1_agreement']:.4f}"
-        )
-    for task_name, metrics in res.get("zeroshot", {}).get("results", {}).items():
-        console.print(f"{task_name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 import torch
 from datasets import load_dataset
 
+from lrkv_core.files import make_readable
 from lrkv_core.fingerprint import hash_bytes, hash_json
 from lrkv_core.heldout import check_dataset, heldout
 from lrkv_core.refs import SPEC_FORMS, DatasetSpec, parse_dataset_spec, resolve_spec
@@ -168,6 +169,7 @@ def write_token_rows(rows: np.ndarray, out_path: str | Path) -> Path:
     os.close(fd)
     try:
         pq.write_table(table, tmp)
+        make_readable(tmp)  # mkstemp's file is private
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -88,6 +88,16 @@ class Registry(Generic[M]):
             raise ValueError(f"unknown {self.kind} {name!r}; choose from {', '.join(self._classes)}")
         return self._classes[name]
 
+    def resolve(self, spec: str | Mapping[str, Any]) -> tuple[type[M], dict[str, Any]]:
+        """The class a name or recipe form ``{"name": ..., **options}`` names, and the options given."""
+        if isinstance(spec, str):
+            spec = {"name": spec}
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+            raise ValueError(
+                f"a {self.kind} is one of {self.names()} or a mapping with a 'name' key, got {spec!r}"
+            )
+        return self.get(spec["name"]), {k: v for k, v in spec.items() if k != "name"}
+
     def create(self, spec: str | Mapping[str, Any] | M) -> M:
         """A method from its name, its recipe form ``{"name": ..., **options}``, or an instance (returned).
 
@@ -96,12 +106,7 @@ class Registry(Generic[M]):
         """
         if isinstance(spec, self.base):
             return spec
-        if isinstance(spec, str):
-            spec = {"name": spec}
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
-            raise ValueError(f"a {self.kind} is a name or a mapping with a 'name' key, got {spec!r}")
-        cls = self.get(spec["name"])
-        options = {k: v for k, v in spec.items() if k != "name"}
+        cls, options = self.resolve(spec)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:

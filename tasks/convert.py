@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,16 @@ CACHED = {"persist_result": True, "cache_expiration": None, "on_completion": [_n
 
 def _stats(stats: dict[str, ArtifactRef]) -> dict[str, str]:
     return {name: ref.uri for name, ref in stats.items()}
+
+
+def _stored(store: str, kind: str, folder: str, suffix: str, make: Callable[[str], dict]) -> ArtifactRef:
+    """Run ``make(path)`` (one core call writing one file or directory at ``path``), then move what it
+    wrote into the store under its content hash; the reference carries the metadata ``make`` returned."""
+    st = LocalStore(store)
+    with st.staging(suffix) as tmp:
+        meta = make(str(tmp))
+        path, digest = st.put(tmp, folder)
+    return ArtifactRef(kind=kind, uri=path, sha256=digest, meta=meta)
 
 
 @task(name="resolve_model", cache_key_fn=resolve_key, **CACHED)
@@ -92,13 +103,16 @@ def collect_statistic(
     model: ArtifactRef, calib: ArtifactRef, statistic: dict, dtype: str, batch_size: int, store: str
 ) -> ArtifactRef:
     """One calibration statistic of every layer (Gram, Fisher, ...)."""
-    st = LocalStore(store)
-    with st.staging(".safetensors") as tmp, step(f"collect {statistic['name']}") as advance:
-        meta = pipeline.statistic_file(
-            model.uri, calib.uri, statistic, str(tmp), dtype=dtype, batch_size=batch_size, progress=advance
+    with step(f"collect {statistic['name']}") as advance:
+        return _stored(
+            store,
+            "statistic",
+            "statistics",
+            ".safetensors",
+            lambda out: pipeline.statistic_file(
+                model.uri, calib.uri, statistic, out, dtype=dtype, batch_size=batch_size, progress=advance
+            ),
         )
-        path, digest = st.put(tmp, "statistics")
-    return ArtifactRef(kind="statistic", uri=path, sha256=digest, meta=meta)
 
 
 @task(name="decompose_layer", cache_key_fn=task_key, **CACHED)
@@ -111,13 +125,15 @@ def decompose_layer(
     store: str,
 ) -> ArtifactRef:
     """Full-spectrum factors of one layer's K and V, per group of KV heads."""
-    st = LocalStore(store)
-    with st.staging(".safetensors") as tmp:
-        meta = pipeline.decompose_file(
-            model.uri, _stats(stats), layer, str(tmp), group_size=group_size, decomposition=decomposition
-        )
-        path, digest = st.put(tmp, "factors")
-    return ArtifactRef(kind="factors", uri=path, sha256=digest, meta=meta)
+    return _stored(
+        store,
+        "factors",
+        "factors",
+        ".safetensors",
+        lambda out: pipeline.decompose_file(
+            model.uri, _stats(stats), layer, out, group_size=group_size, decomposition=decomposition
+        ),
+    )
 
 
 @task(name="summarize_layer", cache_key_fn=task_key, **CACHED)
@@ -125,11 +141,13 @@ def summarize_layer(
     factors: ArtifactRef, stats: dict[str, ArtifactRef], features: list[str], store: str
 ) -> ArtifactRef:
     """The layer's spectra and the features the allocator reads (planning never loads factors)."""
-    st = LocalStore(store)
-    with st.staging(".safetensors") as tmp:
-        meta = pipeline.summarize_file(factors.uri, _stats(stats), str(tmp), features=features)
-        path, digest = st.put(tmp, "summaries")
-    return ArtifactRef(kind="summary", uri=path, sha256=digest, meta=meta)
+    return _stored(
+        store,
+        "summary",
+        "summaries",
+        ".safetensors",
+        lambda out: pipeline.summarize_file(factors.uri, _stats(stats), out, features=features),
+    )
 
 
 @task(name="plan_ranks", cache_key_fn=task_key, **CACHED)
@@ -147,23 +165,28 @@ def plan_ranks(
 
     from .plots import plot_rank_heatmap
 
-    st = LocalStore(store)
-    with st.staging(".json") as tmp:
-        meta = pipeline.plan_file(
+    plan = _stored(
+        store,
+        "plan",
+        "plans",
+        ".json",
+        lambda out: pipeline.plan_file(
             model.uri,
             [s.uri for s in summaries],
-            str(tmp),
+            out,
             ratio=ratio,
             group_size=group_size,
             rank_multiple=rank_multiple,
             allocator=allocator,
-        )
-        plan = RankPlan.load(tmp)
-        path, digest = st.put(tmp, "plans")
-    with st.staging(".png") as png:
-        plot_rank_heatmap(plan, png)
-        meta["heatmap"], _ = st.put(png, "plans")
-    return ArtifactRef(kind="plan", uri=path, sha256=digest, meta=meta)
+        ),
+    )
+
+    def draw(out: str) -> dict:
+        plot_rank_heatmap(RankPlan.load(plan.uri), out)
+        return {"plan": plan.sha256}
+
+    heatmap = _stored(store, "figure", "plans", ".png", draw)
+    return plan.model_copy(update={"meta": plan.meta | {"heatmap": heatmap.uri}})
 
 
 @task(name="build_model", cache_key_fn=task_key, **CACHED)
@@ -177,19 +200,21 @@ def build_model(
     store: str,
 ) -> ArtifactRef:
     """Fuse factors into the model and save the compressed model directory."""
-    st = LocalStore(store)
-    with st.staging() as tmp:
-        meta = pipeline.build_file(
+    return _stored(
+        store,
+        "model",
+        "models",
+        "",
+        lambda out: pipeline.build_file(
             model.uri,
             [f.uri for f in layers],
             plan.uri,
-            str(tmp),
+            out,
             decomposition=decomposition,
             cache=cache,
             dtype=dtype,
-        )
-        path, digest = st.put(tmp, "models")
-    return ArtifactRef(kind="model", uri=path, sha256=digest, meta=meta)
+        ),
+    )
 
 
 def export_is_current(built: ArtifactRef, out: str) -> bool:

@@ -9,7 +9,6 @@ types fail) by pydantic from the method's own dataclass. It serialises to the re
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, TypeAdapter, ValidationError
@@ -33,12 +32,7 @@ class RegisteredMethod:
         registry = self.registry
         if isinstance(value, registry.base):
             return value
-        if isinstance(value, str):
-            value = {"name": value}
-        if not isinstance(value, Mapping) or not isinstance(value.get("name"), str):
-            raise ValueError(f"a {registry.kind} is one of {registry.names()} or a mapping with a 'name' key")
-        cls = registry.get(value["name"])  # unknown names list the registered ones
-        options = {k: v for k, v in value.items() if k != "name"}
+        cls, options = registry.resolve(value)  # unknown names list the registered ones
         try:
             return _adapter(cls).validate_python(options)
         except ValidationError as err:

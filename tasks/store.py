@@ -13,6 +13,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from lrkv_core.files import make_tree_readable
 from lrkv_core.fingerprint import hash_dir, hash_file
 from lrkv_core.paths import lrkv_home
 
@@ -45,6 +46,7 @@ class LocalStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists():
             return str(final), digest
+        make_tree_readable(staged)  # staging uses private temp names (0600/0700): published ones are not
         try:
             os.replace(staged, final)
         except OSError:

@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
+from ..format import LrkvFormat
 from .layer import LatentLayer
 from .storage import CACHE_STORAGES, CacheStorage, LatentView
 
@@ -73,13 +74,12 @@ class LatentCache(DynamicCache):
         windows = [
             kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, per_layer)
         ]
-        section = getattr(config, "lrkv", None) or getattr(decoder, "lrkv", None) or {}
+        section = getattr(config, "lrkv", None) or getattr(decoder, "lrkv", None)
+        if not section:
+            return cls(decoder.num_hidden_layers, windows)
+        fmt = LrkvFormat.from_dict(section)  # the model-format section (older formats migrated)
         return cls(
-            decoder.num_hidden_layers,
-            windows,
-            ranks_k=section.get("ranks_k"),
-            ranks_v=section.get("ranks_v"),
-            storage=section.get("cache", "dense"),
+            decoder.num_hidden_layers, windows, ranks_k=fmt.ranks_k, ranks_v=fmt.ranks_v, storage=fmt.cache
         )
 
     def update_latents(

@@ -1,0 +1,104 @@
+"""What the ``lrkv`` commands show: rich progress bars for long steps, and the result tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+
+
+@contextmanager
+def rich_progress() -> Iterator[None]:
+    """Show every ``lrkv_tasks.progress.step`` of the block as a rich progress bar."""
+    from lrkv_tasks.progress import set_reporter
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+
+        @contextmanager
+        def factory(description: str):
+            tid = progress.add_task(description, total=None)
+
+            def advance(done: int, total: int) -> None:
+                progress.update(tid, completed=done, total=total)
+
+            yield advance
+
+        set_reporter(factory)
+        try:
+            yield
+        finally:
+            set_reporter(None)
+
+
+def print_summary(result: dict) -> None:
+    steps = Table(title="tasks")
+    for col in ("task", "state", "seconds"):
+        steps.add_column(col)
+    for row in result["timings"]:
+        seconds = "—" if row["seconds"] is None else f"{row['seconds']:.2f}"
+        steps.add_row(escape(row["task"]), row["state"], seconds)
+    console.print(steps)
+    table = Table(title="result")
+    table.add_column("metric")
+    table.add_column("base", justify="right")
+    table.add_column("compressed", justify="right")
+    base, comp = result["eval"]["base"], result["eval"]["compressed"]
+    if base and comp:
+        for name, key in (
+            ("prefill ppl", ("prefill", "ppl")),
+            ("decode ppl", ("decode", "ppl")),
+            ("KV bytes/token", ("kv", "kv_bytes_per_token")),
+        ):
+            table.add_row(name, f"{base[key[0]][key[1]]:.4f}", f"{comp[key[0]][key[1]]:.4f}")
+        if "kl" in comp:
+            table.add_row("KL(base ‖ compressed) nats/token", "0", f"{comp['kl']['kl']:.5f}")
+            table.add_row("top-1 agreement", "1", f"{comp['kl']['top1_agreement']:.4f}")
+        for task_name, metrics in comp.get("zeroshot", {}).get("results", {}).items():
+            for metric, value in metrics.items():
+                base_value = base["zeroshot"]["results"][task_name][metric]
+                table.add_row(f"{task_name} {metric}", f"{base_value:.4f}", f"{value:.4f}")
+        ratio = comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"]
+        table.add_row("KV bytes ratio (measured)", "1", f"{ratio:.4f}")
+    plan = result["plan"].meta
+    table.add_row(
+        "KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}"
+    )
+    console.print(table)
+    console.print(f"compressed model: {result['compressed'].uri}")
+    if result["exported"]:
+        console.print(f"exported to: {result['exported'].uri}")
+    run = result["mlflow"]
+    console.print(f"MLflow run {run['run_id']} (experiment {run['experiment_id']}) at {run['tracking_uri']}")
+
+
+def print_eval(model_dir: str, res: dict) -> None:
+    table = Table(title=f"eval {model_dir}")
+    for col in ("measure", "nll", "ppl", "tokens"):
+        table.add_column(col)
+    for name in ("prefill", "decode"):
+        r = res[name]
+        table.add_row(name, f"{r['nll']:.4f}", f"{r['ppl']:.4f}", str(r["tokens"]))
+    console.print(table)
+    console.print(
+        f"KV bytes/token (measured, {res['kv']['cache_class']}): {res['kv']['kv_bytes_per_token']:.1f}"
+    )
+    if "kl" in res:
+        kl = res["kl"]
+        console.print(
+            f"KL(base ‖ model): {kl['kl']:.5f} nats/token; top-1 agreement {kl['top1_agreement']:.4f}"
+        )
+    for task_name, metrics in res.get("zeroshot", {}).get("results", {}).items():
+        console.print(f"{task_name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
