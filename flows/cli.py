@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -89,6 +90,7 @@ def _configure_prefect(store_root: Path, verbose: bool) -> None:
     hf_logging.disable_progress_bar()
     if not verbose:  # the CLI shows progress and reports failures itself; run logs still reach the API
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
 @app.command()

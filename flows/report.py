@@ -77,11 +77,14 @@ def print_summary(result: dict) -> None:
         "KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}"
     )
     console.print(table)
-    console.print(f"compressed model: {result['compressed'].uri}")
+    console.print(f"compressed model: {result['compressed'].uri}", soft_wrap=True)
     if result["exported"]:
-        console.print(f"exported to: {result['exported'].uri}")
+        console.print(f"exported to: {result['exported'].uri}", soft_wrap=True)
     run = result["mlflow"]
-    console.print(f"MLflow run {run['run_id']} (experiment {run['experiment_id']}) at {run['tracking_uri']}")
+    console.print(
+        f"MLflow run {run['run_id']} (experiment {run['experiment_id']}) at {run['tracking_uri']}",
+        soft_wrap=True,
+    )
 
 
 def print_eval(model_dir: str, res: dict) -> None:
