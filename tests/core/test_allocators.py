@@ -17,76 +17,22 @@ from lrkv_core.allocation import (
     plan_from_summaries,
     relative_errors,
     statistics_for,
-    summarize_layer,
 )
-from lrkv_core.allocation.features import log_condition
-from lrkv_core.convert import CompressionConfig, model_layer_weights, plan_conversion
-from lrkv_core.decompositions import decompose_layer
+from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.statistics import collect_fisher, collect_gram
-
-N_LAYERS, HKV, HEAD_DIM, GROUP_SIZE = 4, 4, 32, 2
-WIDTH = GROUP_SIZE * HEAD_DIM  # 64
-SHORT_LAYER, SHORT_RANK = 1, 56  # d < s·D: this layer's groups have only 56 directions (partial last steps)
-
-
-def _spectral_condition(spectra: list[dict]) -> list[dict]:
-    """``weight_condition`` per group: the largest log σ_max/σ_min over the groups of each layer's K or V."""
-    return [
-        {kind: [max(log_condition(s) for s in layer[kind])] * len(layer[kind]) for kind in "kv"}
-        for layer in spectra
-    ]
-
-
-def _inputs(seed: int = 0) -> dict:
-    """Synthetic spectra (geometric decay, a rate per group), Fisher sums, Fisher-weighted error curves and
-    condition numbers (read off the spectra), laid out as allocation features."""
-    gen = torch.Generator().manual_seed(seed)
-    spectra, sensitivity, curves = [], [], []
-    for layer in range(N_LAYERS):
-        n = SHORT_RANK if layer == SHORT_LAYER else WIDTH
-        entry, sens, curve = {}, {}, {}
-        for kind in "kv":
-            entry[kind], sens[kind], curve[kind] = [], [], []
-            for _ in range(HKV // GROUP_SIZE):
-                rate = 0.02 + 0.2 * torch.rand((), generator=gen, dtype=torch.float64)
-                sigma = torch.exp(-rate * torch.arange(n, dtype=torch.float64))
-                f = float(10 ** (2 * torch.rand((), generator=gen) - 1))
-                tail = torch.cat([(sigma**2).flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])
-                entry[kind].append(sigma)
-                sens[kind].append(f)
-                curve[kind].append(f * tail)
-        spectra.append(entry)
-        sensitivity.append(sens)
-        curves.append(curve)
-    features = {
-        "fisher_sums": sensitivity,
-        "error_curves": curves,
-        "weight_condition": _spectral_condition(spectra),
-    }
-    return {"spectra": spectra, "features": features}
-
-
-def _allocate(allocator, ratio: float, multiple: int, inputs: dict | None = None) -> RankPlan:
-    inputs = inputs or _inputs()
-    return allocate_ranks(
-        inputs["spectra"],
-        ratio=ratio,
-        group_size=GROUP_SIZE,
-        head_dim=HEAD_DIM,
-        rank_multiple=multiple,
-        allocator=allocator,
-        features=inputs["features"],
-    )
-
-
-def _flat(plan: RankPlan) -> list[int]:
-    return [r for layer in range(len(plan.ranks["k"])) for kind in "kv" for r in plan.ranks[kind][layer]]
-
-
-def _caps(inputs: dict) -> list[int]:
-    return [s.numel() for layer in inputs["spectra"] for kind in "kv" for s in layer[kind]]
-
+from tests.support.spectra import (
+    GROUP_SIZE,
+    HEAD_DIM,
+    HKV,
+    N_LAYERS,
+    WIDTH,
+    allocate,
+    caps,
+    flat,
+    spectral_condition,
+    synthetic_inputs,
+)
 
 MULTIPLES = (1, 8, 16, 32)
 RATIOS = (0.2, 0.35, 0.5, 0.7, 0.9, 1.0)
@@ -95,23 +41,23 @@ RATIOS = (0.2, 0.35, 0.5, 0.7, 0.9, 1.0)
 @pytest.mark.parametrize("allocator", sorted(ALLOCATORS.names()))
 @pytest.mark.parametrize("multiple", MULTIPLES)
 def test_every_allocator_meets_the_budget_within_one_rounding_step(allocator: str, multiple: int) -> None:
-    inputs = _inputs()
-    caps = _caps(inputs)
+    inputs = synthetic_inputs()
+    group_caps = caps(inputs)
     full = 2 * N_LAYERS * HKV * HEAD_DIM
     for ratio in RATIOS:
         budget = math.floor(ratio * full + 1e-9)
-        if sum(min(multiple, c) for c in caps) > budget:  # one step per group does not fit
+        if sum(min(multiple, c) for c in group_caps) > budget:  # one step per group does not fit
             with pytest.raises(ValueError, match="leaves rank 0"):
-                _allocate(allocator, ratio, multiple, inputs)
+                allocate(allocator, ratio, multiple, inputs)
             continue
-        plan = _allocate(allocator, ratio, multiple, inputs)
-        ranks = _flat(plan)
+        plan = allocate(allocator, ratio, multiple, inputs)
+        ranks = flat(plan)
         assert plan.full_width == full and plan.budget_width == budget
         assert plan.kept == sum(ranks) <= budget
         assert plan.achieved_ratio == sum(ranks) / (2 * N_LAYERS * HKV * HEAD_DIM) <= ratio
-        all_full = ranks == caps
+        all_full = ranks == group_caps
         assert budget - plan.kept < multiple or all_full, (ratio, budget, plan.kept)
-        for r, cap in zip(ranks, caps, strict=True):
+        for r, cap in zip(ranks, group_caps, strict=True):
             assert min(multiple, cap) <= r <= cap and (r % multiple == 0 or r == cap)
 
 
@@ -119,10 +65,13 @@ def test_every_allocator_meets_the_budget_within_one_rounding_step(allocator: st
 def test_allocation_is_deterministic(allocator: str, tmp_path) -> None:
     method = allocator
     if allocator == "lorc":  # a threshold between the first two layers' cumulative log κ: layer 0 is skipped
-        kappa = [sum(layer[kind][0] for kind in "kv") for layer in _inputs(3)["features"]["weight_condition"]]
+        kappa = [
+            sum(layer[kind][0] for kind in "kv")
+            for layer in synthetic_inputs(3)["features"]["weight_condition"]
+        ]
         method = {"name": "lorc", "skip_threshold": math.exp(sum(kappa) - kappa[0] / 2)}
-    a = _allocate(method, 0.45, 8, _inputs(3))
-    b = _allocate(method, 0.45, 8, _inputs(3))  # fresh tensors, same values
+    a = allocate(method, 0.45, 8, synthetic_inputs(3))
+    b = allocate(method, 0.45, 8, synthetic_inputs(3))  # fresh tensors, same values
     assert a == b and a.allocator == ALLOCATORS.create(method).to_dict() and a.allocator["name"] == allocator
     a.save(tmp_path / "a.json")
     b.save(tmp_path / "b.json")
@@ -150,7 +99,7 @@ def test_fisher_rank_is_monotone_in_the_fisher_sum(multiple: int, ratio: float) 
         ratio=ratio, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=multiple, allocator="fisher"
     )
     inputs = _equal_spectra(fisher)
-    ranks = _flat(allocate_ranks(inputs["spectra"], features=inputs["features"], **kw))
+    ranks = flat(allocate_ranks(inputs["spectra"], features=inputs["features"], **kw))
     for a in range(8):
         for b in range(8):
             if fisher[a] > fisher[b]:
@@ -158,7 +107,7 @@ def test_fisher_rank_is_monotone_in_the_fisher_sum(multiple: int, ratio: float) 
     # holding the rest equal: raising one group's Fisher never lowers its rank
     for j in range(8):
         raised = _equal_spectra([f * 4 if i == j else f for i, f in enumerate(fisher)])
-        assert _flat(allocate_ranks(raised["spectra"], features=raised["features"], **kw))[j] >= ranks[j]
+        assert flat(allocate_ranks(raised["spectra"], features=raised["features"], **kw))[j] >= ranks[j]
 
 
 def test_fisher_ranks_are_proportional_to_the_fisher_sum() -> None:
@@ -167,7 +116,7 @@ def test_fisher_ranks_are_proportional_to_the_fisher_sum() -> None:
         inputs["spectra"], features=inputs["features"], ratio=0.5, group_size=2, head_dim=32,
         rank_multiple=1, allocator="fisher",
     )  # fmt: skip
-    assert _flat(plan) == [16, 32, 48, 32, 16, 16, 64, 32] and plan.kept == 256
+    assert flat(plan) == [16, 32, 48, 32, 16, 16, 64, 32] and plan.kept == 256
     assert plan.details["lambda"] == pytest.approx(16.0)
 
 
@@ -198,110 +147,6 @@ def test_eigen_gives_faster_decaying_layers_no_more_rank(multiple: int, ratio: f
         assert all(err[r] <= eps for r in per_layer[layer])
 
 
-def test_lorc_is_progressive_and_solves_d_min() -> None:
-    gen = torch.Generator().manual_seed(5)
-    spectra = [
-        {kind: [torch.rand(WIDTH, generator=gen, dtype=torch.float64).sort(descending=True).values + 0.01] * 2
-         for kind in "kv"}
-        for _ in range(6)
-    ]  # fmt: skip
-    kw = dict(group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1, allocator="lorc")
-    kw["features"] = {"weight_condition": _spectral_condition(spectra)}
-    plan = allocate_ranks(spectra, ratio=0.6, **kw)
-    per_layer = [plan.ranks["k"][layer][0] for layer in range(6)]
-    assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] == WIDTH  # shallow layers keep more
-    flat_k, flat_v = (sum(plan.ranks[kind], []) for kind in "kv")
-    assert all(abs(a - b) <= 1 for a, b in zip(flat_k, flat_v))  # one fraction per layer, ± a leftover step
-    assert 0 < plan.details["d_min"] < 1 and plan.details["d_max"] == 1
-    cum = plan.details["log_cumulative_condition"]
-    assert cum == sorted(cum, reverse=True) and cum[-1] == pytest.approx(plan.details["log_condition"][-1])
-    low = allocate_ranks(spectra, ratio=0.2, **kw)  # below what d_min = 0 allows: d_max is lowered instead
-    assert low.details["d_min"] == 0 and 0 < low.details["d_max"] < 1
-    assert low.budget_width - low.kept < 1
-
-
-def test_lorc_skip_threshold_keeps_the_layers_above_it_in_cumulative_condition_at_full_rank() -> None:
-    """LoRC's Algorithm 1: layers whose cumulative κ̃_l exceeds the threshold (the shallow, sensitive ones)
-    are not compressed; the others follow the progressive rule among themselves."""
-    log_kappa = [(1.0, 2.0), (0.5, 0.5), (3.0, 1.0), (2.0, 2.0)]  # log κ̃ = 12, 9, 8, 4
-    condition = [{"k": [k] * 2, "v": [v] * 2} for k, v in log_kappa]
-    spectra = [{kind: [torch.ones(WIDTH, dtype=torch.float64)] * 2 for kind in "kv"} for _ in range(N_LAYERS)]
-    kw = dict(
-        group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=8, features={"weight_condition": condition}
-    )
-    lorc = {"name": "lorc", "skip_threshold": math.exp(8.5)}
-    plan = allocate_ranks(spectra, ratio=0.7, allocator=lorc, **kw)
-    assert plan.details["skipped_layers"] == [0, 1]  # κ̃ = e^12 and e^9 exceed e^8.5
-    for layer in (0, 1):
-        assert plan.ranks["k"][layer] == plan.ranks["v"][layer] == [WIDTH, WIDTH]
-    assert plan.budget_width - plan.kept < 8
-    assert all(r < WIDTH for r in plan.ranks["k"][3]) and plan.ranks["k"][2][0] >= plan.ranks["k"][3][0]
-    no_skip = allocate_ranks(spectra, ratio=0.7, allocator="lorc", **kw)
-    assert no_skip.details["skipped_layers"] == [] and no_skip.ranks != plan.ranks
-    with pytest.raises(ValueError, match=r"keeps layers \[0, 1, 2\] at full rank"):
-        allocate_ranks(spectra, ratio=0.5, allocator={"name": "lorc", "skip_threshold": math.exp(5.0)}, **kw)
-
-
-def test_lorc_follows_the_progressive_rule_in_closed_form() -> None:
-    """Given κ per layer, rank = ⌊(d_min + (1 − d_min)·n_l)·width⌋ (multiple 1), n_l = normalised log κ̃_l."""
-    log_kappa = [(1.0, 2.0), (0.5, 0.5), (3.0, 1.0), (2.0, 2.0)]  # (K, V) per layer: κ_l = e^{sum}
-    condition = [{"k": [k] * 2, "v": [v] * 2} for k, v in log_kappa]
-    spectra = _inputs()["spectra"]  # κ comes from the weights' condition numbers, not the spectra
-    plan = allocate_ranks(
-        spectra, ratio=0.6, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1, allocator="lorc",
-        features={"weight_condition": condition},
-    )  # fmt: skip
-    per_layer = [k + v for k, v in log_kappa]
-    cumulative = [sum(per_layer[layer:]) for layer in range(N_LAYERS)]  # 12, 9, 8, 4
-    assert (
-        plan.details["log_condition"] == per_layer and plan.details["log_cumulative_condition"] == cumulative
-    )
-    norm = [(c - min(cumulative)) / (max(cumulative) - min(cumulative)) for c in cumulative]
-    d_min = plan.details["d_min"]
-    for layer in range(N_LAYERS):
-        for kind in "kv":
-            for r, sigma in zip(plan.ranks[kind][layer], spectra[layer][kind]):
-                target = (d_min + (1 - d_min) * norm[layer]) * sigma.numel()
-                assert math.floor(target) <= r <= math.floor(target) + 1  # + at most one leftover step
-    assert plan.budget_width - plan.kept < 1
-    short = _inputs()
-    short["features"]["weight_condition"] = condition[:3]
-    with pytest.raises(
-        ValueError, match="feature 'weight_condition' does not match the spectra: no entry for layer 3"
-    ):
-        _allocate("lorc", 0.6, 1, short)
-
-
-def test_lorc_reads_the_weights_condition_numbers_whatever_the_decomposition(make_tiny, one_thread) -> None:
-    """LoRC is data-free: κ comes from W_k and W_v themselves, so every decomposition gets the same plan."""
-    model = make_tiny("llama", 2)  # L=2, Hkv=2, D=8, d=32
-    rows = torch.randint(3, 61, (8, 16), generator=torch.Generator().manual_seed(0))
-    grams, _ = collect_gram(model, rows)
-    plans = {}
-    for method in ("plain", "whitened", "pca"):
-        summaries = []
-        for i in range(2):
-            kw = dict(n_kv_heads=2, head_dim=8, group_size=1, decomposition=method)
-            factors = decompose_layer(i, model_layer_weights(model, i), {"gram": grams[i]}, **kw)
-            summaries.append(summarize_layer(factors, features=["weight_condition"]))
-        expected = []
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            expected.append({
-                kind: math.log(float(s.max() / s.min()))
-                for kind, s in (("k", torch.linalg.svdvals(attn.k_proj.weight.detach().double())),
-                                ("v", torch.linalg.svdvals(attn.v_proj.weight.detach().double())))
-            })  # fmt: skip
-        for summary, e in zip(summaries, expected):
-            got = {kind: summary.features["weight_condition"][kind][0] for kind in "kv"}
-            assert got == pytest.approx(e, rel=1e-9)
-        plans[method] = plan_from_summaries(
-            summaries, ratio=0.5, group_size=1, head_dim=8, rank_multiple=1, allocator="lorc"
-        )
-        assert plans[method].details["log_condition"] == pytest.approx([e["k"] + e["v"] for e in expected])
-    assert plans["plain"].ranks == plans["whitened"].ranks == plans["pca"].ranks
-
-
 def test_fisher_greedy_with_unit_fisher_keeps_the_globally_largest_singular_values() -> None:
     """Unit Fisher + plain SVD: the weighted error is Eckart–Young's tail, and greedy is optimal (convex)."""
     gen = torch.Generator().manual_seed(2)
@@ -329,7 +174,7 @@ def test_fisher_greedy_with_unit_fisher_keeps_the_globally_largest_singular_valu
 
 
 def test_allocators_that_need_fisher_say_so() -> None:
-    spectra = _inputs()["spectra"]
+    spectra = synthetic_inputs()["spectra"]
     kw = dict(ratio=0.5, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=8)
     needs_fisher = [
         n for n in sorted(ALLOCATORS.names()) if "fisher" in statistics_for(ALLOCATORS.get(n).needs)
@@ -340,20 +185,18 @@ def test_allocators_that_need_fisher_say_so() -> None:
             allocate_ranks(spectra, allocator=name, **kw)
     for name in ("uniform", "eigen"):
         assert allocate_ranks(spectra, allocator=name, **kw).kept <= 512
-    condition = {"weight_condition": _spectral_condition(spectra)}
+    condition = {"weight_condition": spectral_condition(spectra)}
     assert allocate_ranks(spectra, allocator="lorc", features=condition, **kw).kept <= 512
     with pytest.raises(ValueError, match=r"allocator 'eigen' has no option\(s\) \['skip_threshold'\]"):
         allocate_ranks(spectra, allocator={"name": "eigen", "skip_threshold": 2.0}, **kw)
-    coarse = _inputs()
+    coarse = synthetic_inputs()
     for layer in coarse["features"]["error_curves"]:
         for kind in "kv":
             for c in layer[kind]:
                 c[1::2] = float("nan")  # as if computed for rank multiple 2
     with pytest.raises(ValueError, match="lacks ranks on the grid of rank multiple 1"):
-        _allocate("fisher-greedy", 0.5, 1, coarse)
-    assert (
-        _allocate("fisher-greedy", 0.5, 8, coarse).budget_width - _allocate("fisher-greedy", 0.5, 8).kept < 8
-    )
+        allocate("fisher-greedy", 0.5, 1, coarse)
+    assert allocate("fisher-greedy", 0.5, 8, coarse).budget_width - allocate("fisher-greedy", 0.5, 8).kept < 8
 
 
 def _toy_problem(caps: list[int], multiple: int, ratio: float) -> RankProblem:

@@ -21,6 +21,7 @@ from lrkv_core.cache import (
     cache_nbytes,
     split_groups,
 )
+from lrkv_core.format import LrkvFormat
 from tests.support.models import tiny_config
 
 
@@ -36,24 +37,35 @@ def _positions(first: int, n: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ the registry
 
 
+def _section(**overrides) -> dict:
+    """A complete format-1 ``lrkv`` section (as lrkv 0.1 wrote it: no "cache" entry) of a 2-layer model."""
+    section = {
+        "version": "0.1.0", "method": "palu", "decomposition": "whitened", "allocator": "uniform",
+        "group_size": 1, "ranks_k": [[2, 3], [4, 1]], "ranks_v": [[1, 1], [2, 2]], "rank_multiple": 1,
+        "target_ratio": 0.5, "achieved_ratio": 0.5, "rope": "reconstruct-then-rope", "qkv_bias": False,
+        "o_bias": False, "rotation": None, "bits": None,
+    }  # fmt: skip
+    return section | overrides
+
+
 def test_unknown_storage_or_option_is_refused_with_the_choices() -> None:
     assert "dense" in CACHE_STORAGES and CACHE_STORAGES.create("dense") == DenseStorage()
     with pytest.raises(ValueError, match=r"unknown cache storage 'nope'; choose from .*dense"):
         LatentCache(2, storage="nope")
     with pytest.raises(ValueError, match=r"unknown cache storage 'nope'; choose from .*dense"):
-        LatentCache.from_config(tiny_config("llama", lrkv={"cache": {"name": "nope"}}))
+        section = LrkvFormat.from_dict(_section()).to_dict() | {"cache": {"name": "nope"}}
+        LatentCache.from_config(tiny_config("llama", lrkv=section))
     with pytest.raises(ValueError, match=r"'dense' has no option\(s\) \['bits'\]"):
         LatentCache(2, storage={"name": "dense", "bits": 4})
 
 
 def test_from_config_reads_ranks_and_storage_from_the_lrkv_section() -> None:
-    section = {"group_size": 1, "ranks_k": [[2, 3], [4, 1]], "ranks_v": [[1, 1], [2, 2]]}
     config = tiny_config("llama")
-    config.lrkv = section
+    config.lrkv = _section()
     cache = LatentCache.from_config(config)  # a section without "cache" (saved before storages): dense
     assert cache.storage == DenseStorage() and all(layer.storage == DenseStorage() for layer in cache.layers)
     assert [layer.ranks for layer in cache.layers] == [((2, 3), (1, 1)), ((4, 1), (2, 2))]
-    config.lrkv = section | {"cache": {"name": "dense"}}
+    config.lrkv = LrkvFormat.from_dict(_section()).to_dict() | {"cache": {"name": "dense"}}
     assert LatentCache.from_config(config).storage == DenseStorage()
 
 
