@@ -107,6 +107,6 @@ class Fisher(Statistic):
         self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
     ) -> tuple[list[LayerValue], dict[str, Any]]:
         fisher, n = collect_fisher(
-            model, rows, batch_size=batch_size, per_row=self.per_row, progress=progress
+            model, self.rows(rows), batch_size=batch_size, per_row=self.per_row, progress=progress
         )
         return fisher, {"n_samples": n, "per_row": self.per_row}
