@@ -6,7 +6,7 @@ from prefect import flow
 
 from lrkv_tasks.ablation import ablation_row, summarize_ablation
 from lrkv_tasks.recipe import AblateRecipe
-from lrkv_tasks.store import LocalStore
+from lrkv_tasks.store import open_store
 
 from .convert import convert_flow
 
@@ -23,6 +23,6 @@ def ablate_flow(recipe: AblateRecipe, out_dir: str | None = None) -> dict:
             rows.append(ablation_row(comp.model_dump(mode="json"), None, str(e)))
             continue
         rows.append(ablation_row(comp.model_dump(mode="json"), result))
-    store = str(LocalStore(recipe.base.store).root)
+    store = open_store(recipe.base.store).root
     summary = summarize_ablation(rows, recipe.model_dump(mode="json"), store, out_dir)
     return {"rows": rows, **summary}

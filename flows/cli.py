@@ -81,9 +81,12 @@ def _overrides(flags: dict, eval_key: str) -> dict:
     return out
 
 
-def _configure_prefect(store_root: Path, verbose: bool) -> None:
+def _configure_prefect(store: str | None, verbose: bool) -> None:
     """Settings Prefect reads at start-up; set before it is imported, and only where the user has not."""
-    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(store_root / "prefect-results"))
+    from lrkv_tasks.store import RESULTS, LocalStore, is_s3
+
+    local = LocalStore(None if is_s3(store) else store).path  # tasks keep their results in the store itself
+    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(local / RESULTS))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from transformers.utils import logging as hf_logging
 
@@ -128,7 +131,6 @@ def convert(
 ) -> None:
     """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
     from lrkv_tasks.recipe import load_recipe, recipe_yaml
-    from lrkv_tasks.store import LocalStore
 
     flags = {
         "model": model,
@@ -155,7 +157,7 @@ def convert(
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
         console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
-    _configure_prefect(LocalStore(rec.store).root, verbose)
+    _configure_prefect(rec.store, verbose)
     try:
         _build_builtin(rec.model)
         from lrkv_tasks.preflight import prepare
@@ -221,7 +223,6 @@ def ablate(
 ) -> None:
     """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
     from lrkv_tasks.recipe import AblateRecipe, apply_overrides, read_yaml
-    from lrkv_tasks.store import LocalStore
 
     flags = {
         "base.model": model,
@@ -238,7 +239,7 @@ def ablate(
     except (ValueError, OSError, yaml.YAMLError) as e:
         console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
-    _configure_prefect(LocalStore(rec.base.store).root, verbose)
+    _configure_prefect(rec.base.store, verbose)
     try:
         _build_builtin(rec.base.model)
     except USER_ERRORS as e:

@@ -11,7 +11,7 @@ from lrkv_core.allocation import statistics_for
 from lrkv_tasks import convert as t
 from lrkv_tasks.preflight import prepare
 from lrkv_tasks.recipe import ConvertRecipe
-from lrkv_tasks.store import LocalStore
+from lrkv_tasks.store import open_store
 from lrkv_tasks.tracking import log_run
 from lrkv_tasks.zeroshot import zeroshot
 
@@ -31,26 +31,34 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     recipe = prepared.recipe
     for note in prepared.notes:
         print(note)
-    store = str(LocalStore(recipe.store).root)
+    st = open_store(recipe.store)
+    store = st.root
+    storage = st.result_storage()
+
+    def stored(task):  # the task with its results kept in the artifact store (JSON records)
+        return task.with_options(result_storage=storage)
+
     timings: list[dict] = []
     comp, cal = recipe.compression, recipe.calibration
     config = comp.to_config()
-    model = _record(timings, "resolve_model", t.resolve_model.submit(recipe.model))
+    model = _record(timings, "resolve_model", stored(t.resolve_model).submit(recipe.model, store))
     calib = _record(
         timings,
         "extract_calibration",
-        t.extract_calibration.submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
+        stored(t.extract_calibration).submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
     )
     stats = {
         s.name: _record(
             timings,
             f"collect_statistic[{s.name}]",
-            t.collect_statistic.submit(model, calib, s.to_dict(), recipe.dtype, cal.batch_size, store),
+            stored(t.collect_statistic).submit(
+                model, calib, s.to_dict(), recipe.dtype, cal.batch_size, store
+            ),
         )
         for s in config.needed_statistics()
     }
     layer_ids = list(range(model.meta["shape"]["L"]))
-    decomposed = t.decompose_layer.map(
+    decomposed = stored(t.decompose_layer).map(
         model=unmapped(model),
         stats=unmapped({name: stats[name] for name in config.decomposition.needs}),
         layer=layer_ids,
@@ -60,7 +68,7 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     )
     layers = [_record(timings, f"decompose_layer[{i}]", f) for i, f in enumerate(decomposed)]
     features = sorted(config.features())
-    summarized = t.summarize_layer.map(
+    summarized = stored(t.summarize_layer).map(
         factors=layers,
         stats=unmapped({name: stats[name] for name in statistics_for(features)}),
         features=unmapped(features),
@@ -70,32 +78,42 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     plan = _record(
         timings,
         "plan_ranks",
-        t.plan_ranks.submit(
+        stored(t.plan_ranks).submit(
             model, summaries, comp.ratio, comp.group_size, comp.rank_multiple, comp.allocator.to_dict(), store
         ),
     )
     built = _record(
         timings,
         "build_model",
-        t.build_model.submit(
+        stored(t.build_model).submit(
             model, layers, plan, comp.decomposition.to_dict(), comp.cache.to_dict(), recipe.dtype, store
         ),
     )
     base_eval = comp_eval = None
     if recipe.eval.dataset:
         ev = recipe.eval.model_dump()
-        base_eval = _record(timings, "evaluate[base]", t.evaluate.submit(model, ev, recipe.dtype, "base"))
+        base_eval = _record(
+            timings, "evaluate[base]", stored(t.evaluate).submit(model, ev, recipe.dtype, "base", store=store)
+        )
         comp_eval = _record(
-            timings, "evaluate[compressed]", t.evaluate.submit(built, ev, recipe.dtype, "compressed", model)
+            timings,
+            "evaluate[compressed]",
+            stored(t.evaluate).submit(built, ev, recipe.dtype, "compressed", model, store),
         )
         if recipe.eval.zeroshot_tasks:
             for label, ref in (("base", model), ("compressed", built)):
-                result = _record(timings, f"zeroshot[{label}]", zeroshot.submit(ref, ev, recipe.dtype, label))
+                result = _record(
+                    timings,
+                    f"zeroshot[{label}]",
+                    stored(zeroshot).submit(ref, ev, recipe.dtype, label, store),
+                )
                 (base_eval if label == "base" else comp_eval)["zeroshot"] = result
     run = _record(
         timings,
         "log_run",
-        log_run.submit(recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval),
+        stored(log_run).submit(
+            recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval, store
+        ),
     )
     exported = None
     if recipe.out:  # last: a failed evaluation or log leaves no complete-looking --out
@@ -103,7 +121,7 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         exported = _record(
             timings,
             "export_model",
-            t.export_model.with_options(refresh_cache=refresh).submit(built, recipe.out),
+            stored(t.export_model).with_options(refresh_cache=refresh).submit(built, recipe.out, store),
         )
     return {
         "recipe": recipe,

@@ -12,10 +12,11 @@ from prefect import task
 
 from lrkv_core.paths import lrkv_home
 
-from .convert import CACHED
-from .keys import code_version, task_key
+from .convert import CACHED, TASK_KEY
+from .keys import code_version
 from .recipe import flatten, method_label
 from .refs import ArtifactRef
+from .store import local_path
 
 
 def default_tracking_uri() -> str:
@@ -111,7 +112,7 @@ def conversion_metrics(plan: ArtifactRef, base_eval: dict | None, eval_: dict | 
     return metrics
 
 
-@task(name="log_run", cache_key_fn=task_key, **CACHED)
+@task(name="log_run", cache_key_fn=TASK_KEY, **CACHED)
 def log_run(
     recipe: dict,
     model: ArtifactRef,
@@ -120,6 +121,7 @@ def log_run(
     built: ArtifactRef,
     base_eval: dict | None,
     eval_: dict | None,
+    store: str | None = None,
 ) -> dict:
     """Log params, metrics and artifacts of the conversion to MLflow."""
     params = {f"recipe.{k}": v for k, v in flatten(recipe).items()}
@@ -143,10 +145,10 @@ def log_run(
         metrics=metrics,
         json_artifacts={
             "eval.json": {k: v for k, v in evals.items() if v is not None},
-            "rank_plan.json": json.loads(Path(plan.uri).read_text()),
+            "rank_plan.json": json.loads(local_path(plan.uri).read_text()),
             "recipe.json": recipe,
         },
-        file_artifacts={"rank_plan_heatmap.png": plan.meta["heatmap"]},
+        file_artifacts={"rank_plan_heatmap.png": str(local_path(plan.meta["heatmap"]))},
         tags={
             "lrkv.method": comp["name"],
             "lrkv.model": model.meta["ref"],
