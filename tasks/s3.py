@@ -67,7 +67,7 @@ def make_client():
     from botocore.config import Config
 
     config = Config(
-        retries={"max_attempts": max_attempts(), "mode": "standard"},
+        retries={"total_max_attempts": max_attempts(), "mode": "standard"},
         connect_timeout=5,
         read_timeout=60,
         s3={"addressing_style": "path"},
@@ -208,7 +208,7 @@ class S3Store:
 
         params = AwsClientParameters(
             endpoint_url=endpoint_url(),
-            config={"retries": {"max_attempts": max_attempts(), "mode": "standard"}},
+            config={"retries": {"total_max_attempts": max_attempts(), "mode": "standard"}},
         )
         block = S3Bucket(
             bucket_name=self.bucket,

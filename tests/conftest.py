@@ -69,3 +69,25 @@ def mlflow_server(tmp_path_factory):
     yield uri
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on loopback for the session, with the bucket ``lrkv``; yields its endpoint."""
+    from tests.support.servers import start_s3_server
+
+    server, endpoint = start_s3_server("lrkv")
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tmp_path):
+    """The loopback S3 server's settings in this test's environment; LRKV_HOME (the download cache) in
+    tmp_path. Yields the endpoint."""
+    from tests.support.servers import s3_env
+
+    for name, value in s3_env(s3_server).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
+    yield s3_server

@@ -53,3 +53,38 @@ def start_mlflow_server(root: Path, timeout: float = 90.0) -> tuple[subprocess.P
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"mlflow server did not answer in {timeout}s")
+
+
+S3_ENV = {  # what a client of the loopback S3 server needs (moto accepts any credentials)
+    "AWS_ACCESS_KEY_ID": "lrkv-test",
+    "AWS_SECRET_ACCESS_KEY": "lrkv-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def s3_env(endpoint: str) -> dict[str, str]:
+    """Environment for boto3 (the store), MLflow's S3 artifact repository and subprocesses alike."""
+    return S3_ENV | {"AWS_ENDPOINT_URL_S3": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint}
+
+
+def start_s3_server(bucket: str = "lrkv"):
+    """moto's S3 HTTP server on 127.0.0.1 (a thread of this process) with ``bucket`` created.
+
+    Returns ``(server, endpoint)``; ``server.stop()`` ends it.
+    """
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        region_name=S3_ENV["AWS_DEFAULT_REGION"],
+    )
+    client.create_bucket(Bucket=bucket)
+    return server, endpoint
