@@ -16,7 +16,10 @@ def ablate_flow(recipe: AblateRecipe, out_dir: str | None = None) -> dict:
     """Convert and evaluate one model for every grid point; calibration, stats and factors are shared."""
     rows = []
     for comp in recipe.grid():
-        point = recipe.base.model_copy(update={"compression": comp, "out": None})
+        no_registry = recipe.base.registry.model_copy(
+            update={"enabled": False}
+        )  # grid points are not releases
+        point = recipe.base.model_copy(update={"compression": comp, "out": None, "registry": no_registry})
         try:
             result = convert_flow(point)
         except ValueError as e:  # e.g. a ratio that rounds to rank 0 for this group size

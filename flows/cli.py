@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,7 +13,9 @@ import typer
 import yaml
 from rich.markup import escape
 
+from .ops_cli import register_operations
 from .report import console, print_eval, print_summary, rich_progress
+from .report import fail as _fail
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Low-rank KV-cache compression (Palu and friends)."
@@ -56,11 +59,6 @@ def _set_option(example: str):
     return Annotated[
         Optional[list[str]], typer.Option("--set", help=f"recipe override, e.g. --set {example}")
     ]
-
-
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
-    return typer.Exit(code)
 
 
 def _parse_set(values: list[str]) -> dict:
@@ -168,14 +166,33 @@ def convert(
     console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)
     for note in prepared.notes:
         console.print(f"[cyan]note:[/cyan] {escape(note)}", soft_wrap=True)
-    from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
+    with _prefect_api() as supervise:
+        from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
+
+        try:
+            with supervise, rich_progress():
+                result = convert_flow(prepared.recipe)
+        except USER_ERRORS as e:
+            raise _fail(str(e)) from None
+    print_summary(result)
+
+
+@contextmanager
+def _prefect_api():
+    """Connect to a Prefect API (a running server, else one this process owns: :mod:`lrkv_flows.apiserver`)
+    and yield the context that runs a flow under signal handling (:mod:`lrkv_flows.interrupt`)."""
+    from lrkv_flows.apiserver import connect
+    from lrkv_flows.interrupt import supervised
 
     try:
-        with rich_progress():
-            result = convert_flow(prepared.recipe)
-    except USER_ERRORS as e:
+        server = connect()
+    except RuntimeError as e:
         raise _fail(str(e)) from None
-    print_summary(result)
+    try:
+        yield supervised(server, lambda line: console.print(escape(line), soft_wrap=True))
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def _group_size(value: str | None) -> int | str | None:
@@ -244,10 +261,11 @@ def ablate(
         _build_builtin(rec.base.model)
     except USER_ERRORS as e:
         raise _fail(str(e)) from None
-    from lrkv_flows.ablate import ablate_flow
+    with _prefect_api() as supervise:
+        from lrkv_flows.ablate import ablate_flow
 
-    with rich_progress():
-        result = ablate_flow(rec, str(out_dir) if out_dir else None)
+        with supervise, rich_progress():
+            result = ablate_flow(rec, str(out_dir) if out_dir else None)
     console.print(result["markdown"])
     run = result["mlflow"]
     console.print(f"wrote {result['dir']}; MLflow run {run['run_id']} at {run['tracking_uri']}")
@@ -324,6 +342,8 @@ def _evaluate(
             progress=advance,
         )
 
+
+register_operations(app)  # pull, deploy, up, down, runs (flows/ops_cli.py)
 
 if __name__ == "__main__":
     app()

@@ -1,19 +1,32 @@
 """The convert flow: calibration → statistics → decompose (per layer) → summarize (per layer) → plan → build
-→ evaluate → log → export. Which statistics and features are computed follows from the methods' ``needs``."""
+→ evaluate → log (with the model) → register → export. Which statistics and features are computed follows
+from the methods' ``needs``.
+
+The flow's MLflow run is opened first, so an interrupted or failed conversion leaves a run marked KILLED or
+FAILED; a re-run whose every step came from the cache removes its empty run and returns the one that holds
+the results. Task results live in the artifact store (JSON), so a killed flow resumes from its last finished
+task, in this process or another, on a local or an S3 store.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, unmapped
+from prefect.exceptions import TerminationSignal
 
 from lrkv_core.allocation import statistics_for
 from lrkv_tasks import convert as t
 from lrkv_tasks.preflight import prepare
+from lrkv_tasks.publish import log_run, register_model
 from lrkv_tasks.recipe import ConvertRecipe
 from lrkv_tasks.store import open_store
-from lrkv_tasks.tracking import log_run
+from lrkv_tasks.summary import publish_summary
+from lrkv_tasks.tracking import OPEN_RUNS, close_run, discard_run, open_run
 from lrkv_tasks.zeroshot import zeroshot
+
+from .interrupt import FLOW_RUNS
 
 
 def _record(timings: list[dict], name: str, future) -> Any:
@@ -24,13 +37,38 @@ def _record(timings: list[dict], name: str, future) -> Any:
     return future.result()
 
 
+def _run_tags(recipe: ConvertRecipe) -> dict[str, str]:
+    from prefect.runtime import flow_run
+
+    return {"lrkv.kind": "convert", "lrkv.model": recipe.model, "lrkv.prefect_flow_run": str(flow_run.id)}
+
+
 @flow(name="lrkv-convert", log_prints=True)
 def convert_flow(recipe: ConvertRecipe) -> dict:
-    """Compress a model's KV projections to a latent cache, evaluate it and log it to MLflow."""
+    """Compress a model's KV projections to a latent cache, evaluate it, log and register it in MLflow."""
     prepared = prepare(recipe)
     recipe = prepared.recipe
     for note in prepared.notes:
         print(note)
+    comp = recipe.compression
+    name = f"convert-{Path(recipe.model).name}-r{comp.ratio}-g{comp.group_size}"
+    tags = _run_tags(recipe)
+    run = open_run(recipe.tracking.mlflow_uri, recipe.tracking.experiment, name, tags)
+    FLOW_RUNS.add(tags["lrkv.prefect_flow_run"])
+    try:
+        result = _convert(recipe, run)
+    except BaseException as err:
+        if run["run_id"] in OPEN_RUNS:
+            killed = isinstance(err, (KeyboardInterrupt, SystemExit, TerminationSignal))
+            close_run(run, "KILLED" if killed else "FAILED")
+        raise
+    finally:
+        FLOW_RUNS.discard(tags["lrkv.prefect_flow_run"])
+    publish_summary(result)
+    return result | {"notes": prepared.notes}
+
+
+def _convert(recipe: ConvertRecipe, run: dict) -> dict:
     st = open_store(recipe.store)
     store = st.root
     storage = st.result_storage()
@@ -108,15 +146,25 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
                     stored(zeroshot).submit(ref, ev, recipe.dtype, label, store),
                 )
                 (base_eval if label == "base" else comp_eval)["zeroshot"] = result
-    run = _record(
+    logged = _record(
         timings,
         "log_run",
         stored(log_run).submit(
-            recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval, store
+            run, recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval, store
         ),
     )
+    if logged["run_id"] != run["run_id"]:  # every result came from the cache: its run already holds them
+        discard_run(run)
+    registered = None
+    if recipe.registry.enabled:
+        registry = recipe.registry.model_dump()
+        registered = _record(
+            timings,
+            "register_model",
+            stored(register_model).submit(logged, built, recipe.model, base_eval, comp_eval, registry, store),
+        )
     exported = None
-    if recipe.out:  # last: a failed evaluation or log leaves no complete-looking --out
+    if recipe.out:  # last: a failed evaluation, log or registration leaves no complete-looking --out
         refresh = not t.export_is_current(built, recipe.out)  # a deleted or edited export is redone
         exported = _record(
             timings,
@@ -125,12 +173,12 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         )
     return {
         "recipe": recipe,
-        "notes": prepared.notes,
         "model": model,
         "plan": plan,
         "compressed": built,
         "exported": exported,
         "eval": {"base": base_eval, "compressed": comp_eval},
-        "mlflow": run,
+        "mlflow": {k: logged[k] for k in ("run_id", "experiment_id", "tracking_uri")},
+        "registered": registered,
         "timings": timings,
     }

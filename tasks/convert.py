@@ -236,6 +236,21 @@ def build_model(
     )
 
 
+def copy_model_dir(src: Path, dst: Path) -> Path:
+    """Copy a model directory to ``dst`` through a temporary sibling renamed into place; an existing ``dst``
+    is replaced only if it is an lrkv model directory (or empty)."""
+    from lrkv_core.io import is_compressed_dir
+
+    if dst.exists() and any(dst.iterdir()) and not is_compressed_dir(dst):
+        raise FileExistsError(f"{dst} exists and is not an lrkv model directory; refusing to overwrite it")
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
+
+
 def export_is_current(built: ArtifactRef, out: str) -> bool:
     """Whether ``out`` already holds exactly the built model (else the flow refreshes the export)."""
     dst = Path(out)
@@ -245,16 +260,7 @@ def export_is_current(built: ArtifactRef, out: str) -> bool:
 @task(name="export_model", cache_key_fn=TASK_KEY, **CACHED)
 def export_model(built: ArtifactRef, out: str, store: str | None = None) -> ArtifactRef:
     """Copy the compressed model directory to the user's --out (atomically: a temp sibling renamed)."""
-    from lrkv_core.io import is_compressed_dir
-
-    dst = Path(out)
-    if dst.exists() and any(dst.iterdir()) and not is_compressed_dir(dst):
-        raise FileExistsError(f"{dst} exists and is not an lrkv model directory; refusing to overwrite it")
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(_local(built), tmp)
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
+    dst = copy_model_dir(Path(_local(built)), Path(out))
     return ArtifactRef(kind="export", uri=str(dst.resolve()), sha256=built.sha256)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from lrkv_core.fingerprint import hash_dir, hash_file, hash_json
 from lrkv_core.paths import lrkv_home
 
-from .store import RESULTS, digest_of
+from .refs import RESULTS, digest_of
 
 MANIFEST = "MANIFEST.json"
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")

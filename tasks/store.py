@@ -24,23 +24,15 @@ from pathlib import Path
 from typing import Protocol
 
 from lrkv_core.files import make_tree_readable
-from lrkv_core.fingerprint import hash_dir, hash_file
 from lrkv_core.paths import lrkv_home
 
-RESULTS = "prefect-results"
+from .refs import RESULTS, digest_of, is_s3
+
+__all__ = ["RESULTS", "ArtifactStore", "LocalStore", "artifact_exists", "is_s3", "local_path", "open_store"]
 
 
 def default_store_root() -> Path:
     return lrkv_home() / "store"
-
-
-def is_s3(uri: str | Path | None) -> bool:
-    return isinstance(uri, str) and uri.startswith("s3://")
-
-
-def digest_of(staged: Path) -> str:
-    """The content hash a staged file or directory is published under."""
-    return hash_dir(staged) if staged.is_dir() else hash_file(staged)
 
 
 class ArtifactStore(Protocol):

@@ -91,3 +91,16 @@ def s3(s3_server, monkeypatch, tmp_path):
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
     yield s3_server
+
+
+@pytest.fixture(scope="session")
+def mlflow_s3_server(tmp_path_factory, s3_server):
+    """A real ``mlflow server`` whose artifact root is ``s3://lrkv/mlflow`` on the loopback S3 server."""
+    from tests.support.servers import s3_env, start_mlflow_server
+
+    proc, uri = start_mlflow_server(
+        tmp_path_factory.mktemp("mlflow-s3"), artifacts="s3://lrkv/mlflow", env=s3_env(s3_server)
+    )
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -1,7 +1,8 @@
-"""Real services for tests, started on loopback: an ``mlflow server`` process."""
+"""Real services for tests, started on loopback: an ``mlflow server`` process, an S3 server (moto)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -16,8 +17,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_mlflow_server(root: Path, timeout: float = 90.0) -> tuple[subprocess.Popen, str]:
-    """``mlflow server`` on 127.0.0.1 with a SQLite backend and proxied local artifacts."""
+def start_mlflow_server(
+    root: Path, timeout: float = 90.0, artifacts: str | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """``mlflow server`` on 127.0.0.1 with a SQLite backend and proxied artifacts (a local directory, or
+    ``artifacts`` such as ``s3://bucket/prefix`` with ``env`` naming the S3 endpoint and credentials)."""
     port = free_port()
     log = open(root / "mlflow-server.log", "w")
     proc = subprocess.Popen(
@@ -35,8 +39,9 @@ def start_mlflow_server(root: Path, timeout: float = 90.0) -> tuple[subprocess.P
             "--backend-store-uri",
             f"sqlite:///{root / 'mlflow.db'}",
             "--artifacts-destination",
-            (root / "artifacts").as_uri(),
+            artifacts or (root / "artifacts").as_uri(),
         ],
+        env={**os.environ, **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
     )

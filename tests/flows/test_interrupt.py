@@ -1,0 +1,161 @@
+"""Killing ``lrkv convert`` midway, as a user does (a terminal's Ctrl-C, a SIGKILL), then resuming it.
+
+Real processes: the CLI in its own process group, with the Prefect API server it owns and MLflow on SQLite.
+The model has many thin layers so that the per-layer decomposition takes long enough to be interrupted,
+and enough evaluation data that evaluation does too. A re-run must recompute none of the layer tasks
+that had finished (counted from the CLI's task table), and no process may outlive a killed CLI.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from mlflow.tracking import MlflowClient
+
+from tests.support.models import tiny_model_dir, token_parquet
+
+LAYERS = 48
+ROW = re.compile(
+    r"│\s*(decompose_layer\[\d+\]|summarize_layer\[\d+\]|build_model|evaluate\[\w+\])\s*│\s*(\w+)\s*│"
+)
+
+
+def _setup(tmp_path: Path) -> tuple[list[str], dict]:
+    model = tiny_model_dir(tmp_path, num_hidden_layers=LAYERS)
+    data = token_parquet(tmp_path / "data.parquet", rows=96, seq_len=64)
+    args = [
+        sys.executable,
+        "-m",
+        "lrkv_flows.cli",
+        "convert",
+        "--model",
+        str(model),
+        "--dataset",
+        f"parquet:{data}",
+    ]
+    args += ["--eval-dataset", f"parquet:{data}", "--ratio", "0.5", "--group-size", "2", "--n-samples", "8"]
+    args += ["--seq-len", "64", "--store", str(tmp_path / "store"), "--set", "eval.max_windows=96"]
+    args += [
+        "--set",
+        "eval.decode_windows=96",
+        "--set",
+        "eval.decode_prefix=4",
+        "--set",
+        "registry.enabled=false",
+    ]
+    env = {**os.environ, "LRKV_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    for name in ("PREFECT_API_URL", "PREFECT_LOCAL_STORAGE_PATH", "MLFLOW_TRACKING_URI"):
+        env.pop(name, None)
+    return args, env
+
+
+def _start(args, env, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_for(predicate, proc, timeout=300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the CLI exited early ({proc.returncode})"
+        assert time.monotonic() < deadline, "timed out waiting for the run to get there"
+        time.sleep(0.05)
+
+
+def _count(folder: Path) -> int:
+    return len(list(folder.iterdir())) if folder.is_dir() else 0
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+def _finished_layers(store: Path) -> int:
+    """Layer decompositions whose result was recorded (a task that was cut off has no complete record)."""
+    done = 0
+    for record in (store / "prefect-results").iterdir():
+        try:
+            done += '"kind": "factors"' in json.loads(record.read_bytes())["result"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return done
+
+
+def _states(log: Path) -> dict[str, str]:
+    return {m[1]: m[2] for m in ROW.finditer(log.read_text())}
+
+
+def _runs(home: Path) -> list:
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lrkv")
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def _rerun(args, env, tmp_path, name) -> dict[str, str]:
+    log = tmp_path / f"{name}.log"
+    res = subprocess.run(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, timeout=900)
+    assert res.returncode == 0, log.read_text()[-3000:]
+    return _states(log)
+
+
+def test_ctrl_c_during_decomposition_stops_fast_and_resumes_without_redoing_layers(tmp_path):
+    args, env = _setup(tmp_path)
+    log = tmp_path / "first.log"
+    proc = _start(args, env, log)
+    factors = tmp_path / "store" / "factors"
+    _wait_for(lambda: _count(factors) >= 4, proc)
+    children = _descendants(proc.pid)
+    assert children, "the CLI owns its Prefect API server"
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    code = proc.wait(timeout=60)
+    elapsed = time.monotonic() - started
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert elapsed < 15, elapsed
+    assert "interrupted (SIGINT)" in text and "Traceback" not in text, text[-3000:]
+    assert not _gone(children), "a process outlived the interrupted CLI"
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED"]
+    finished = _finished_layers(tmp_path / "store")
+    assert 0 < finished < LAYERS
+    print(f"Ctrl-C stopped the CLI in {elapsed:.2f}s with {finished}/{LAYERS} layers decomposed")
+
+    states = _rerun(args, env, tmp_path, "resume")
+    decomposed = {k: v for k, v in states.items() if k.startswith("decompose_layer")}
+    assert len(decomposed) == LAYERS
+    cached = sum(v == "Cached" for v in decomposed.values())
+    assert cached == finished, (cached, finished)  # every finished layer from the cache, the rest computed
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]
+
+
+def test_sigkill_during_evaluation_leaves_no_process_and_resumes_from_the_cache(tmp_path):
+    args, env = _setup(tmp_path)
+    log = tmp_path / "first.log"
+    proc = _start(args, env, log)
+    _wait_for(lambda: _count(tmp_path / "store" / "models") >= 1, proc)  # built: evaluation is running
+    time.sleep(1.0)
+    children = _descendants(proc.pid)
+    assert children
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert not _gone(children), "the Prefect API server outlived a SIGKILLed CLI"
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["RUNNING"]  # nobody could mark it
+
+    states = _rerun(args, env, tmp_path, "resume")
+    layer_tasks = {k: v for k, v in states.items() if "_layer[" in k or k == "build_model"}
+    assert len(layer_tasks) == 2 * LAYERS + 1
+    assert set(layer_tasks.values()) == {"Cached"}, layer_tasks  # zero finished layer tasks recomputed
+    assert states["evaluate[compressed]"] == "Completed"
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]  # the orphan reaped
