@@ -17,16 +17,14 @@ as a miss), so the task runs and writes a fresh record under the same key.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect.context import TaskRunContext
 
+from .progress import run_logger
 from .refs import ArtifactRef
 from .store import ArtifactStore, artifact_exists, open_store
-
-log = logging.getLogger("lrkv")
 
 REF_CLASS = f"{ArtifactRef.__module__}.{ArtifactRef.__qualname__}"
 ALLOWED_CLASSES = frozenset({REF_CLASS})
@@ -104,7 +102,7 @@ def checked(key_fn: Callable[[TaskRunContext, dict], str]) -> Callable[[TaskRunC
         store = open_store(params.get("store"))
         reason = stale_reason(store, value)
         if reason is not None:
-            log.warning(
+            run_logger().warning(
                 "%s: cached result %s not used (%s); computing it again", ctx.task.name, value, reason
             )
             store.write_record(value, json.dumps(EXPIRED).encode())

@@ -3,6 +3,9 @@
 import json
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, LogFilter
 from prefect.results import ResultRecord, ResultRecordMetadata
 from prefect.serializers import PickleSerializer
 
@@ -58,6 +61,20 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
     for record in records.values():
         assert record["metadata"]["serializer"]["type"] == "json"
         assert _classes(record["result"]) <= ALLOWED_CLASSES
+
+    # the run's task progress reached its Prefect logs (the UI), and its summary is a Prefect artifact
+    flow_run_id = (
+        MlflowClient(recipe.tracking.mlflow_uri)
+        .get_run(first["mlflow"]["run_id"])
+        .data.tags["lrkv.prefect_flow_run"]
+    )
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id={"any_": [flow_run_id]}))
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["lrkv-convert"]}))
+    messages = [entry.message for entry in logs]
+    assert "collect gram: 8/8" in messages, messages
+    summary = next(a for a in artifacts if str(a.flow_run_id) == flow_run_id)
+    assert "| plan_ranks | Completed |" in summary.data and first["mlflow"]["run_id"] in summary.data
 
     # a deleted store file: the task that made it runs again and the file is back; nothing else reruns
     factors = sorted((store / "factors").iterdir())

@@ -20,14 +20,15 @@ from mlflow.tracking import MlflowClient
 
 from tests.support.models import tiny_model_dir, token_parquet
 
-LAYERS = 48
+LAYERS = 48  # thin layers: decomposing them all takes a few seconds of task overhead, time to be interrupted
 ROW = re.compile(
     r"│\s*(decompose_layer\[\d+\]|summarize_layer\[\d+\]|build_model|evaluate\[\w+\])\s*│\s*(\w+)\s*│"
 )
 
 
-def _setup(tmp_path: Path) -> tuple[list[str], dict]:
-    model = tiny_model_dir(tmp_path, num_hidden_layers=LAYERS)
+def _setup(tmp_path: Path, layers: int, evaluate: bool) -> tuple[list[str], dict]:
+    """The CLI command: ``layers`` layers; with ``evaluate``, 96 windows decoded token by token (seconds)."""
+    model = tiny_model_dir(tmp_path, num_hidden_layers=layers)
     data = token_parquet(tmp_path / "data.parquet", rows=96, seq_len=64)
     args = [
         sys.executable,
@@ -39,16 +40,13 @@ def _setup(tmp_path: Path) -> tuple[list[str], dict]:
         "--dataset",
         f"parquet:{data}",
     ]
-    args += ["--eval-dataset", f"parquet:{data}", "--ratio", "0.5", "--group-size", "2", "--n-samples", "8"]
-    args += ["--seq-len", "64", "--store", str(tmp_path / "store"), "--set", "eval.max_windows=96"]
-    args += [
-        "--set",
-        "eval.decode_windows=96",
-        "--set",
-        "eval.decode_prefix=4",
-        "--set",
-        "registry.enabled=false",
-    ]
+    args += ["--ratio", "0.5", "--group-size", "2", "--n-samples", "8", "--seq-len", "64"]
+    args += ["--store", str(tmp_path / "store"), "--set", "registry.enabled=false"]
+    if evaluate:
+        args += ["--eval-dataset", f"parquet:{data}", "--set", "eval.max_windows=96"]
+        args += ["--set", "eval.decode_windows=96", "--set", "eval.decode_prefix=4"]
+    else:
+        args += ["--eval-dataset", "none"]
     env = {**os.environ, "LRKV_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
     for name in ("PREFECT_API_URL", "PREFECT_LOCAL_STORAGE_PATH", "MLFLOW_TRACKING_URI"):
         env.pop(name, None)
@@ -110,12 +108,33 @@ def _rerun(args, env, tmp_path, name) -> dict[str, str]:
     return _states(log)
 
 
-def test_ctrl_c_during_decomposition_stops_fast_and_resumes_without_redoing_layers(tmp_path):
-    args, env = _setup(tmp_path)
+def test_sigkill_during_decomposition_leaves_no_process_and_resumes_without_redoing_layers(tmp_path):
+    args, env = _setup(tmp_path, LAYERS, evaluate=False)
+    proc = _start(args, env, tmp_path / "first.log")
+    _wait_for(lambda: _count(tmp_path / "store" / "factors") >= 4, proc)
+    children = _descendants(proc.pid)
+    assert children, "the CLI owns its Prefect API server"
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert not _gone(children), "the Prefect API server outlived a SIGKILLed CLI"
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["RUNNING"]  # nobody could mark it
+    finished = _finished_layers(tmp_path / "store")
+    assert 0 < finished < LAYERS
+
+    states = _rerun(args, env, tmp_path, "resume")
+    decomposed = {k: v for k, v in states.items() if k.startswith("decompose_layer")}
+    assert len(decomposed) == LAYERS
+    cached = sum(v == "Cached" for v in decomposed.values())
+    assert cached == finished, (cached, finished)  # every finished layer from the cache, the rest computed
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]  # the orphan reaped
+
+
+def test_ctrl_c_during_evaluation_stops_fast_records_killed_and_resumes_from_the_cache(tmp_path):
+    args, env = _setup(tmp_path, 8, evaluate=True)
     log = tmp_path / "first.log"
     proc = _start(args, env, log)
-    factors = tmp_path / "store" / "factors"
-    _wait_for(lambda: _count(factors) >= 4, proc)
+    _wait_for(lambda: _count(tmp_path / "store" / "models") >= 1, proc)  # built: evaluation is running
+    time.sleep(1.0)
     children = _descendants(proc.pid)
     assert children, "the CLI owns its Prefect API server"
     started = time.monotonic()
@@ -128,34 +147,11 @@ def test_ctrl_c_during_decomposition_stops_fast_and_resumes_without_redoing_laye
     assert "interrupted (SIGINT)" in text and "Traceback" not in text, text[-3000:]
     assert not _gone(children), "a process outlived the interrupted CLI"
     assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED"]
-    finished = _finished_layers(tmp_path / "store")
-    assert 0 < finished < LAYERS
-    print(f"Ctrl-C stopped the CLI in {elapsed:.2f}s with {finished}/{LAYERS} layers decomposed")
-
-    states = _rerun(args, env, tmp_path, "resume")
-    decomposed = {k: v for k, v in states.items() if k.startswith("decompose_layer")}
-    assert len(decomposed) == LAYERS
-    cached = sum(v == "Cached" for v in decomposed.values())
-    assert cached == finished, (cached, finished)  # every finished layer from the cache, the rest computed
-    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]
-
-
-def test_sigkill_during_evaluation_leaves_no_process_and_resumes_from_the_cache(tmp_path):
-    args, env = _setup(tmp_path)
-    log = tmp_path / "first.log"
-    proc = _start(args, env, log)
-    _wait_for(lambda: _count(tmp_path / "store" / "models") >= 1, proc)  # built: evaluation is running
-    time.sleep(1.0)
-    children = _descendants(proc.pid)
-    assert children
-    os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
-    assert not _gone(children), "the Prefect API server outlived a SIGKILLed CLI"
-    assert [r.info.status for r in _runs(tmp_path / "home")] == ["RUNNING"]  # nobody could mark it
+    print(f"Ctrl-C stopped the CLI in {elapsed:.2f}s")
 
     states = _rerun(args, env, tmp_path, "resume")
     layer_tasks = {k: v for k, v in states.items() if "_layer[" in k or k == "build_model"}
-    assert len(layer_tasks) == 2 * LAYERS + 1
+    assert len(layer_tasks) == 2 * 8 + 1
     assert set(layer_tasks.values()) == {"Cached"}, layer_tasks  # zero finished layer tasks recomputed
     assert states["evaluate[compressed]"] == "Completed"
-    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]  # the orphan reaped
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]
