@@ -26,7 +26,13 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
             "model": str(model_dir),
             "calibration": {"dataset": data, "n_samples": 8, "seq_len": 32, "batch_size": 4},
             "compression": {"ratio": 0.5, "group_size": 2, "rank_multiple": 8},
-            "eval": {"dataset": data, "seq_len": 32, "max_windows": 2, "decode_prefix": 16, "decode_windows": 1},
+            "eval": {
+                "dataset": data,
+                "seq_len": 32,
+                "max_windows": 2,
+                "decode_prefix": 16,
+                "decode_windows": 1,
+            },
             "tracking": {"mlflow_uri": mlflow_uri, "experiment": "deploy-test"},
             "store": str(tmp_path / "store"),
         },
@@ -47,7 +53,18 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
     flow_run = run_deployment("lrkv-convert/convert", timeout=0)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "LRKV_HOME": str(tmp_path / "home")}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process", "--run-once"],
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            pool,
+            "--type",
+            "process",
+            "--run-once",
+        ],
         env=env,
         stdout=open(tmp_path / "worker.log", "w"),
         stderr=subprocess.STDOUT,
