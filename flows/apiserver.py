@@ -88,8 +88,14 @@ class OwnedServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Terminate the server (SIGKILL if it has not exited within ``timeout`` seconds)."""
+    def stop(self, timeout: float = 5.0, drain: bool = True) -> None:
+        """Terminate the server (SIGKILL if it has not exited within ``timeout`` seconds).
+
+        With ``drain``, Prefect's background log and event senders of this process are drained first: left
+        for interpreter exit, they would retry against the stopped server for over a minute.
+        """
+        if drain and self.proc.poll() is None:
+            _drain_prefect_senders(timeout=10.0)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -99,6 +105,16 @@ class OwnedServer:
                 self.proc.wait()
         if self.proc.stdin:
             self.proc.stdin.close()
+
+
+def _drain_prefect_senders(timeout: float) -> None:
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        service.drain_all(timeout=timeout)
 
 
 def connect() -> OwnedServer | None:

@@ -51,7 +51,7 @@ def _clean_up(server: OwnedServer | None, status: str, reason: str, say: Callabl
             first = str(err).splitlines()[0] if str(err) else repr(err)
             say(f"could not record the interruption in {what}: {first}")
     if server is not None:
-        server.stop()
+        server.stop(drain=False)  # exiting now: what was not sent yet is dropped
 
 
 @contextmanager

@@ -155,3 +155,25 @@ def test_ctrl_c_during_evaluation_stops_fast_records_killed_and_resumes_from_the
     assert set(layer_tasks.values()) == {"Cached"}, layer_tasks  # zero finished layer tasks recomputed
     assert states["evaluate[compressed]"] == "Completed"
     assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]
+
+
+def test_when_only_the_api_server_dies_the_run_fails_and_nothing_is_exported(tmp_path):
+    args, env = _setup(tmp_path, LAYERS, evaluate=False)
+    out = tmp_path / "out"
+    log = tmp_path / "first.log"
+    proc = _start([*args, "--out", str(out)], env, log)
+    _wait_for(lambda: _count(tmp_path / "store" / "factors") >= 4, proc)
+    [server] = _descendants(proc.pid)
+    server.kill()
+    code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == 1 and "the Prefect API server exited unexpectedly" in text, text[-3000:]
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["FAILED"]
+    assert not out.exists() and not _descendants_alive(proc.pid)
+
+
+def _descendants_alive(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return False
