@@ -78,11 +78,16 @@ def make_client():
 @contextmanager
 def _reachable(what: str) -> Iterator[None]:
     """Turn botocore's connection failures (after its retries) into one clear line."""
-    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
 
     try:
         yield
-    except (EndpointConnectionError, ConnectTimeoutError) as err:
+    except (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError, ReadTimeoutError) as err:
         where = endpoint_url() or "AWS S3"
         raise StoreUnreachableError(
             f"S3 endpoint {where} is unreachable ({what}; gave up after {max_attempts()} attempts): {err}"

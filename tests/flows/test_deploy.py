@@ -83,3 +83,22 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
     runs = client.search_runs([client.get_experiment_by_name("deploy-test").experiment_id])
     assert [r.info.status for r in runs] == ["FINISHED"]
     assert runs[0].data.tags["lrkv.prefect_flow_run"] == str(flow_run.id)
+
+
+def test_the_evaluate_flow_logs_a_run(prefect_api, tmp_path):
+    from lrkv_flows.evaluate import evaluate_flow
+    from lrkv_tasks.recipe import EvalRecipe, TrackingRecipe
+
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=8, seq_len=32)}"
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ev = EvalRecipe(dataset=data, seq_len=32, max_windows=2, decode_prefix=16, decode_windows=1)
+    result = evaluate_flow(
+        str(model_dir),
+        ev,
+        tracking=TrackingRecipe(mlflow_uri=mlflow_uri, experiment="eval-test"),
+        store=str(tmp_path / "store"),
+    )
+    run = MlflowClient(mlflow_uri).get_run(result["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["lrkv.kind"] == "evaluate"
+    assert run.data.metrics["prefill_ppl"] == result["eval"]["prefill"]["ppl"] > 1
