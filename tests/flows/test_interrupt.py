@@ -134,7 +134,7 @@ def test_ctrl_c_during_evaluation_stops_fast_records_killed_and_resumes_from_the
     log = tmp_path / "first.log"
     proc = _start(args, env, log)
     _wait_for(lambda: _count(tmp_path / "store" / "models") >= 1, proc)  # built: evaluation is running
-    time.sleep(1.0)
+    time.sleep(0.3)  # past the build's record: inside evaluation (seconds long)
     children = _descendants(proc.pid)
     assert children, "the CLI owns its Prefect API server"
     started = time.monotonic()
