@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 
 from .recipe import method_label
-from .store import LocalStore
+from .store import LocalStore, is_s3
 
 COLUMNS = [
     "decomposition",
@@ -114,7 +114,8 @@ def summarize_ablation(rows: list[dict], recipe: dict, store: str, out_dir: str 
     writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    target = Path(out_dir) if out_dir else LocalStore(store).root / "ablations"
+    local_root = LocalStore(None if is_s3(store) else store).path  # an S3 store: tables go under LRKV_HOME
+    target = Path(out_dir) if out_dir else local_root / "ablations"
     target.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown(rows, base) if ok else "no successful row\n"
     files = {"ablation.csv": buf.getvalue(), "ablation.md": markdown}
