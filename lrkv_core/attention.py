@@ -72,6 +72,16 @@ class LatentAttentionBase(nn.Module):
         self.v_down = nn.Linear(shape.d, sum(layout.ranks_v), bias=False)
         self.o_proj = nn.Linear(o_width, shape.d, bias=layout.o_bias)
 
+    def projections(self) -> dict[str, list[nn.Linear]]:
+        """The module's linear projections by role (``k_down``, ``v_down``, ``q_proj``, ``o_proj``, and
+        ``k_up`` with one projection per group where keys are rebuilt): what LoRA recovery may adapt."""
+        return {
+            "k_down": [self.k_down],
+            "v_down": [self.v_down],
+            "q_proj": [self.q_proj],
+            "o_proj": [self.o_proj],
+        }
+
     def cached_latents(
         self,
         h_k: torch.Tensor,
@@ -153,8 +163,26 @@ class LatentAttention(LatentAttentionBase):
         cos_k, sin_k = self.rotary_emb(view.keys[0], view.positions.long())  # (B, S, D); keys[0]: dtype only
         outs, nq = [], self.q_heads_per_group
         for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):
-            k_g = reconstruct_rope_keys(hk_g, up.weight, up.bias, cos_k, sin_k, D)  # (B, s, S, D)
+            k_g = self.rebuild_keys(up, hk_g, cos_k, sin_k)  # (B, s, S, D)
             v_g = hv_g.unsqueeze(1).expand(B, s, *hv_g.shape[1:])  # (B, s, S, r_g)
             q_g = q[:, g * nq : (g + 1) * nq]  # (B, s·n_rep, T, D)
             outs.append(self.attend(q_g, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_g)
         return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)
+
+    def projections(self) -> dict[str, list[nn.Linear]]:
+        return super().projections() | {"k_up": list(self.k_up)}
+
+    def rebuild_keys(
+        self, up: nn.Module, h_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """One group's keys (B, s, S, D) from its latents h_k (B, S, r_g), RoPE'd with cos/sin (B, S, D).
+
+        A plain ``k_up`` goes through the fused kernel, which reads its weight and bias. A wrapped one (a
+        LoRA adapter around it while recovery trains, :mod:`lrkv_core.lora`) adds its own terms in its
+        forward, which reading ``.weight`` would skip, so it is called and RoPE applied after.
+        """
+        if type(up) is nn.Linear:
+            return reconstruct_rope_keys(h_k, up.weight, up.bias, cos, sin, self.head_dim)
+        B, S, _ = h_k.shape
+        k = up(h_k).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, s, S, D)
+        return apply_rope(k, cos, sin)
