@@ -124,11 +124,20 @@ def convert(
     mlflow_uri: Annotated[
         Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
     ] = None,
+    lora: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--lora/--no-lora",
+            help="LoRA recovery after compression, merged so the cache keeps its size (the recipe's lora: "
+            "section, else its defaults: r′ 32, α 32, lr 2e-4, cosine, 200 steps on the calibration data)",
+        ),
+    ] = None,
+    lora_steps: Annotated[Optional[int], typer.Option(help="LoRA optimizer steps (implies --lora)")] = None,
     set_: _set_option("eval.max_windows=8") = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
-    from lrkv_tasks.recipe import load_recipe, recipe_yaml
+    from lrkv_tasks.recipe import load_recipe, read_yaml, recipe_yaml
 
     flags = {
         "model": model,
@@ -151,6 +160,7 @@ def convert(
         overrides.setdefault("eval.decode_prefix", seq_len // 2)
     overrides.update(_parse_set(set_ or []))
     try:
+        overrides = _lora_overrides(lora, lora_steps, read_yaml(recipe)) | overrides
         rec = load_recipe(recipe, overrides)
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
         console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
@@ -175,6 +185,20 @@ def convert(
         except USER_ERRORS as e:
             raise _fail(str(e)) from None
     print_summary(result)
+
+
+def _lora_overrides(lora: bool | None, steps: int | None, recipe: dict) -> dict:
+    """``--lora`` adds a default ``lora:`` section when the recipe has none; ``--no-lora`` removes it."""
+    if lora is False:
+        if steps is not None:
+            raise typer.BadParameter("--lora-steps contradicts --no-lora")
+        return {"lora": None}
+    out = {}
+    if (lora or steps is not None) and not recipe.get("lora"):
+        out["lora"] = {}
+    if steps is not None:
+        out["lora.steps"] = steps
+    return out
 
 
 @contextmanager

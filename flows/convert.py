@@ -1,6 +1,7 @@
 """The convert flow: calibration → statistics → decompose (per layer) → summarize (per layer) → plan → build
-→ evaluate → log (with the model) → register → export. Which statistics and features are computed follows
-from the methods' ``needs``.
+→ [LoRA recovery] → evaluate → log (with the model) → register → export. Which statistics and features are
+computed follows from the methods' ``needs``; with ``lora:`` the recovered model is what is evaluated,
+logged, registered and exported, and the model before recovery is evaluated next to it.
 
 The flow's MLflow run is opened first, so an interrupted or failed conversion leaves a run marked KILLED or
 FAILED; a re-run whose every step came from the cache removes its empty run and returns the one that holds
@@ -18,6 +19,7 @@ from prefect.exceptions import TerminationSignal
 
 from lrkv_core.allocation import statistics_for
 from lrkv_tasks import convert as t
+from lrkv_tasks.lora import lora_recover
 from lrkv_tasks.preflight import prepare
 from lrkv_tasks.publish import log_run, register_model
 from lrkv_tasks.recipe import ConvertRecipe
@@ -127,16 +129,31 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
             model, layers, plan, comp.decomposition.to_dict(), comp.cache.to_dict(), recipe.dtype, store
         ),
     )
-    base_eval = comp_eval = None
+    before_lora = recovered = None
+    if recipe.lora is not None:  # downstream, "compressed" is the recovered model
+        lora = recipe.lora.model_dump(mode="json")
+        recovered = _record(
+            timings, "lora_recover", stored(lora_recover).submit(built, lora, recipe.dtype, store)
+        )
+        before_lora, built = built, recovered
+    base_eval = comp_eval = pre_eval = None
     if recipe.eval.dataset:
         ev = recipe.eval.model_dump()
         base_eval = _record(
             timings, "evaluate[base]", stored(t.evaluate).submit(model, ev, recipe.dtype, "base", store=store)
         )
+        if before_lora is not None:  # the same task and label as a run without LoRA: served from its cache
+            pre_eval = _record(
+                timings,
+                "evaluate[before-lora]",
+                stored(t.evaluate).submit(before_lora, ev, recipe.dtype, "compressed", model, store),
+            )
         comp_eval = _record(
             timings,
             "evaluate[compressed]",
-            stored(t.evaluate).submit(built, ev, recipe.dtype, "compressed", model, store),
+            stored(t.evaluate).submit(
+                built, ev, recipe.dtype, "compressed" if recovered is None else "recovered", model, store
+            ),
         )
         if recipe.eval.zeroshot_tasks:
             for label, ref in (("base", model), ("compressed", built)):
@@ -150,7 +167,17 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         timings,
         "log_run",
         stored(log_run).submit(
-            run, recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval, store
+            run,
+            recipe.model_dump(mode="json"),
+            model,
+            calib,
+            plan,
+            built,
+            base_eval,
+            comp_eval,
+            store,
+            lora=recovered,
+            before_lora=pre_eval,
         ),
     )
     if logged["run_id"] != run["run_id"]:  # every result came from the cache: its run already holds them
@@ -177,7 +204,9 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         "plan": plan,
         "compressed": built,
         "exported": exported,
-        "eval": {"base": base_eval, "compressed": comp_eval},
+        "lora": recovered,
+        "before_lora": before_lora,
+        "eval": {"base": base_eval, "compressed": comp_eval, "before_lora": pre_eval},
         "mlflow": {k: logged[k] for k in ("run_id", "experiment_id", "tracking_uri")},
         "registered": registered,
         "timings": timings,

@@ -71,6 +71,10 @@ def print_summary(result: dict) -> None:
             ("KV bytes/token", ("kv", "kv_bytes_per_token")),
         ):
             table.add_row(name, f"{base[key[0]][key[1]]:.4f}", f"{comp[key[0]][key[1]]:.4f}")
+        before = result["eval"].get("before_lora")
+        if before:  # the compressed column is the recovered model
+            for name in ("prefill", "decode"):
+                table.add_row(f"{name} ppl before LoRA", "", f"{before[name]['ppl']:.4f}")
         if "kl" in comp:
             table.add_row("KL(base ‖ compressed) nats/token", "0", f"{comp['kl']['kl']:.5f}")
             table.add_row("top-1 agreement", "1", f"{comp['kl']['top1_agreement']:.4f}")
@@ -84,6 +88,15 @@ def print_summary(result: dict) -> None:
     table.add_row(
         "KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}"
     )
+    lora = result.get("lora")
+    if lora is not None:
+        m = lora.meta
+        table.add_row(
+            "LoRA steps (this run) / seconds", "", f"{m['steps']} ({m['steps_run']}) / {m['seconds']:.1f}"
+        )
+        if m.get("eval_loss_before") is not None:
+            table.add_row("LoRA held-out loss before → after", "", f"{m['eval_loss_before']:.4f} → "
+                          f"{m['eval_loss_after']:.4f}")  # fmt: skip
     console.print(table)
     console.print(f"compressed model: {result['compressed'].uri}", soft_wrap=True)
     if result["exported"]:

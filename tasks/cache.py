@@ -28,7 +28,7 @@ from .store import ArtifactStore, artifact_exists, open_store
 
 REF_CLASS = f"{ArtifactRef.__module__}.{ArtifactRef.__qualname__}"
 ALLOWED_CLASSES = frozenset({REF_CLASS})
-URI_META_KEYS = ("heatmap",)  # meta fields of a ref that name further artifacts
+URI_META_KEYS = ("heatmap", "history", "loss_curve")  # meta fields of a ref naming further artifacts
 EXPIRED = {
     "metadata": {"expiration": "1970-01-01T00:00:00Z", "serializer": {"type": "json"}, "storage_key": None},
     "result": "null",

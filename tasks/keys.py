@@ -65,3 +65,18 @@ def _dataset_signature(dataset: str) -> object:
 
 def calibration_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
     return task_key(ctx, {**params, "dataset_files": _dataset_signature(params["dataset"])})
+
+
+def lora_run_id(params: dict[str, Any]) -> str:
+    """Identity of a LoRA recovery run: the compressed model, the options, the data files, the code version.
+
+    The task's cache key and the directory its checkpoints go to (so a killed run resumes) both derive from
+    it; the run in the store that parameter set names is always the same one.
+    """
+    lora = params["lora"]
+    files = {name: _dataset_signature(lora[name]) for name in ("dataset", "eval_dataset") if lora[name]}
+    return fingerprint({"task": "lora_recover", "code": code_version(), "params": params, "files": files})
+
+
+def lora_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
+    return lora_run_id(params)

@@ -62,3 +62,29 @@ def plot_rank_heatmap(plan: RankPlan, path: str | Path, *, annotate: bool | None
     out = Path(path)
     fig.savefig(out, format="png")
     return out
+
+
+def plot_loss_curve(history: list[dict], evals: list[dict], path: str | Path) -> Path:
+    """LoRA recovery's loss per step (and its running mean) with the held-out losses; writes a PNG."""
+    fig = Figure(figsize=(6.4, 3.8), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    steps = np.array([h["step"] for h in history], dtype=float)
+    loss = np.array([h["loss"] for h in history], dtype=float)
+    ax.plot(steps, loss, color="tab:blue", alpha=0.35, linewidth=0.8, label="train loss (per step)")
+    window = max(1, len(loss) // 20)
+    if len(loss) >= window > 1:
+        smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+        ax.plot(steps[window - 1 :], smooth, color="tab:blue", label=f"train loss (mean of {window})")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "o-", color="tab:orange",
+                label="held-out loss")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token NLL (nats)")
+    ax.set_title("LoRA recovery", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, format="png")
+    return out

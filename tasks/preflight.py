@@ -17,9 +17,10 @@ from transformers import AutoConfig
 from lrkv_core.adapters import get_adapter
 from lrkv_core.data import check_dataset, heldout, parse_dataset_spec
 from lrkv_core.io import is_compressed_dir
+from lrkv_core.lora import check_targets, check_training_dataset
 from lrkv_core.models import TOKENIZER_FILES, resolve_model_dir
 
-from .recipe import HELD_OUT, ConvertRecipe
+from .recipe import HELD_OUT, ConvertRecipe, LoraRecipe
 
 DEFAULT_CALIBRATION = "hf:wikitext:wikitext-2-raw-v1:train"  # Palu's and SVD-LLM's calibration text
 
@@ -81,11 +82,31 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
             raise FileExistsError(
                 f"--out {out} exists and is not an lrkv model directory; refusing to replace it"
             )
+    lora = recipe.lora
+    if lora is not None:
+        lora = _prepare_lora(lora, dataset, eval_dataset, has_tokenizer, get_adapter(config).rope, notes)
     concrete = recipe.model_copy(
         update={
             "calibration": calibration.model_copy(update={"dataset": dataset}),
             "compression": compression,
             "eval": ev.model_copy(update={"dataset": eval_dataset}),
+            "lora": lora,
         }
     )
     return Prepared(concrete, notes)
+
+
+def _prepare_lora(
+    lora: LoraRecipe, calibration: str, evaluation: str | None, has_tokenizer: bool, rope: bool, notes: list
+) -> LoraRecipe:
+    """The LoRA section with its data resolved (training: the calibration data unless given; held-out rows:
+    the evaluation data for ``heldout``) and checked, and its targets checked against the architecture."""
+    check_targets(rope, lora.targets)
+    dataset = lora.dataset
+    if dataset is None:
+        dataset = calibration
+        notes.append(f"LoRA trains on {dataset} (the calibration data)")
+    eval_dataset = evaluation if lora.eval_dataset == HELD_OUT else lora.eval_dataset
+    for spec in filter(None, (dataset, eval_dataset)):
+        check_training_dataset(spec, has_tokenizer=has_tokenizer)
+    return lora.model_copy(update={"dataset": dataset, "eval_dataset": eval_dataset})

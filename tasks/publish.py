@@ -17,13 +17,16 @@ from .recipe import flatten, method_label
 from .refs import ArtifactRef
 from .registry import log_model, model_name, register_version
 from .store import local_path
-from .tracking import close_run, log_results, versions
+from .tracking import close_run, log_metric_history, log_results, versions
 
 
-def conversion_metrics(plan: ArtifactRef, base_eval: dict | None, eval_: dict | None) -> dict[str, float]:
-    """The MLflow metrics of one conversion: ratios, perplexities, bytes, KL, zero-shot scores."""
+def conversion_metrics(
+    plan: ArtifactRef, base_eval: dict | None, eval_: dict | None, before_lora: dict | None = None
+) -> dict[str, float]:
+    """The MLflow metrics of one conversion: ratios, perplexities, bytes, KL, zero-shot scores (with LoRA
+    recovery, ``compressed_*`` are the recovered model's and ``before_lora_*`` the model's before it)."""
     metrics = {"target_ratio": plan.meta["target_ratio"], "achieved_ratio": plan.meta["achieved_ratio"]}
-    for label, ev in (("base", base_eval), ("compressed", eval_)):
+    for label, ev in (("base", base_eval), ("compressed", eval_), ("before_lora", before_lora)):
         if ev is None:
             continue
         metrics[f"{label}_prefill_ppl"] = ev["prefill"]["ppl"]
@@ -40,18 +43,40 @@ def conversion_metrics(plan: ArtifactRef, base_eval: dict | None, eval_: dict | 
     return metrics
 
 
-def eval_table(base_eval: dict | None, eval_: dict | None) -> dict[str, list]:
-    """Base vs compressed measures as an MLflow table (columns of equal length)."""
+def eval_table(
+    base_eval: dict | None, eval_: dict | None, before_lora: dict | None = None
+) -> dict[str, list]:
+    """Base vs compressed measures (and before LoRA, when recovered) as an MLflow table."""
     rows = [
         ("prefill ppl", "prefill", "ppl"),
         ("decode ppl", "decode", "ppl"),
         ("KV bytes/token", "kv", "kv_bytes_per_token"),
     ]
-    return {
+    table = {
         "measure": [r[0] for r in rows],
         "base": [base_eval[a][b] if base_eval else None for _, a, b in rows],
         "compressed": [eval_[a][b] if eval_ else None for _, a, b in rows],
     }
+    if before_lora:
+        table["before LoRA"] = [before_lora[a][b] for _, a, b in rows]
+    return table
+
+
+def lora_results(lora: ArtifactRef) -> tuple[dict[str, float], dict[str, list[tuple[int, float]]]]:
+    """The LoRA run's summary metrics and its metric histories (loss and learning rate per step, held-out
+    loss per evaluation) from the recovered model's reference and its stored history."""
+    meta = lora.meta
+    metrics = {"lora_steps": meta["steps"], "lora_train_seconds": meta["seconds"]}
+    for key in ("final_loss", "eval_loss_before", "eval_loss_after"):
+        if meta.get(key) is not None:
+            metrics[f"lora_{key}"] = meta[key]
+    history = json.loads(local_path(meta["history"]).read_text())
+    histories = {
+        "lora_train_loss": [(h["step"], h["loss"]) for h in history["history"]],
+        "lora_lr": [(h["step"], h["lr"]) for h in history["history"]],
+        "lora_eval_loss": [(e["step"], e["eval_loss"]) for e in history["evals"]],
+    }
+    return metrics, histories
 
 
 def quality(base_eval: dict | None, eval_: dict | None) -> dict | None:
@@ -81,9 +106,11 @@ def log_run(
     base_eval: dict | None,
     eval_: dict | None,
     store: str | None = None,
+    lora: ArtifactRef | None = None,
+    before_lora: dict | None = None,
 ) -> dict:
     """Log params, metrics, tables, figures, artifacts and the compressed model (an MLflow model) into the
-    flow's MLflow run, then close it FINISHED."""
+    flow's MLflow run, then close it FINISHED (with LoRA recovery: its loss curves as metric history)."""
     params = {f"recipe.{k}": v for k, v in flatten(recipe).items()}
     params.update({f"version.{k}": v for k, v in versions().items()})
     params.update(
@@ -93,9 +120,18 @@ def log_run(
             "fingerprint.compressed": built.sha256,
         }
     )
-    metrics = conversion_metrics(plan, base_eval, eval_)
+    metrics = conversion_metrics(plan, base_eval, eval_, before_lora)
     comp = recipe["compression"]
-    evals = {"base": base_eval, "compressed": eval_}
+    evals = {"base": base_eval, "compressed": eval_, "before_lora": before_lora}
+    figures = {"rank_plan_heatmap.png": str(local_path(plan.meta["heatmap"]))}
+    files = {}
+    if lora is not None:
+        lora_metrics, histories = lora_results(lora)
+        metrics |= lora_metrics
+        log_metric_history(run, histories)
+        figures["lora_loss_curve.png"] = str(local_path(lora.meta["loss_curve"]))
+        files["lora_history.json"] = str(local_path(lora.meta["history"]))
+        params["fingerprint.before_lora"] = lora.meta["source"]
     log_results(
         run,
         params=params,
@@ -105,13 +141,15 @@ def log_run(
             "rank_plan.json": json.loads(local_path(plan.uri).read_text()),
             "recipe.json": recipe,
         },
-        tables={"eval_table.json": eval_table(base_eval, eval_)} if eval_ else {},
-        figures={"rank_plan_heatmap.png": str(local_path(plan.meta["heatmap"]))},
+        tables={"eval_table.json": eval_table(base_eval, eval_, before_lora)} if eval_ else {},
+        figures=figures,
+        file_artifacts=files,
         tags={
             "lrkv.method": comp["name"],
             "lrkv.model": model.meta["ref"],
             "lrkv.decomposition": method_label(comp["decomposition"]),
             "lrkv.allocator": method_label(comp["allocator"]),
+            "lrkv.lora": "true" if lora is not None else "false",
         },
     )
     logged = log_model(run, local_path(built.uri), built.sha256)

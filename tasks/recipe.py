@@ -16,6 +16,7 @@ from lrkv_core.allocation import ALLOCATORS
 from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
+from lrkv_core.lora import RecoveryConfig
 from lrkv_core.statistics import STATISTICS
 
 from .registered import registered
@@ -94,6 +95,51 @@ class EvalRecipe(Strict):
         return self
 
 
+Role = Literal["k_down", "v_down", "k_up", "q_proj", "o_proj"]  # lrkv_core.lora.ROLES (a test checks)
+
+
+class LoraRecipe(Strict):
+    """LoRA recovery after compression (Palu's defaults where they fit: r′ 32, α 32, lr 2e-4, cosine),
+    merged into the projections so the KV cache keeps its width: the data, and the options of
+    :class:`lrkv_core.lora.RecoveryConfig` (a test checks the defaults agree)."""
+
+    dataset: str | None = Field(
+        None, description="training data (a dataset spec); default: the calibration data"
+    )
+    eval_dataset: str | None = Field(
+        HELD_OUT,
+        description="rows for the held-out loss during training; 'heldout': eval.dataset; null: none",
+    )
+    steps: int = Field(200, ge=1)
+    r: int = Field(32, ge=1, description="LoRA rank r′")
+    alpha: float = Field(32.0, gt=0, description="LoRA α (the update is α/r′ · B A)")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[Role] = Field(
+        ["k_down", "v_down"], min_length=1, description="latent-attention projections that get adapters"
+    )
+    lr: float = Field(2e-4, gt=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    seq_len: int = Field(256, ge=2)
+    eval_every: int = Field(50, ge=0, description="steps between held-out losses (0: none)")
+    eval_rows: int = Field(8, ge=0)
+    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints (0: only the last)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _valid(self) -> LoraRecipe:
+        self.to_config()  # the core's own checks (distinct targets, ...), as a validation error
+        return self
+
+    def to_config(self) -> RecoveryConfig:
+        """The in-memory config of this section (the data fields are the task's)."""
+        return RecoveryConfig(**self.model_dump(exclude={"dataset", "eval_dataset"}))
+
+
 class TrackingRecipe(Strict):
     mlflow_uri: str | None = Field(
         None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<LRKV_HOME>/mlflow.db"
@@ -122,6 +168,7 @@ class ConvertRecipe(Strict):
     calibration: CalibrationRecipe = CalibrationRecipe()
     compression: PaluRecipe = PaluRecipe()
     eval: EvalRecipe = EvalRecipe()
+    lora: LoraRecipe | None = Field(None, description="LoRA recovery after compression; null: off")
     tracking: TrackingRecipe = TrackingRecipe()
     registry: RegistryRecipe = RegistryRecipe()
     store: str | None = Field(

@@ -22,9 +22,18 @@ def summary_markdown(result: dict) -> str:
     if base and comp:
         for name, a, b in (("prefill PPL", "prefill", "ppl"), ("decode PPL", "decode", "ppl")):
             lines.append(f"| {name} | {base[a][b]:.4f} | {comp[a][b]:.4f} |")
+        before = result["eval"].get("before_lora")
+        if before:
+            for name in ("prefill", "decode"):
+                lines.append(f"| {name} PPL before LoRA | | {before[name]['ppl']:.4f} |")
         kv = "kv_bytes_per_token"
         lines.append(f"| KV bytes/token | {base['kv'][kv]:.1f} | {comp['kv'][kv]:.1f} |")
     lines.append(f"| KV width ratio (target {plan['target_ratio']}) | 1 | {plan['achieved_ratio']:.4f} |")
+    lora = result.get("lora")
+    if lora is not None:
+        lines.append(
+            f"| LoRA recovery steps / seconds | | {lora.meta['steps']} / {lora.meta['seconds']:.1f} |"
+        )
     lines += ["", f"MLflow run: {mlflow_link(result['mlflow'])}"]
     reg = result.get("registered")
     if reg:

@@ -178,6 +178,20 @@ def log_results(
             mlflow.log_artifact(rid, str(path))
 
 
+def log_metric_history(run: dict, histories: dict[str, list[tuple[int, float]]]) -> int:
+    """Log each metric's values at their steps (``name -> [(step, value), ...]``) as MLflow metric history, in
+    ``log_batch`` calls of at most 1000 metrics (MLflow's limit); returns how many values were logged."""
+    from mlflow.entities import Metric
+    from mlflow.utils.time import get_current_time_millis
+
+    mlflow, rid = client(run["tracking_uri"]), run["run_id"]
+    now = get_current_time_millis()
+    metrics = [Metric(k, float(v), now, int(s)) for k, values in histories.items() for s, v in values]
+    for i in range(0, len(metrics), 1000):
+        mlflow.log_batch(rid, metrics=metrics[i : i + 1000])
+    return len(metrics)
+
+
 def log_conversion(
     *,
     tracking_uri: str | None,

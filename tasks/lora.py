@@ -1,0 +1,80 @@
+"""The LoRA recovery task of the convert flow: train on the compressed model, merge, store the result.
+
+One core call (:func:`lrkv_core.lora.recover_dir`). The task's cache key is the run's identity
+(:func:`lrkv_tasks.keys.lora_run_id`: the compressed model's fingerprint, the options, the data files, the
+code version), so a re-run with the same inputs is served from the store; the run's checkpoints go to a
+directory named by the same identity, so a run killed mid-training resumes from its last checkpoint when the
+flow runs again. They are removed once the task has stored its result.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from prefect import task
+
+from lrkv_core.lora import recover_dir
+from lrkv_core.paths import lrkv_home
+
+from .cache import checked
+from .convert import CACHED, _local, _stored
+from .keys import lora_key, lora_run_id
+from .plots import plot_loss_curve
+from .progress import step
+from .refs import ArtifactRef, is_s3
+
+CHECKPOINTS = "lora-checkpoints"
+
+
+def checkpoint_dir(store: str, run_id: str) -> Path:
+    """Where a LoRA run keeps its checkpoints: inside a local store, else under ``$LRKV_HOME`` (training
+    reads and writes them locally; with an S3 store a killed run resumes on the same machine)."""
+    root = lrkv_home() if is_s3(store) else Path(store)
+    return root / CHECKPOINTS / run_id
+
+
+@task(name="lora_recover", cache_key_fn=checked(lora_key), **CACHED)
+def lora_recover(built: ArtifactRef, lora: dict, dtype: str, store: str) -> ArtifactRef:
+    """Recover a compressed model with LoRA (resuming from a checkpoint) and store the merged model.
+
+    ``lora`` is the recipe's ``lora`` section with its datasets resolved (:mod:`lrkv_tasks.preflight`).
+    """
+    ckpt = checkpoint_dir(store, lora_run_id({"built": built, "lora": lora, "dtype": dtype, "store": store}))
+    dataset, eval_dataset = lora["dataset"], lora["eval_dataset"]
+    options = {k: v for k, v in lora.items() if k not in ("dataset", "eval_dataset")}
+    summary: dict = {}
+
+    def train(out: str) -> dict:
+        with step("LoRA recovery") as advance:
+            summary.update(
+                recover_dir(
+                    _local(built),
+                    out,
+                    options,
+                    dataset=dataset,
+                    eval_dataset=eval_dataset,
+                    checkpoint_dir=ckpt,
+                    dtype=dtype,
+                    progress=advance,
+                )  # fmt: skip
+            )
+        return {k: v for k, v in summary.items() if k not in ("history", "evals")}
+
+    model = _stored(store, "model", "models", "", train)
+    history = {"history": summary["history"], "evals": summary["evals"]}
+
+    def write_history(out: str) -> dict:
+        Path(out).write_text(json.dumps(history))
+        return {}
+
+    def draw(out: str) -> dict:
+        plot_loss_curve(history["history"], history["evals"], out)
+        return {"model": model.sha256}
+
+    history_ref = _stored(store, "lora-history", "lora", ".json", write_history)
+    curve = _stored(store, "figure", "lora", ".png", draw)
+    shutil.rmtree(ckpt, ignore_errors=True)  # the result is stored: nothing left to resume
+    meta = model.meta | {"source": built.sha256, "history": history_ref.uri, "loss_curve": curve.uri}
+    return model.model_copy(update={"meta": meta})
