@@ -111,3 +111,28 @@ def test_a_flow_killed_in_training_resumes_from_the_checkpoint(prefect_api, tmp_
     with torch.no_grad():
         assert max_diff(a(ids).logits, b(ids).logits) == 0
     assert kv_bytes_per_token(a, ids) == kv_bytes_per_token(b, ids)
+
+
+def test_cli_lora_steps_runs_the_recovery(tmp_path):
+    from tests.flows.test_cli import _convert_args, _lrkv
+
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=20, seq_len=32)}"
+    out = tmp_path / "out"
+    lora = [
+        "--lora-steps",
+        "3",
+        "--set",
+        "lora.r=4",
+        "--set",
+        "lora.batch_size=2",
+        "--set",
+        "lora.seq_len=32",
+    ]
+    res = _lrkv(_convert_args(model_dir, data, out, "--ratio", "0.5", *lora), tmp_path / "home")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = " ".join(res.stdout.split())
+    assert "lora_recover" in text and "decode ppl before LoRA" in text and "LoRA steps (this run)" in text
+    assert "LoRA trains on" in text and "steps: 3" in text  # the note and the recipe echoed
+    assert "## LoRA recovery" in (out / "README.md").read_text()  # the model card says what was merged
+    assert load_compressed(out).config.lrkv["achieved_ratio"] == 0.5
