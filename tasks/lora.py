@@ -22,7 +22,7 @@ from .cache import checked
 from .convert import CACHED, _local, _stored
 from .keys import lora_key, lora_run_id
 from .plots import plot_loss_curve
-from .progress import step
+from .progress import run_logger, step
 from .refs import ArtifactRef, is_s3
 
 CHECKPOINTS = "lora-checkpoints"
@@ -45,6 +45,12 @@ def lora_recover(built: ArtifactRef, lora: dict, dtype: str, store: str) -> Arti
     dataset, eval_dataset = lora["dataset"], lora["eval_dataset"]
     options = {k: v for k, v in lora.items() if k not in ("dataset", "eval_dataset")}
     summary: dict = {}
+    logger = run_logger()
+
+    def report(record: dict) -> None:  # held-out losses reach the Prefect run's log as they are measured
+        if "eval_loss" in record:
+            logger.info("LoRA step %d/%d: train loss %.4f, held-out loss %.4f", record["step"],
+                        options["steps"], record["loss"], record["eval_loss"])  # fmt: skip
 
     def train(out: str) -> dict:
         with step("LoRA recovery") as advance:
@@ -58,8 +64,11 @@ def lora_recover(built: ArtifactRef, lora: dict, dtype: str, store: str) -> Arti
                     checkpoint_dir=ckpt,
                     dtype=dtype,
                     progress=advance,
-                )  # fmt: skip
+                    on_step=report,
+                )
             )
+        if summary["resumed_from"] is not None:
+            logger.info("LoRA recovery resumed from its checkpoint at step %d", summary["resumed_from"])
         return {k: v for k, v in summary.items() if k not in ("history", "evals")}
 
     model = _stored(store, "model", "models", "", train)

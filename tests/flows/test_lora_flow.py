@@ -85,8 +85,9 @@ def test_a_flow_killed_in_training_resumes_from_the_checkpoint(prefect_api, tmp_
     recipe = _recipe(tmp_path)
     real = lora_task.recover_dir
 
-    def interrupted(*args, **kwargs):  # the real training, stopped after step 5 (checkpoint at 4)
+    def interrupted(*args, on_step, **kwargs):  # the real training, stopped after step 5 (checkpoint at 4)
         def stop(record):
+            on_step(record)
             if record["step"] == 5:
                 raise Interrupted
 
