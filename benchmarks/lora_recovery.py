@@ -1,12 +1,15 @@
 """LoRA recovery table: the original model, each compressed model before and after LoRA, measured alike.
 
-For each ratio the model is calibrated and compressed in memory (``lrkv_core.convert``), evaluated, recovered
-with LoRA (``lrkv_core.lora.recover``: train on ``--train``, held-out loss on ``--monitor``), evaluated again,
-and the original is evaluated once. Evaluation is lrkv's: prefill perplexity on non-overlapping ``--seq-len``
-windows of ``--eval`` and decode perplexity teacher-forced token by token through the latent cache after a
-``--decode-prefix`` prefix, plus the KV bytes per token measured from the cache. Rows are appended to
-``--out`` as JSON lines as they are measured, and the markdown table is printed (and written to
-``--out`` with ``.md``).
+For each ratio the model is calibrated and compressed in memory (``lrkv_core.convert``), evaluated,
+recovered with LoRA (``lrkv_core.lora.recover``: train on ``--train``, held-out loss on ``--monitor``),
+evaluated again; the original is evaluated once. With ``--control`` the original is also fine-tuned with
+the same LoRA recipe on its matching projections (k_down, k_up → k_proj; v_down → v_proj; q_proj; o_proj),
+which separates recovering what compression lost from adapting the model to the training text.
+
+Evaluation is lrkv's: prefill perplexity on non-overlapping ``--seq-len`` windows of ``--eval``, decode
+perplexity teacher-forced token by token through the latent cache after a ``--decode-prefix`` prefix, and
+the KV bytes per token measured from the cache. Rows are appended to ``--out`` as JSON lines as they are
+measured; the markdown table is printed and written next to it (``.md``).
 
     OMP_NUM_THREADS=1 python benchmarks/lora_recovery.py --model ../shared/models/shakespeare-llama \\
         --calibration text:../shared/data/shakespeare/train.txt \\
@@ -23,13 +26,16 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from lrkv_core import evaluate
+from lrkv_core.adapters import get_adapter
 from lrkv_core.convert import CompressionConfig, convert
 from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
-from lrkv_core.lora import RecoveryConfig, recover, training_data
+from lrkv_core.lora import RecoveryConfig, fit_lora, recover, training_data
 from lrkv_core.models import load_model
 
+ORIGINAL_PROJECTION = {"k_down": "k", "k_up": "k", "v_down": "v", "q_proj": "q", "o_proj": "o"}
 COLUMNS = ("model", "ratio", "prefill PPL", "decode PPL", "KV bytes/token", "LoRA steps", "train s")
 
 
@@ -45,6 +51,18 @@ def measure(model, windows: torch.Tensor, args) -> dict:
         "kv_bytes_per_token": kv["kv_bytes_per_token"],
         "protocol": {"prefill": prefill["protocol"], "decode": decode["protocol"], "dataset": args.eval},
     }
+
+
+def lora_on_original(model, lora: RecoveryConfig):
+    """The uncompressed model with the same LoRA on its matching projections (names: the adapter table)."""
+    from peft import LoraConfig, get_peft_model
+
+    adapter = get_adapter(model.config)
+    projections = sorted({ORIGINAL_PROJECTION[t] for t in lora.targets})
+    names = [adapter.weight_name(i, p) for i in range(adapter.shape(model.config).L) for p in projections]
+    torch.manual_seed(lora.seed)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=names)
+    return get_peft_model(model, config)
 
 
 def row_cells(row: dict) -> list[str]:
@@ -87,9 +105,11 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--control", action="store_true", help="also LoRA-tune the original (same recipe)")
     p.add_argument("--out", type=Path, default=Path("lora_recovery.jsonl"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
     lora = RecoveryConfig(
         steps=args.steps, r=args.r, alpha=args.alpha, lr=args.lr, targets=tuple(args.targets.split(",")),
         batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
@@ -113,6 +133,14 @@ def main() -> None:
         print("| " + " | ".join(row_cells(row)) + " |", flush=True)
 
     record({"label": "original", "ratio": None, **measure(original, windows, args)})
+    if args.control:
+        started = time.perf_counter()
+        trained = fit_lora(lora_on_original(original, lora), data, lora, eval_data=monitor,
+                           on_step=lambda r: print(json.dumps(r), flush=True))  # fmt: skip
+        tuned = trained.model.merge_and_unload().eval()
+        record({"label": "original + LoRA (control)", "ratio": None, **measure(tuned, windows, args),
+                "steps": trained.state.step, "train_seconds": trained.state.seconds,
+                "wall_seconds": time.perf_counter() - started, "evals": trained.state.evals})  # fmt: skip
     for ratio in (float(r) for r in args.ratios.split(",")):
         model, _ = load_model(args.model)
         config = CompressionConfig(ratio=ratio, group_size=args.group_size, allocator=args.allocator)

@@ -16,7 +16,7 @@ from .data import TrainingData, check_training_dataset, training_data
 from .merge import check_latent_widths, merge_lora
 from .recover import recover, recover_dir
 from .targets import check_targets, target_modules
-from .train import TrainResult, attach_lora, heldout_loss, train_lora
+from .train import TrainResult, attach_lora, fit_lora, heldout_loss, train_lora
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -31,6 +31,7 @@ __all__ = [
     "check_latent_widths",
     "check_targets",
     "check_training_dataset",
+    "fit_lora",
     "heldout_loss",
     "latest_checkpoint",
     "merge_lora",

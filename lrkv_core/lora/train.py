@@ -102,8 +102,14 @@ def heldout_loss(model: nn.Module, data: TrainingData, *, rows: int, batch_size:
     return total / max(tokens, 1)
 
 
-def train_lora(
-    model: nn.Module,
+def train_lora(model: nn.Module, data: TrainingData, config: RecoveryConfig, **kwargs) -> TrainResult:
+    """Train LoRA adapters on ``model`` (a compressed model, changed in place) and return the PEFT model:
+    :func:`attach_lora` then :func:`fit_lora` (keyword arguments go to it)."""
+    return fit_lora(attach_lora(model, config), data, config, **kwargs)
+
+
+def fit_lora(
+    peft_model: nn.Module,
     data: TrainingData,
     config: RecoveryConfig,
     *,
@@ -113,10 +119,12 @@ def train_lora(
     progress: Progress = None,
     on_step: OnStep = None,
 ) -> TrainResult:
-    """Train LoRA adapters on ``model`` (a compressed model, changed in place) and return the PEFT model.
+    """Train the trainable parameters of ``peft_model`` (its adapters) with ``config``'s optimisation.
 
     Parameters
     ----------
+    peft_model : a model whose trainable parameters are its adapters (:func:`attach_lora`, or any PEFT
+        model, e.g. adapters on an uncompressed model for comparison).
     data, eval_data : training rows and held-out rows (:func:`lrkv_core.lora.data.training_data`).
     checkpoint_dir : where checkpoints go and a restart resumes from (None: no checkpoints).
     fingerprint : identity of the run (model, data, options) that a checkpoint must carry to be resumed.
@@ -124,7 +132,6 @@ def train_lora(
     on_step : ``on_step({"step", "loss", "lr"[, "eval_loss"]})`` after every step, once its checkpoint (if
         any) is written.
     """
-    peft_model = attach_lora(model, config)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(config))
