@@ -141,7 +141,7 @@ def main() -> None:
         record({"label": "original + LoRA (control)", "ratio": None, **measure(tuned, windows, args),
                 "steps": trained.state.step, "train_seconds": trained.state.seconds,
                 "wall_seconds": time.perf_counter() - started, "evals": trained.state.evals})  # fmt: skip
-    for ratio in (float(r) for r in args.ratios.split(",")):
+    for ratio in (float(r) for r in args.ratios.split(",") if r):  # "" : the original rows only
         model, _ = load_model(args.model)
         config = CompressionConfig(ratio=ratio, group_size=args.group_size, allocator=args.allocator)
         model = convert(model, calibration, config)
