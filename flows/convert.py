@@ -78,7 +78,15 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         timings,
         "build_model",
         t.build_model.submit(
-            model, layers, plan, comp.decomposition.to_dict(), comp.cache.to_dict(), recipe.dtype, store
+            model,
+            layers,
+            plan,
+            comp.decomposition.to_dict(),
+            comp.cache.to_dict(),
+            recipe.dtype,
+            store,
+            rotation=comp.rotation,
+            rotation_seed=comp.rotation_seed,
         ),
     )
     base_eval = comp_eval = None
