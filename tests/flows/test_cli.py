@@ -129,6 +129,7 @@ def test_bad_settings_fail_before_any_work(tmp_path):
         (["--ratio", "0.2", "--group-size", "1"], "leaves rank 0 for some groups"),
         (["--eval-dataset", f"parquet:{tmp_path / 'missing.parquet'}"], "missing.parquet"),
         (["--eval-dataset", f"text:{tmp_path / 'data.parquet'}"], "has no tokenizer"),
+        (["--bits", "4", "--quant-group-size", "3"], "quantization group size 3 does not divide"),
     ]
     for extra, message in cases:
         res = _lrkv(_convert_args(model_dir, data, out, *extra), tmp_path / "home", timeout=120)
