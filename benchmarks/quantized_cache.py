@@ -27,6 +27,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ from lrkv_core.models import load_model
 
 COLUMNS = ["model", "ratio", "rotation", "bits", "residual", "prefill PPL", "decode PPL", "KV bytes/token",
            "× fp32 cache", "× 16-bit cache"]  # fmt: skip
+
+
+Emit = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def _csv(text: str, cast=str) -> list:
@@ -77,7 +81,7 @@ def storage(bits: int, residual: int, group: int | None) -> dict[str, Any]:
     return {"name": "quantized", "bits": bits, "quant_group_size": group, "residual": residual}
 
 
-def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args) -> list[dict[str, Any]]:
+def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args, emit: Emit) -> list[dict[str, Any]]:
     """Every ratio × rotation × bits × residual of the grid, in that nesting (one plan per ratio)."""
     base = CompressionConfig(group_size=args.group_size, rank_multiple=args.rank_multiple).for_model(
         model.config
@@ -95,24 +99,22 @@ def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args) -> list[dic
                     row = {"model": "lrkv", "ratio": ratio, "achieved_ratio": conversion.plan.achieved_ratio,
                            "rotation": rotation, "bits": bits, "residual": residual}  # fmt: skip
                     row |= measure(compressed, windows, args)
-                    out.append(row)
-                    print(_line(row), file=sys.stderr, flush=True)
+                    out.append(emit(row))
     return out
 
 
-def run_anchor(model, windows: torch.Tensor, args) -> list[dict[str, Any]]:
+def run_anchor(model, windows: torch.Tensor, args, emit: Emit) -> list[dict[str, Any]]:
     """transformers' QuantizedCache on the original model, each spec of ``--anchor``."""
     out = []
     for text in args.anchor:
         spec = HfQuantizedCacheSpec.parse(text)
         try:
             row = measure(model, windows, args, cache_factory=lambda spec=spec: spec.make(model.config))
-        except ImportError as err:  # the backend is an optional install
-            row = {"error": str(err).splitlines()[0]}
+        except (ImportError, RuntimeError, ValueError) as err:  # an optional install, or the backend's bug
+            row = {"error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
         row |= {"model": f"QuantizedCache[{spec.backend}]", "ratio": 1.0, "rotation": "—", "bits": spec.bits,
                 "residual": spec.residual_length, "group": spec.q_group_size}  # fmt: skip
-        out.append(row)
-        print(_line(row), file=sys.stderr, flush=True)
+        out.append(emit(row))
     return out
 
 
@@ -176,7 +178,7 @@ def main() -> None:
                    help="QuantizedCache specs BACKEND:BITS[:GROUP[:RESIDUAL]]; '' for none")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, help="write the markdown section here")
-    p.add_argument("--json", type=Path, help="write every row (and the arguments) here")
+    p.add_argument("--jsonl", type=Path, help="append every row here as it is measured (JSON lines)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -188,10 +190,17 @@ def main() -> None:
         )
         rows = read_token_rows(path)  # (N, T)
     windows = eval_windows(args.eval, tokenizer, seq_len=args.seq_len, max_windows=args.max_windows)  # (N, T)
+
+    def emit(row: dict[str, Any]) -> dict[str, Any]:
+        print(_line(row), file=sys.stderr, flush=True)
+        if args.jsonl:
+            with args.jsonl.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
     original = {"model": "original", "ratio": 1.0, "rotation": "—", "bits": 32, "residual": 0}
-    original |= measure(model, windows, args)
-    print(_line(original), file=sys.stderr, flush=True)
-    results = [original, *run_lrkv(model, rows, windows, args), *run_anchor(model, windows, args)]
+    original = emit(original | measure(model, windows, args))
+    results = [original, *run_lrkv(model, rows, windows, args, emit), *run_anchor(model, windows, args, emit)]
     minutes = (time.perf_counter() - start) / 60
     n_decode = min(args.decode_windows, windows.shape[0])
     section = (
@@ -214,9 +223,6 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(section)
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": results},
-                                        indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
