@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,7 +13,9 @@ import typer
 import yaml
 from rich.markup import escape
 
+from .ops_cli import register_operations
 from .report import console, print_eval, print_summary, rich_progress
+from .report import fail as _fail
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Low-rank KV-cache compression (Palu and friends)."
@@ -58,11 +61,6 @@ def _set_option(example: str):
     ]
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
-    return typer.Exit(code)
-
-
 def _parse_set(values: list[str]) -> dict:
     out = {}
     for item in values:
@@ -81,9 +79,12 @@ def _overrides(flags: dict, eval_key: str) -> dict:
     return out
 
 
-def _configure_prefect(store_root: Path, verbose: bool) -> None:
+def _configure_prefect(store: str | None, verbose: bool) -> None:
     """Settings Prefect reads at start-up; set before it is imported, and only where the user has not."""
-    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(store_root / "prefect-results"))
+    from lrkv_tasks.store import RESULTS, LocalStore, is_s3
+
+    local = LocalStore(None if is_s3(store) else store).path  # tasks keep their results in the store itself
+    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(local / RESULTS))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from transformers.utils import logging as hf_logging
 
@@ -149,7 +150,6 @@ def convert(
 ) -> None:
     """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
     from lrkv_tasks.recipe import load_recipe, recipe_yaml
-    from lrkv_tasks.store import LocalStore
 
     flags = {
         "model": model,
@@ -178,7 +178,7 @@ def convert(
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
         console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
-    _configure_prefect(LocalStore(rec.store).root, verbose)
+    _configure_prefect(rec.store, verbose)
     try:
         _build_builtin(rec.model)
         from lrkv_tasks.preflight import prepare
@@ -189,14 +189,33 @@ def convert(
     console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)
     for note in prepared.notes:
         console.print(f"[cyan]note:[/cyan] {escape(note)}", soft_wrap=True)
-    from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
+    with _prefect_api() as supervise:
+        from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
+
+        try:
+            with supervise, rich_progress():
+                result = convert_flow(prepared.recipe)
+        except USER_ERRORS as e:
+            raise _fail(str(e)) from None
+    print_summary(result)
+
+
+@contextmanager
+def _prefect_api():
+    """Connect to a Prefect API (a running server, else one this process owns: :mod:`lrkv_flows.apiserver`)
+    and yield the context that runs a flow under signal handling (:mod:`lrkv_flows.interrupt`)."""
+    from lrkv_flows.apiserver import connect
+    from lrkv_flows.interrupt import supervised
 
     try:
-        with rich_progress():
-            result = convert_flow(prepared.recipe)
-    except USER_ERRORS as e:
+        server = connect()
+    except RuntimeError as e:
         raise _fail(str(e)) from None
-    print_summary(result)
+    try:
+        yield supervised(server, lambda line: console.print(escape(line), soft_wrap=True))
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def quantized_cache(bits: int | None, group_size: int | None, residual: int | None) -> dict | None:
@@ -255,7 +274,6 @@ def ablate(
 ) -> None:
     """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
     from lrkv_tasks.recipe import AblateRecipe, apply_overrides, read_yaml
-    from lrkv_tasks.store import LocalStore
 
     flags = {
         "base.model": model,
@@ -272,15 +290,16 @@ def ablate(
     except (ValueError, OSError, yaml.YAMLError) as e:
         console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
-    _configure_prefect(LocalStore(rec.base.store).root, verbose)
+    _configure_prefect(rec.base.store, verbose)
     try:
         _build_builtin(rec.base.model)
     except USER_ERRORS as e:
         raise _fail(str(e)) from None
-    from lrkv_flows.ablate import ablate_flow
+    with _prefect_api() as supervise:
+        from lrkv_flows.ablate import ablate_flow
 
-    with rich_progress():
-        result = ablate_flow(rec, str(out_dir) if out_dir else None)
+        with supervise, rich_progress():
+            result = ablate_flow(rec, str(out_dir) if out_dir else None)
     console.print(result["markdown"])
     run = result["mlflow"]
     console.print(f"wrote {result['dir']}; MLflow run {run['run_id']} at {run['tracking_uri']}")
@@ -374,6 +393,8 @@ def _evaluate(
             progress=advance,
         )
 
+
+register_operations(app)  # pull, deploy, up, down, runs (flows/ops_cli.py)
 
 if __name__ == "__main__":
     app()

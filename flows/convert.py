@@ -1,19 +1,32 @@
 """The convert flow: calibration → statistics → decompose (per layer) → summarize (per layer) → plan → build
-→ evaluate → log → export. Which statistics and features are computed follows from the methods' ``needs``."""
+→ evaluate → log (with the model) → register → export. Which statistics and features are computed follows
+from the methods' ``needs``.
+
+The flow's MLflow run is opened first, so an interrupted or failed conversion leaves a run marked KILLED or
+FAILED; a re-run whose every step came from the cache removes its empty run and returns the one that holds
+the results. Task results live in the artifact store (JSON), so a killed flow resumes from its last finished
+task, in this process or another, on a local or an S3 store.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, unmapped
+from prefect.exceptions import TerminationSignal
 
 from lrkv_core.allocation import statistics_for
 from lrkv_tasks import convert as t
 from lrkv_tasks.preflight import prepare
+from lrkv_tasks.publish import log_run, register_model
 from lrkv_tasks.recipe import ConvertRecipe
-from lrkv_tasks.store import LocalStore
-from lrkv_tasks.tracking import log_run
+from lrkv_tasks.store import open_store
+from lrkv_tasks.summary import publish_summary
+from lrkv_tasks.tracking import OPEN_RUNS, close_run, discard_run, open_run
 from lrkv_tasks.zeroshot import zeroshot
+
+from .interrupt import FLOW_RUNS
 
 
 def _record(timings: list[dict], name: str, future) -> Any:
@@ -24,33 +37,66 @@ def _record(timings: list[dict], name: str, future) -> Any:
     return future.result()
 
 
+def _run_tags(recipe: ConvertRecipe) -> dict[str, str]:
+    from prefect.runtime import flow_run
+
+    return {"lrkv.kind": "convert", "lrkv.model": recipe.model, "lrkv.prefect_flow_run": str(flow_run.id)}
+
+
 @flow(name="lrkv-convert", log_prints=True)
 def convert_flow(recipe: ConvertRecipe) -> dict:
-    """Compress a model's KV projections to a latent cache, evaluate it and log it to MLflow."""
+    """Compress a model's KV projections to a latent cache, evaluate it, log and register it in MLflow."""
     prepared = prepare(recipe)
     recipe = prepared.recipe
     for note in prepared.notes:
         print(note)
-    store = str(LocalStore(recipe.store).root)
+    comp = recipe.compression
+    name = f"convert-{Path(recipe.model).name}-r{comp.ratio}-g{comp.group_size}"
+    tags = _run_tags(recipe)
+    run = open_run(recipe.tracking.mlflow_uri, recipe.tracking.experiment, name, tags)
+    FLOW_RUNS.add(tags["lrkv.prefect_flow_run"])
+    try:
+        result = _convert(recipe, run)
+    except BaseException as err:
+        if run["run_id"] in OPEN_RUNS:
+            killed = isinstance(err, (KeyboardInterrupt, SystemExit, TerminationSignal))
+            close_run(run, "KILLED" if killed else "FAILED")
+        raise
+    finally:
+        FLOW_RUNS.discard(tags["lrkv.prefect_flow_run"])
+    publish_summary(result)
+    return result | {"notes": prepared.notes}
+
+
+def _convert(recipe: ConvertRecipe, run: dict) -> dict:
+    st = open_store(recipe.store)
+    store = st.root
+    storage = st.result_storage()
+
+    def stored(task):  # the task with its results kept in the artifact store (JSON records)
+        return task.with_options(result_storage=storage)
+
     timings: list[dict] = []
     comp, cal = recipe.compression, recipe.calibration
     config = comp.to_config()
-    model = _record(timings, "resolve_model", t.resolve_model.submit(recipe.model))
+    model = _record(timings, "resolve_model", stored(t.resolve_model).submit(recipe.model, store))
     calib = _record(
         timings,
         "extract_calibration",
-        t.extract_calibration.submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
+        stored(t.extract_calibration).submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
     )
     stats = {
         s.name: _record(
             timings,
             f"collect_statistic[{s.name}]",
-            t.collect_statistic.submit(model, calib, s.to_dict(), recipe.dtype, cal.batch_size, store),
+            stored(t.collect_statistic).submit(
+                model, calib, s.to_dict(), recipe.dtype, cal.batch_size, store
+            ),
         )
         for s in config.needed_statistics()
     }
     layer_ids = list(range(model.meta["shape"]["L"]))
-    decomposed = t.decompose_layer.map(
+    decomposed = stored(t.decompose_layer).map(
         model=unmapped(model),
         stats=unmapped({name: stats[name] for name in config.decomposition.needs}),
         layer=layer_ids,
@@ -60,7 +106,7 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     )
     layers = [_record(timings, f"decompose_layer[{i}]", f) for i, f in enumerate(decomposed)]
     features = sorted(config.features())
-    summarized = t.summarize_layer.map(
+    summarized = stored(t.summarize_layer).map(
         factors=layers,
         stats=unmapped({name: stats[name] for name in statistics_for(features)}),
         features=unmapped(features),
@@ -70,14 +116,14 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     plan = _record(
         timings,
         "plan_ranks",
-        t.plan_ranks.submit(
+        stored(t.plan_ranks).submit(
             model, summaries, comp.ratio, comp.group_size, comp.rank_multiple, comp.allocator.to_dict(), store
         ),
     )
     built = _record(
         timings,
         "build_model",
-        t.build_model.submit(
+        stored(t.build_model).submit(
             model,
             layers,
             plan,
@@ -92,35 +138,55 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
     base_eval = comp_eval = None
     if recipe.eval.dataset:
         ev = recipe.eval.model_dump()
-        base_eval = _record(timings, "evaluate[base]", t.evaluate.submit(model, ev, recipe.dtype, "base"))
+        base_eval = _record(
+            timings, "evaluate[base]", stored(t.evaluate).submit(model, ev, recipe.dtype, "base", store=store)
+        )
         comp_eval = _record(
-            timings, "evaluate[compressed]", t.evaluate.submit(built, ev, recipe.dtype, "compressed", model)
+            timings,
+            "evaluate[compressed]",
+            stored(t.evaluate).submit(built, ev, recipe.dtype, "compressed", model, store),
         )
         if recipe.eval.zeroshot_tasks:
             for label, ref in (("base", model), ("compressed", built)):
-                result = _record(timings, f"zeroshot[{label}]", zeroshot.submit(ref, ev, recipe.dtype, label))
+                result = _record(
+                    timings,
+                    f"zeroshot[{label}]",
+                    stored(zeroshot).submit(ref, ev, recipe.dtype, label, store),
+                )
                 (base_eval if label == "base" else comp_eval)["zeroshot"] = result
-    run = _record(
+    logged = _record(
         timings,
         "log_run",
-        log_run.submit(recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval),
+        stored(log_run).submit(
+            run, recipe.model_dump(mode="json"), model, calib, plan, built, base_eval, comp_eval, store
+        ),
     )
+    if logged["run_id"] != run["run_id"]:  # every result came from the cache: its run already holds them
+        discard_run(run)
+    registered = None
+    if recipe.registry.enabled:
+        registry = recipe.registry.model_dump()
+        registered = _record(
+            timings,
+            "register_model",
+            stored(register_model).submit(logged, built, recipe.model, base_eval, comp_eval, registry, store),
+        )
     exported = None
-    if recipe.out:  # last: a failed evaluation or log leaves no complete-looking --out
+    if recipe.out:  # last: a failed evaluation, log or registration leaves no complete-looking --out
         refresh = not t.export_is_current(built, recipe.out)  # a deleted or edited export is redone
         exported = _record(
             timings,
             "export_model",
-            t.export_model.with_options(refresh_cache=refresh).submit(built, recipe.out),
+            stored(t.export_model).with_options(refresh_cache=refresh).submit(built, recipe.out, store),
         )
     return {
         "recipe": recipe,
-        "notes": prepared.notes,
         "model": model,
         "plan": plan,
         "compressed": built,
         "exported": exported,
         "eval": {"base": base_eval, "compressed": comp_eval},
-        "mlflow": run,
+        "mlflow": {k: logged[k] for k in ("run_id", "experiment_id", "tracking_uri")},
+        "registered": registered,
         "timings": timings,
     }

@@ -13,6 +13,14 @@ from rich.table import Table
 console = Console()
 
 
+def fail(message: str, code: int = 1):
+    """Print one error line and return the ``typer.Exit`` to raise (no traceback)."""
+    import typer
+
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
+    return typer.Exit(code)
+
+
 @contextmanager
 def rich_progress() -> Iterator[None]:
     """Show every ``lrkv_tasks.progress.step`` of the block as a rich progress bar."""
@@ -86,6 +94,15 @@ def print_summary(result: dict) -> None:
         f"MLflow run {run['run_id']} (experiment {run['experiment_id']}) at {run['tracking_uri']}",
         soft_wrap=True,
     )
+    reg = result.get("registered")
+    if reg:
+        gate = "passed" if reg["gate"]["passed"] else "not passed"
+        console.print(
+            f"registered {reg['name']} v{reg['version']} as {', '.join(reg['aliases'])} "
+            f"(quality gate {gate}: {escape(reg['gate']['reason'])}); pull it with "
+            f"lrkv pull {reg['name']}@{reg['aliases'][-1]} --out DIR",
+            soft_wrap=True,
+        )
 
 
 def print_eval(model_dir: str, res: dict) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +29,9 @@ from .files import make_readable
 from .format import FormatError, LrkvFormat
 from .fuse import build_latent_skeleton
 from .hf_quantizer import LrkvConfig
+from .refs import resolve_model_dir
+
+_REMOTE = re.compile(r"[a-z][a-z0-9+.-]*:/")  # SCHEME:/... (models:/, s3://, runs:/): never a local path
 
 WEIGHTS = "model.safetensors"
 
@@ -95,14 +99,17 @@ def load_compressed(
 ) -> nn.Module:
     """A ready HF model (eval mode, latent cache on) from a directory written by :func:`save_compressed`.
 
+    ``path`` may also be a remote reference that a scheme plugin resolves (lrkv_tasks registers
+    ``models:/NAME@ALIAS`` and ``s3://...``; see :mod:`lrkv_core.refs`).
+
     Raises
     ------
     ModelFileError
         The directory is not an lrkv model, its ``lrkv`` section cannot be read (e.g. a newer format), or
         ``model.safetensors`` is missing, truncated, corrupt or does not match the ranks in config.json.
     """
-    if "://" in str(path) or str(path).startswith("runs:/"):  # before Path(), which folds "s3://" to "s3:/"
-        raise ValueError(f"{path}: load_compressed takes a local directory; fetch remote artifacts first")
+    if isinstance(path, str) and _REMOTE.match(path):  # before Path(), which folds "s3://" to "s3:/"
+        path = resolve_model_dir(path)  # models:/NAME@ALIAS, s3://...: a scheme plugin downloads it
     path = Path(path)
     if not is_compressed_dir(path):
         raise ModelFileError(

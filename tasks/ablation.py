@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 
 from .recipe import method_label
-from .store import LocalStore
+from .store import LocalStore, is_s3
 
 COLUMNS = [
     "decomposition",
@@ -18,7 +18,9 @@ COLUMNS = [
     "ratio",
     "achieved_ratio",
     "prefill_ppl",
+    "prefill_rise",
     "decode_ppl",
+    "decode_rise",
     "kl",
     "top1_agreement",
     "kv_bytes_ratio",
@@ -41,7 +43,9 @@ def ablation_row(compression: dict, result: dict | None, error: str | None = Non
     return row | {
         "achieved_ratio": result["plan"].meta["achieved_ratio"],
         "prefill_ppl": comp["prefill"]["ppl"],
+        "prefill_rise": comp["prefill"]["ppl"] - base["prefill"]["ppl"],
         "decode_ppl": comp["decode"]["ppl"],
+        "decode_rise": comp["decode"]["ppl"] - base["decode"]["ppl"],
         "kl": comp["kl"]["kl"],
         "top1_agreement": comp["kl"]["top1_agreement"],
         "kv_bytes_ratio": comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"],
@@ -110,7 +114,8 @@ def summarize_ablation(rows: list[dict], recipe: dict, store: str, out_dir: str 
     writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    target = Path(out_dir) if out_dir else LocalStore(store).root / "ablations"
+    local_root = LocalStore(None if is_s3(store) else store).path  # an S3 store: tables go under LRKV_HOME
+    target = Path(out_dir) if out_dir else local_root / "ablations"
     target.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown(rows, base) if ok else "no successful row\n"
     files = {"ablation.csv": buf.getvalue(), "ablation.md": markdown}

@@ -20,10 +20,11 @@ from lrkv_core import pipeline
 from lrkv_core.fingerprint import hash_dir
 from lrkv_core.models import model_fingerprint, resolve_model_dir
 
+from .cache import checked
 from .keys import calibration_key, resolve_key, task_key
 from .progress import step
 from .refs import ArtifactRef
-from .store import LocalStore
+from .store import local_path, open_store
 
 _RUN_SECONDS: dict[uuid.UUID, float] = {}
 _RUN_SECONDS_LOCK = threading.Lock()
@@ -41,25 +42,37 @@ def run_seconds(task_run_id: uuid.UUID) -> float | None:
         return _RUN_SECONDS.pop(task_run_id, None)
 
 
-CACHED = {"persist_result": True, "cache_expiration": None, "on_completion": [_note_run_time]}
+# results persist as JSON (never pickle) in the store, and a hit is checked before use (lrkv_tasks.cache)
+CACHED = {
+    "persist_result": True,
+    "result_serializer": "json",
+    "cache_expiration": None,
+    "on_completion": [_note_run_time],
+}
+TASK_KEY = checked(task_key)
+
+
+def _local(ref: ArtifactRef) -> str:
+    """A local path of the artifact (downloaded and verified first when the store is remote)."""
+    return str(local_path(ref.uri))
 
 
 def _stats(stats: dict[str, ArtifactRef]) -> dict[str, str]:
-    return {name: ref.uri for name, ref in stats.items()}
+    return {name: _local(ref) for name, ref in stats.items()}
 
 
 def _stored(store: str, kind: str, folder: str, suffix: str, make: Callable[[str], dict]) -> ArtifactRef:
     """Run ``make(path)`` (one core call writing one file or directory at ``path``), then move what it
     wrote into the store under its content hash; the reference carries the metadata ``make`` returned."""
-    st = LocalStore(store)
+    st = open_store(store)
     with st.staging(suffix) as tmp:
         meta = make(str(tmp))
         path, digest = st.put(tmp, folder)
     return ArtifactRef(kind=kind, uri=path, sha256=digest, meta=meta)
 
 
-@task(name="resolve_model", cache_key_fn=resolve_key, **CACHED)
-def resolve_model(ref: str) -> ArtifactRef:
+@task(name="resolve_model", cache_key_fn=checked(resolve_key), **CACHED)
+def resolve_model(ref: str, store: str | None = None) -> ArtifactRef:
     """Locate the model files and fingerprint them."""
     from transformers import AutoConfig
 
@@ -78,15 +91,15 @@ def resolve_model(ref: str) -> ArtifactRef:
     )
 
 
-@task(name="extract_calibration", cache_key_fn=calibration_key, **CACHED)
+@task(name="extract_calibration", cache_key_fn=checked(calibration_key), **CACHED)
 def extract_calibration(
     model: ArtifactRef, dataset: str, n_samples: int, seq_len: int, seed: int, store: str
 ) -> ArtifactRef:
     """Draw calibration windows and store them as Parquet."""
-    st = LocalStore(store)
+    st = open_store(store)
     with st.staging(".parquet") as tmp:
         info = pipeline.calibrate(
-            model.uri, dataset, n_samples=n_samples, seq_len=seq_len, seed=seed, out_path=str(tmp)
+            _local(model), dataset, n_samples=n_samples, seq_len=seq_len, seed=seed, out_path=str(tmp)
         )
         path, _ = st.put(tmp, "calibration")
     info.pop("path", None)
@@ -96,7 +109,7 @@ def extract_calibration(
 @task(
     name="collect_statistic",
     task_run_name="collect_statistic[{statistic[name]}]",
-    cache_key_fn=task_key,
+    cache_key_fn=TASK_KEY,
     **CACHED,
 )
 def collect_statistic(
@@ -110,12 +123,18 @@ def collect_statistic(
             "statistics",
             ".safetensors",
             lambda out: pipeline.statistic_file(
-                model.uri, calib.uri, statistic, out, dtype=dtype, batch_size=batch_size, progress=advance
+                _local(model),
+                _local(calib),
+                statistic,
+                out,
+                dtype=dtype,
+                batch_size=batch_size,
+                progress=advance,
             ),
         )
 
 
-@task(name="decompose_layer", cache_key_fn=task_key, **CACHED)
+@task(name="decompose_layer", cache_key_fn=TASK_KEY, **CACHED)
 def decompose_layer(
     model: ArtifactRef,
     stats: dict[str, ArtifactRef],
@@ -131,12 +150,12 @@ def decompose_layer(
         "factors",
         ".safetensors",
         lambda out: pipeline.decompose_file(
-            model.uri, _stats(stats), layer, out, group_size=group_size, decomposition=decomposition
+            _local(model), _stats(stats), layer, out, group_size=group_size, decomposition=decomposition
         ),
     )
 
 
-@task(name="summarize_layer", cache_key_fn=task_key, **CACHED)
+@task(name="summarize_layer", cache_key_fn=TASK_KEY, **CACHED)
 def summarize_layer(
     factors: ArtifactRef, stats: dict[str, ArtifactRef], features: list[str], store: str
 ) -> ArtifactRef:
@@ -146,11 +165,11 @@ def summarize_layer(
         "summary",
         "summaries",
         ".safetensors",
-        lambda out: pipeline.summarize_file(factors.uri, _stats(stats), out, features=features),
+        lambda out: pipeline.summarize_file(_local(factors), _stats(stats), out, features=features),
     )
 
 
-@task(name="plan_ranks", cache_key_fn=task_key, **CACHED)
+@task(name="plan_ranks", cache_key_fn=TASK_KEY, **CACHED)
 def plan_ranks(
     model: ArtifactRef,
     summaries: list[ArtifactRef],
@@ -171,8 +190,8 @@ def plan_ranks(
         "plans",
         ".json",
         lambda out: pipeline.plan_file(
-            model.uri,
-            [s.uri for s in summaries],
+            _local(model),
+            [_local(s) for s in summaries],
             out,
             ratio=ratio,
             group_size=group_size,
@@ -182,14 +201,14 @@ def plan_ranks(
     )
 
     def draw(out: str) -> dict:
-        plot_rank_heatmap(RankPlan.load(plan.uri), out)
+        plot_rank_heatmap(RankPlan.load(_local(plan)), out)
         return {"plan": plan.sha256}
 
     heatmap = _stored(store, "figure", "plans", ".png", draw)
     return plan.model_copy(update={"meta": plan.meta | {"heatmap": heatmap.uri}})
 
 
-@task(name="build_model", cache_key_fn=task_key, **CACHED)
+@task(name="build_model", cache_key_fn=TASK_KEY, **CACHED)
 def build_model(
     model: ArtifactRef,
     layers: list[ArtifactRef],
@@ -208,9 +227,9 @@ def build_model(
         "models",
         "",
         lambda out: pipeline.build_file(
-            model.uri,
-            [f.uri for f in layers],
-            plan.uri,
+            _local(model),
+            [_local(f) for f in layers],
+            _local(plan),
             out,
             decomposition=decomposition,
             cache=cache,
@@ -221,36 +240,47 @@ def build_model(
     )
 
 
+def copy_model_dir(src: Path, dst: Path) -> Path:
+    """Copy a model directory to ``dst`` through a temporary sibling renamed into place; an existing ``dst``
+    is replaced only if it is an lrkv model directory (or empty)."""
+    from lrkv_core.io import is_compressed_dir
+
+    if dst.exists() and any(dst.iterdir()) and not is_compressed_dir(dst):
+        raise FileExistsError(f"{dst} exists and is not an lrkv model directory; refusing to overwrite it")
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
+
+
 def export_is_current(built: ArtifactRef, out: str) -> bool:
     """Whether ``out`` already holds exactly the built model (else the flow refreshes the export)."""
     dst = Path(out)
     return dst.is_dir() and (dst / "config.json").is_file() and hash_dir(dst) == built.sha256
 
 
-@task(name="export_model", cache_key_fn=task_key, **CACHED)
-def export_model(built: ArtifactRef, out: str) -> ArtifactRef:
+@task(name="export_model", cache_key_fn=TASK_KEY, **CACHED)
+def export_model(built: ArtifactRef, out: str, store: str | None = None) -> ArtifactRef:
     """Copy the compressed model directory to the user's --out (atomically: a temp sibling renamed)."""
-    from lrkv_core.io import is_compressed_dir
-
-    dst = Path(out)
-    if dst.exists() and any(dst.iterdir()) and not is_compressed_dir(dst):
-        raise FileExistsError(f"{dst} exists and is not an lrkv model directory; refusing to overwrite it")
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(built.uri, tmp)
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
+    dst = copy_model_dir(Path(_local(built)), Path(out))
     return ArtifactRef(kind="export", uri=str(dst.resolve()), sha256=built.sha256)
 
 
-@task(name="evaluate", cache_key_fn=task_key, **CACHED)
+@task(name="evaluate", cache_key_fn=TASK_KEY, **CACHED)
 def evaluate(
-    model: ArtifactRef, eval_cfg: dict, dtype: str, label: str, base: ArtifactRef | None = None
+    model: ArtifactRef,
+    eval_cfg: dict,
+    dtype: str,
+    label: str,
+    base: ArtifactRef | None = None,
+    store: str | None = None,
 ) -> dict[str, Any]:
     """Prefill and decode perplexity, measured KV bytes/token, and KL against ``base`` when given."""
     with step(f"evaluate {label}") as advance:
         return pipeline.evaluate_dir(
-            model.uri,
+            _local(model),
             eval_cfg["dataset"],
             seq_len=eval_cfg["seq_len"],
             max_windows=eval_cfg["max_windows"],
@@ -258,6 +288,6 @@ def evaluate(
             decode_windows=eval_cfg["decode_windows"],
             batch_size=eval_cfg["batch_size"],
             dtype=dtype,
-            base_dir=base.uri if base else None,
+            base_dir=_local(base) if base else None,
             progress=advance,
         )

@@ -48,6 +48,12 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
     get_adapter(config)  # unsupported architectures fail here, naming the supported ones
     compression = recipe.compression
     resolved = compression.to_config().for_model(config)  # group size, rank-0 budget: before any work
+    for stat in resolved.needed_statistics():
+        if stat.n_samples is not None and stat.n_samples > recipe.calibration.n_samples:
+            raise ValueError(
+                f"statistic {stat.name} asks for {stat.n_samples} calibration rows; calibration.n_samples is "
+                f"{recipe.calibration.n_samples}"
+            )
     if compression.group_size == "auto":
         notes.append(f"group size {resolved.group_size} (auto: the largest divisor of the KV heads ≤ 4)")
         compression = compression.model_copy(update={"group_size": resolved.group_size})

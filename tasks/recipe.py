@@ -103,8 +103,23 @@ class EvalRecipe(Strict):
 
 
 class TrackingRecipe(Strict):
-    mlflow_uri: str | None = Field(None, description="default: sqlite:///<LRKV_HOME>/mlflow.db")
+    mlflow_uri: str | None = Field(
+        None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<LRKV_HOME>/mlflow.db"
+    )
     experiment: str = "lrkv"
+
+
+class RegistryRecipe(Strict):
+    """The MLflow model registry: every conversion is registered as ``candidate``; the quality gate decides
+    ``champion``."""
+
+    enabled: bool = True
+    name: str | None = Field(None, description="registered model name; default lrkv-<model-slug>")
+    max_ppl_rise: float = Field(
+        0.05,
+        ge=0,
+        description="champion only if prefill PPL rose at most this much (relative) over the original",
+    )
 
 
 class ConvertRecipe(Strict):
@@ -116,7 +131,10 @@ class ConvertRecipe(Strict):
     compression: PaluRecipe = PaluRecipe()
     eval: EvalRecipe = EvalRecipe()
     tracking: TrackingRecipe = TrackingRecipe()
-    store: str | None = Field(None, description="artifact store root; default <LRKV_HOME>/store")
+    registry: RegistryRecipe = RegistryRecipe()
+    store: str | None = Field(
+        None, description="artifact store root: a directory or s3://bucket/prefix; default <LRKV_HOME>/store"
+    )
     out: str | None = Field(None, description="also copy the compressed model directory here")
 
 

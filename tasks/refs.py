@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+from lrkv_core.fingerprint import hash_dir, hash_file
+
+RESULTS = "prefect-results"  # where a store keeps the tasks' result records
+
+
+def is_s3(uri: str | Path | None) -> bool:
+    """Whether a store root or artifact URI is on S3."""
+    return isinstance(uri, str) and uri.startswith("s3://")
+
+
+def digest_of(staged: Path) -> str:
+    """The content hash a staged file or directory is stored under."""
+    return hash_dir(staged) if staged.is_dir() else hash_file(staged)
 
 
 class ArtifactRef(BaseModel):
     """One stored artifact: where it is, what it is, its content fingerprint and a few small facts.
 
-    ``uri`` is a local path today (the artifact store's, a model directory, an export); ``sha256`` is the
+    ``uri`` is a local path (a local store's artifact, a model directory, an export) or ``s3://...`` (an S3
+    store's artifact; tasks read it through :func:`lrkv_tasks.store.local_path`); ``sha256`` is the
     content fingerprint cache keys are built from; ``meta`` holds small JSON facts (a layer index, a model's
     attention shape, a plan's achieved ratio), never tensors.
     """

@@ -1,8 +1,16 @@
-"""The artifact store: content-addressed files under one root (a local directory for now).
+"""The artifact store: content-addressed artifacts under one root, a local directory or ``s3://bucket/prefix``.
 
-Every artifact is written to a temporary path first and moved into ``<root>/<kind>/<sha256>[suffix]``
-only when complete, so a killed run never leaves a half-written artifact behind, and equal content is
-stored once.
+One interface (:class:`ArtifactStore`), two implementations: :class:`LocalStore` here and
+:class:`lrkv_tasks.s3.S3Store`. :func:`open_store` picks one from the root. Every artifact is staged in a
+local temporary path first and published at ``<root>/<kind>/<sha256>[suffix]`` only when complete (a rename
+on a local disk; a completed upload, and for a directory a manifest written last, on S3), so a killed run
+never leaves a half-written artifact, and equal content is stored once. Tasks read artifacts through
+:meth:`ArtifactStore.local`, which for S3 downloads into a content-addressed local cache and verifies the
+sha256 before anything uses it.
+
+The store also holds the tasks' cached results (Prefect result records, JSON) in ``<root>/prefect-results``;
+:meth:`ArtifactStore.result_storage` is the Prefect storage block for them, and ``read_record`` /
+``write_record`` let :mod:`lrkv_tasks.cache` check a record before Prefect reads it.
 """
 
 from __future__ import annotations
@@ -10,28 +18,48 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from lrkv_core.files import make_tree_readable
-from lrkv_core.fingerprint import hash_dir, hash_file
 from lrkv_core.paths import lrkv_home
+
+from .refs import RESULTS, digest_of, is_s3
+
+__all__ = ["RESULTS", "ArtifactStore", "LocalStore", "artifact_exists", "is_s3", "local_path", "open_store"]
 
 
 def default_store_root() -> Path:
     return lrkv_home() / "store"
 
 
+class ArtifactStore(Protocol):
+    """What tasks need from a store; ``uri`` strings are what :class:`~lrkv_tasks.refs.ArtifactRef` holds."""
+
+    root: str
+
+    def staging(self, suffix: str = "") -> AbstractContextManager[Path]: ...
+    def put(self, staged: Path, kind: str) -> tuple[str, str]: ...
+    def local(self, uri: str) -> Path: ...
+    def exists(self, uri: str) -> bool: ...
+    def result_storage(self) -> Path | str: ...
+    def read_record(self, key: str) -> bytes | None: ...
+    def write_record(self, key: str, data: bytes) -> None: ...
+
+
 class LocalStore:
-    """A local-directory artifact store."""
+    """A local-directory artifact store (the default: ``$LRKV_HOME/store``)."""
 
     def __init__(self, root: str | Path | None = None) -> None:
-        self.root = Path(root).expanduser().resolve() if root else default_store_root()
+        self.path = Path(root).expanduser().resolve() if root else default_store_root()
+        self.root = str(self.path)
 
     @contextmanager
-    def staging(self, suffix: str = ""):
+    def staging(self, suffix: str = "") -> Iterator[Path]:
         """A temporary path inside the store (same filesystem, so the final move is atomic)."""
-        tmp_dir = self.root / ".staging"
+        tmp_dir = self.path / ".staging"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         path = Path(tempfile.mkdtemp(dir=tmp_dir)) / f"artifact{suffix}"
         try:
@@ -41,8 +69,8 @@ class LocalStore:
 
     def put(self, staged: Path, kind: str) -> tuple[str, str]:
         """Move a staged file or directory into place; returns ``(path, sha256)``."""
-        digest = hash_dir(staged) if staged.is_dir() else hash_file(staged)
-        final = self.root / kind / f"{digest}{''.join(staged.suffixes)}"
+        digest = digest_of(staged)
+        final = self.path / kind / f"{digest}{''.join(staged.suffixes)}"
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists():
             return str(final), digest
@@ -53,3 +81,55 @@ class LocalStore:
             if not final.exists():
                 raise
         return str(final), digest
+
+    def local(self, uri: str) -> Path:
+        """The artifact's local path (it is already local); a clear error if it is gone."""
+        path = Path(uri)
+        if not path.exists():
+            raise FileNotFoundError(f"artifact {uri} is missing from the store")
+        return path
+
+    def exists(self, uri: str) -> bool:
+        return Path(uri).exists()
+
+    def result_storage(self) -> Path:
+        """Where Prefect keeps task results: a directory inside the store."""
+        return self.path / RESULTS
+
+    def read_record(self, key: str) -> bytes | None:
+        path = self.path / RESULTS / key
+        return path.read_bytes() if path.is_file() else None
+
+    def write_record(self, key: str, data: bytes) -> None:
+        path = self.path / RESULTS / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+
+def open_store(root: str | Path | None = None) -> ArtifactStore:
+    """The store at ``root``: ``s3://bucket/prefix`` or a local directory (default ``$LRKV_HOME/store``)."""
+    if is_s3(root):
+        from .s3 import S3Store
+
+        return S3Store(str(root))
+    return LocalStore(root)
+
+
+def local_path(uri: str) -> Path:
+    """A local copy of any artifact URI (a store artifact on S3 is downloaded and verified)."""
+    if is_s3(uri):
+        from .s3 import S3Store
+
+        return S3Store.for_uri(uri).local(uri)
+    return LocalStore(Path(uri).parent).local(uri)
+
+
+def artifact_exists(uri: str) -> bool:
+    """Whether the artifact at ``uri`` is still there (an S3 directory counts once its manifest is)."""
+    if is_s3(uri):
+        from .s3 import S3Store
+
+        return S3Store.for_uri(uri).exists(uri)
+    return Path(uri).exists()

@@ -13,9 +13,9 @@ from prefect import task
 
 from lrkv_core.models import load_model
 
-from .convert import CACHED
-from .keys import task_key
+from .convert import CACHED, TASK_KEY
 from .refs import ArtifactRef
+from .store import local_path
 
 
 def run_zeroshot(
@@ -70,11 +70,11 @@ def run_zeroshot(
     return extra | {"results": results, "protocol": protocol | {"samples": samples}}
 
 
-@task(name="zeroshot", cache_key_fn=task_key, **CACHED)
-def zeroshot(model: ArtifactRef, eval_cfg: dict, dtype: str, label: str) -> dict:
+@task(name="zeroshot", cache_key_fn=TASK_KEY, **CACHED)
+def zeroshot(model: ArtifactRef, eval_cfg: dict, dtype: str, label: str, store: str | None = None) -> dict:
     """lm-eval zero-shot tasks of one model."""
     return run_zeroshot(
-        model.uri,
+        str(local_path(model.uri)),
         eval_cfg["zeroshot_tasks"],
         include_path=eval_cfg["zeroshot_include"],
         limit=eval_cfg["zeroshot_limit"],

@@ -69,3 +69,38 @@ def mlflow_server(tmp_path_factory):
     yield uri
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on loopback for the session, with the bucket ``lrkv``; yields its endpoint."""
+    from tests.support.servers import start_s3_server
+
+    server, endpoint = start_s3_server("lrkv")
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tmp_path):
+    """The loopback S3 server's settings in this test's environment; LRKV_HOME (the download cache) in
+    tmp_path. Yields the endpoint."""
+    from tests.support.servers import s3_env
+
+    for name, value in s3_env(s3_server).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
+    yield s3_server
+
+
+@pytest.fixture(scope="session")
+def mlflow_s3_server(tmp_path_factory, s3_server):
+    """A real ``mlflow server`` whose artifact root is ``s3://lrkv/mlflow`` on the loopback S3 server."""
+    from tests.support.servers import s3_env, start_mlflow_server
+
+    proc, uri = start_mlflow_server(
+        tmp_path_factory.mktemp("mlflow-s3"), artifacts="s3://lrkv/mlflow", env=s3_env(s3_server)
+    )
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -8,15 +8,34 @@ from pathlib import Path
 import lrkv_core
 
 
+def _loaded(code: str, top: set[str]) -> set[str]:
+    names = "','.join(sorted(m for m in sys.modules if m.split('.')[0] in " + repr(top) + "))"
+    probe = f"import sys; {code}; print({names})"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return set(filter(None, out.stdout.strip().split(",")))
+
+
 def test_core_imports_no_prefect_mlflow_boto3():
-    code = (
-        "import sys, lrkv_core, lrkv_core.pipeline, lrkv_kernels.latent_rope;"
-        "top = {'prefect', 'mlflow', 'boto3', 'botocore'};"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in top);"
-        "print(','.join(bad))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "", f"lrkv_core pulled in: {out.stdout.strip()}"
+    """Importing lrkv_core loads no prefect or mlflow, and no boto3 beyond what its own dependencies load.
+
+    (transformers imports accelerate, which imports boto3 whenever boto3 is installed, as it is for lrkv's
+    S3 store: that is measured as the baseline; lrkv_core's own code is checked by the AST test below.)
+    """
+    core = "import lrkv_core, lrkv_core.pipeline, lrkv_kernels.latent_rope"
+    assert _loaded(core, {"prefect", "mlflow"}) == set()
+    aws = {"boto3", "botocore"}
+    baseline = _loaded("import torch, transformers.quantizers.auto, safetensors, datasets, pyarrow", aws)
+    assert _loaded(core, aws) <= baseline, "lrkv_core pulled in boto3 modules its dependencies do not"
+
+
+def test_core_code_never_imports_orchestration_or_cloud_libraries():
+    for path in sorted(Path(lrkv_core.__file__).parent.rglob("*.py")):  # lazy imports inside functions too
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            bad = {n.split(".")[0] for n in names} & {"prefect", "mlflow", "boto3", "botocore", "s3fs"}
+            assert not bad, f"{path.name} imports {bad}"
 
 
 def test_kernels_do_not_import_core():

@@ -7,7 +7,8 @@ calibration statistics it declares (:data:`FEATURES`):
 
 - ``weight_condition``: ``log κ`` of the layer's whole k_proj / v_proj weight (LoRC), rebuilt from the
   full-rank factors, so it is data-free whatever the decomposition;
-- ``fisher_sums``: the Fisher information summed over each group's rows (Palu);
+- ``fisher_rms``: the mean over each group's rows of the RMS gradient ``√F`` (Palu's group score);
+- ``fisher_sums``: the Fisher information summed over each group's rows;
 - ``error_curves``: the Fisher-weighted truncation error ``E(r) = Σ F ⊙ (W − B_r A_r)²`` at every rank.
 
 A new feature is one :class:`Feature` entry (``register_feature``) wherever the allocator that needs it lives.
@@ -90,8 +91,20 @@ def fisher_group_sums(fisher: Mapping[str, torch.Tensor], group_width: int) -> P
     return {kind: [float(b.double().sum()) for b in group_rows(fisher[kind], group_width)] for kind in KINDS}
 
 
+def fisher_group_rms(fisher: Mapping[str, torch.Tensor], group_width: int) -> PerKind:
+    """Palu's group score: the mean over each group's weight elements of the RMS gradient ``√F``."""
+    return {
+        kind: [float(b.double().sqrt().mean()) for b in group_rows(fisher[kind], group_width)]
+        for kind in KINDS
+    }
+
+
 def _fisher_sums(factors: LayerFactors, stats: Mapping[str, Any]) -> PerKind:
     return fisher_group_sums(stats["fisher"], factors.groups["k"][0].up.shape[0])
+
+
+def _fisher_rms(factors: LayerFactors, stats: Mapping[str, Any]) -> PerKind:
+    return fisher_group_rms(stats["fisher"], factors.groups["k"][0].up.shape[0])
 
 
 @torch.no_grad()
@@ -140,6 +153,7 @@ def _error_curves(factors: LayerFactors, stats: Mapping[str, Any]) -> PerKind:
 
 register_feature(Feature("weight_condition", frozenset(), _weight_condition))
 register_feature(Feature("fisher_sums", frozenset({"fisher"}), _fisher_sums))
+register_feature(Feature("fisher_rms", frozenset({"fisher"}), _fisher_rms))
 register_feature(Feature("error_curves", frozenset({"fisher"}), _error_curves))
 
 

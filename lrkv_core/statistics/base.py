@@ -27,7 +27,29 @@ LayerValue = torch.Tensor | dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Statistic(Method, ABC):
-    """A per-layer calibration statistic, collected in one pass over the calibration rows."""
+    """A per-layer calibration statistic, collected in one pass over the calibration rows.
+
+    ``n_samples`` uses only the first n calibration rows (they are drawn at random, so these are a random
+    subset): statistics can then use different amounts of calibration data (e.g. Palu whitens with 256
+    windows and estimates the Fisher with 2048) from one calibration set of the largest size.
+    """
+
+    n_samples: int | None = None  # the first n calibration rows; None: all of them
+
+    def __post_init__(self) -> None:
+        if self.n_samples is not None and self.n_samples < 1:
+            raise ValueError(f"{self.name}: n_samples must be ≥ 1, got {self.n_samples}")
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The calibration rows this statistic uses; a clear error when it asks for more than there are."""
+        if self.n_samples is None:
+            return rows
+        if self.n_samples > rows.shape[0]:
+            raise ValueError(
+                f"statistic {self.name} asks for {self.n_samples} calibration rows, the calibration has "
+                f"{rows.shape[0]}: raise calibration.n_samples"
+            )
+        return rows[: self.n_samples]
 
     @abstractmethod
     def collect(

@@ -10,10 +10,10 @@ Labels are the input ids themselves: the HF model shifts them internally, so the
 ``x[t+1]`` given ``x[..t]``. Palu passes ``input_ids[:, :-1]`` with labels ``input_ids[:, 1:]`` and the model
 shifts again, scoring ``x[t+2]`` given ``x[..t]``: a different (and wrong) Fisher.
 
-Per-row gradients come from one backward pass per micro-batch: with the k/v_proj input ``x`` (B, T, d) and
-the loss gradient at its output ``g`` (B, T, out), row b's weight gradient is ``g_bᵀ x_b`` (out, d). Only the
-k/v weights require gradients while collecting, so activations are kept for those projections only; the
-squares are accumulated in float32 or float64 whatever the model's dtype.
+Per-row gradients come from one backward pass per micro-batch (:func:`~.gradients.kv_gradient_passes`):
+with the k/v_proj input ``x`` (B, T, d) and the loss gradient at its output ``g`` (B, T, out), row b's weight
+gradient is ``g_bᵀ x_b`` (out, d). The squares are accumulated in float32 or float64 whatever the model's
+dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 
 from ..adapters import get_adapter
 from .base import STATISTICS, LayerValue, Progress, Statistic
+from .gradients import kv_gradient_passes
 
 KINDS = ("k", "v")
 
@@ -59,61 +60,22 @@ def collect_fisher(
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"accumulate the Fisher in float32 or float64, not {dtype}")
-    if rows.ndim != 2 or rows.shape[1] < 2:
-        raise ValueError(f"rows must be (N, T) token ids with T ≥ 2, got {tuple(rows.shape)}")
-    if int(rows.min()) < 0:
-        raise ValueError("rows hold negative ids (padding/ignore labels?); the Fisher needs unpadded rows")
-    adapter = get_adapter(model.config)
-    shape = adapter.shape(model.config)
-    projs = [
-        (i, kind, getattr(adapter.attention(model, i), name))
-        for i in range(shape.L)
-        for kind, name in (("k", adapter.k_name), ("v", adapter.v_name))
-    ]
-    device = next(model.parameters()).device
+    shape = get_adapter(model.config).shape(model.config)
     fisher = [
-        {kind: torch.zeros(shape.kv_width, shape.d, dtype=dtype, device=device) for kind in KINDS}
-        for _ in range(shape.L)
+        {kind: torch.zeros(shape.kv_width, shape.d, dtype=dtype) for kind in KINDS} for _ in range(shape.L)
     ]
-    seen: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (layer, kind, input x, output) per pass
+    acc_device = []
 
-    def make_hook(i: int, kind: str):
-        def hook(_module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            seen.append((i, kind, args[0].detach(), output))
+    def visit(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
+        if not acc_device:
+            acc_device.append(x.device)
+            for entry in fisher:
+                for k in KINDS:
+                    entry[k] = entry[k].to(x.device)
+        _accumulate(fisher[layer][kind], x, g, per_row)
 
-        return hook
-
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    was_training = model.training
-    handles = []
-    try:
-        for p, _ in flags:
-            p.requires_grad_(False)
-        for i, kind, proj in projs:
-            proj.weight.requires_grad_(True)
-            handles.append(proj.register_forward_hook(make_hook(i, kind)))
-        model.eval()
-        n, n_samples = rows.shape[0], 0
-        with torch.enable_grad():
-            for start in range(0, n, batch_size):
-                batch = rows[start : start + batch_size].to(device)  # (B, T)
-                seen.clear()
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss  # HF shifts the labels
-                grads = torch.autograd.grad(loss, [out for *_, out in seen], allow_unused=True)
-                for (i, kind, x, _), g in zip(seen, grads):
-                    if g is not None:
-                        _accumulate(fisher[i][kind], x, g, per_row)
-                seen.clear()
-                n_samples += batch.shape[0] if per_row else 1
-                if progress:
-                    progress(min(start + batch_size, n), n)
-    finally:
-        seen.clear()
-        for h in handles:
-            h.remove()
-        for p, flag in flags:
-            p.requires_grad_(flag)
-        model.train(was_training)
+    n_rows, n_batches = kv_gradient_passes(model, rows, visit, batch_size=batch_size, progress=progress)
+    n_samples = n_rows if per_row else n_batches
     for layer in fisher:
         for kind in KINDS:
             layer[kind] = (layer[kind] / n_samples).cpu()
@@ -145,6 +107,6 @@ class Fisher(Statistic):
         self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
     ) -> tuple[list[LayerValue], dict[str, Any]]:
         fisher, n = collect_fisher(
-            model, rows, batch_size=batch_size, per_row=self.per_row, progress=progress
+            model, self.rows(rows), batch_size=batch_size, per_row=self.per_row, progress=progress
         )
         return fisher, {"n_samples": n, "per_row": self.per_row}

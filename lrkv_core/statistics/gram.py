@@ -79,5 +79,5 @@ class Gram(Statistic):
     def collect(
         self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
     ) -> tuple[list[LayerValue], dict[str, Any]]:
-        grams, n_tokens = collect_gram(model, rows, batch_size=batch_size, progress=progress)
+        grams, n_tokens = collect_gram(model, self.rows(rows), batch_size=batch_size, progress=progress)
         return grams, {"n_tokens": n_tokens}

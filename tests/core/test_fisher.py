@@ -167,7 +167,7 @@ def test_save_load_roundtrip(make_tiny, tmp_path) -> None:
     save_statistic(stat, fisher, meta, path)
     header = read_header(path)
     assert header["meta"] == {"n_samples": 2, "per_row": True} and header["layers"] == 2
-    assert header["statistic"] == {"name": "fisher", "per_row": True}
+    assert header["statistic"] == {"name": "fisher", "n_samples": None, "per_row": True}
     back = load_statistic(path)
     assert all(torch.equal(a, b) for a, b in zip(_flat(back), _flat(fisher), strict=True))
     assert torch.equal(load_statistic(path, layer=1)["v"], fisher[1]["v"])

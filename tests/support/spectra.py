@@ -43,6 +43,7 @@ def synthetic_inputs(seed: int = 0) -> dict:
         curves.append(curve)
     features = {
         "fisher_sums": sensitivity,
+        "fisher_rms": sensitivity,  # the fisher allocator reads either score: any positive values do
         "error_curves": curves,
         "weight_condition": spectral_condition(spectra),
     }

@@ -1,0 +1,157 @@
+"""The Prefect API the CLI talks to: a running server when there is one, else one it starts and owns.
+
+Prefect's own ephemeral API is a uvicorn subprocess in the CLI's process group: a Ctrl-C in the terminal
+kills it along with the CLI (the flow then spends a minute retrying a dead API), and a SIGKILL of the CLI
+leaves it running. The server here is started by the CLI itself instead:
+
+- in its own session, so a terminal's Ctrl-C reaches only the CLI, which stops the server after it has
+  recorded the interruption;
+- with a pipe on its stdin that only the CLI holds: when the CLI exits in any way, SIGKILL included, the
+  pipe closes and the server exits (:func:`main`'s watchdog thread), so no server outlives its CLI.
+
+Which API is used (:func:`connect`): ``$PREFECT_API_URL`` when set; else the server ``lrkv up`` started, if
+it answers (its URL is in ``$LRKV_HOME/services.json``); else an owned server as above. Run as
+``python -m lrkv_flows.apiserver PORT`` it is that server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from lrkv_core.paths import lrkv_home
+
+SERVICES = "services.json"  # written by `lrkv up`: {"prefect_api": ..., "mlflow": ..., "pids": [...]}
+
+
+def database_url() -> str:
+    """The Prefect database lrkv's servers share (``$LRKV_HOME/prefect.db``), so ``lrkv up``'s UI shows the
+    runs made before it started; ``$PREFECT_API_DATABASE_CONNECTION_URL`` overrides it."""
+    lrkv_home().mkdir(parents=True, exist_ok=True)
+    return f"sqlite+aiosqlite:///{lrkv_home() / 'prefect.db'}"
+
+
+def healthy(api_url: str, timeout: float = 2.0) -> bool:
+    """Whether a Prefect API answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def running_services() -> dict:
+    """What ``lrkv up`` recorded, if its Prefect API still answers ({} otherwise)."""
+    path = lrkv_home() / SERVICES
+    if not path.is_file():
+        return {}
+    services = json.loads(path.read_text())
+    return services if healthy(services.get("prefect_api", "")) else {}
+
+
+class OwnedServer:
+    """A Prefect API server process that lives exactly as long as this process (see the module docstring)."""
+
+    def __init__(self, timeout: float = 180.0) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        log = lrkv_home() / "logs"
+        log.mkdir(parents=True, exist_ok=True)
+        self.log_path = log / f"prefect-api-{os.getpid()}.log"
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"}
+        env.setdefault("PREFECT_API_DATABASE_CONNECTION_URL", database_url())
+        with open(self.log_path, "w") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "lrkv_flows.apiserver", str(self.port)],
+                stdin=subprocess.PIPE,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while not healthy(self.api_url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self.log_path.read_text()[-1500:]
+                raise RuntimeError(f"the Prefect API server did not start (log {self.log_path}): {tail}")
+            time.sleep(0.2)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 5.0, drain: bool = True) -> None:
+        """Terminate the server (SIGKILL if it has not exited within ``timeout`` seconds).
+
+        With ``drain``, Prefect's background log and event senders of this process are drained first: left
+        for interpreter exit, they would retry against the stopped server for over a minute.
+        """
+        if drain and self.proc.poll() is None:
+            _drain_prefect_senders(timeout=10.0)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdin:
+            self.proc.stdin.close()
+
+
+def _drain_prefect_senders(timeout: float) -> None:
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        service.drain_all(timeout=timeout)
+
+
+def connect() -> OwnedServer | None:
+    """Point ``PREFECT_API_URL`` at a Prefect API (see the module docstring); returns the server this
+    process started, if it had to start one. Call before Prefect is imported."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    services = running_services()
+    if services:
+        os.environ["PREFECT_API_URL"] = services["prefect_api"]
+        return None
+    server = OwnedServer()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    return server
+
+
+def _exit_with_parent() -> None:
+    """Block until stdin closes (the parent exited, however it died), then end this process at once."""
+    sys.stdin.buffer.read()
+    os._exit(0)
+
+
+def main(port: int) -> None:
+    """Serve Prefect's API on 127.0.0.1:``port`` until stopped or until the parent's pipe closes."""
+    threading.Thread(target=_exit_with_parent, daemon=True, name="exit-with-parent").start()
+    import uvicorn
+
+    os.environ.setdefault("PREFECT__SERVER_FINAL", "1")
+    uvicorn.run(
+        "prefect.server.api.server:create_app",
+        factory=True,
+        host="127.0.0.1",
+        port=port,
+        log_level="error",
+        lifespan="on",
+    )
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

@@ -1,0 +1,97 @@
+"""Deployments on a Prefect server: convert, evaluate, and a nightly conversion of a list of models.
+
+:func:`deploy` registers, on a process work pool (created if missing):
+
+- ``lrkv-convert/convert``: the convert flow; its parameter is a whole recipe, pre-filled with the given
+  one, so the UI's Run button (or ``prefect deployment run``) converts with it or an edited copy;
+- ``lrkv-evaluate/evaluate``: the evaluate flow;
+- ``lrkv-nightly/nightly``: :func:`nightly_flow` on a cron schedule (default 02:00 UTC), converting every
+  model of its ``models`` parameter with the same recipe.
+
+A worker started with ``prefect worker start --pool POOL --type process`` (``lrkv up`` starts one) runs
+them; entrypoints are module paths (``lrkv_flows.convert.convert_flow``), so the worker needs lrkv
+installed, not a copy of the source.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prefect import flow
+from prefect.deployments.runner import EntrypointType
+
+from lrkv_tasks.recipe import ConvertRecipe, EvalRecipe
+
+from .convert import convert_flow
+from .evaluate import evaluate_flow
+
+DEFAULT_POOL = "lrkv"
+DEFAULT_CRON = "0 2 * * *"
+
+
+def work_pool() -> str:
+    return os.environ.get("LRKV_WORK_POOL", DEFAULT_POOL)
+
+
+@flow(name="lrkv-nightly", log_prints=True)
+def nightly_flow(models: list[str], recipe: ConvertRecipe) -> dict:
+    """Convert each model with the recipe (one convert subflow each); fail at the end if any failed."""
+    results, failures = {}, {}
+    for model in models:
+        try:
+            result = convert_flow(recipe.model_copy(update={"model": model}))
+        except Exception as err:  # one model's failure does not stop the others; all are reported below
+            failures[model] = f"{type(err).__name__}: {err}"
+            print(f"{model}: failed ({failures[model]})")
+            continue
+        results[model] = {"mlflow": result["mlflow"], "registered": result["registered"]}
+        print(f"{model}: done, MLflow run {result['mlflow']['run_id']}")
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(models)} nightly conversions failed: {failures}")
+    return results
+
+
+def ensure_work_pool(name: str) -> None:
+    """Create the process work pool ``name`` unless it exists."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(name)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+
+
+def deploy(
+    recipe: ConvertRecipe,
+    nightly_models: list[str],
+    cron: str = DEFAULT_CRON,
+    pool: str | None = None,
+    eval_recipe: EvalRecipe | None = None,
+) -> dict[str, str]:
+    """Register the three deployments (see the module docstring); returns deployment name -> id."""
+    pool = pool or work_pool()
+    ensure_work_pool(pool)
+    module = EntrypointType.MODULE_PATH
+    recipe_json = recipe.model_dump(mode="json")
+    deployments = {
+        "lrkv-convert/convert": convert_flow.to_deployment(
+            "convert", parameters={"recipe": recipe_json}, entrypoint_type=module, tags=["lrkv"]
+        ),
+        "lrkv-evaluate/evaluate": evaluate_flow.to_deployment(
+            "evaluate",
+            parameters={"model": recipe.model, "eval": (eval_recipe or recipe.eval).model_dump(mode="json")},
+            entrypoint_type=module,
+            tags=["lrkv"],
+        ),
+        "lrkv-nightly/nightly": nightly_flow.to_deployment(
+            "nightly",
+            cron=cron,
+            parameters={"models": nightly_models, "recipe": recipe_json},
+            entrypoint_type=module,
+            tags=["lrkv", "nightly"],
+        ),
+    }
+    return {name: str(d.apply(work_pool_name=pool)) for name, d in deployments.items()}

@@ -1,0 +1,58 @@
+"""The evaluate flow (a deployment beside convert): evaluate any model reference and log it to MLflow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+
+from lrkv_tasks import convert as t
+from lrkv_tasks.recipe import HELD_OUT, EvalRecipe, TrackingRecipe
+from lrkv_tasks.store import open_store
+from lrkv_tasks.tracking import log_conversion
+
+
+@flow(name="lrkv-evaluate", log_prints=True)
+def evaluate_flow(
+    model: str,
+    eval: EvalRecipe,
+    dtype: str = "float32",
+    base: str | None = None,
+    tracking: TrackingRecipe | None = None,
+    store: str | None = None,
+) -> dict:
+    """Evaluate a model (a directory, a hub id, ``models:/NAME@ALIAS``, ...) and log the result to MLflow."""
+    if eval.dataset in (None, HELD_OUT):
+        raise ValueError(
+            "the evaluate flow needs an explicit eval.dataset (held-out data belongs to a conversion)"
+        )
+    tracking = tracking or TrackingRecipe()
+    st = open_store(store)
+    storage = st.result_storage()
+    ref = t.resolve_model.with_options(result_storage=storage)(model, st.root)
+    base_ref = t.resolve_model.with_options(result_storage=storage)(base, st.root) if base else None
+    result = t.evaluate.with_options(result_storage=storage)(
+        ref, eval.model_dump(), dtype, "model", base_ref, st.root
+    )
+    metrics = {"prefill_ppl": result["prefill"]["ppl"], "decode_ppl": result["decode"]["ppl"]}
+    metrics["kv_bytes_per_token"] = result["kv"]["kv_bytes_per_token"]
+    if "kl" in result:
+        metrics |= {"kl_base_model": result["kl"]["kl"], "top1_agreement": result["kl"]["top1_agreement"]}
+    run = log_conversion(
+        tracking_uri=tracking.mlflow_uri,
+        experiment=tracking.experiment,
+        run_name=f"evaluate-{Path(model).name}",
+        params={
+            "model": model,
+            "base": base,
+            "dtype": dtype,
+            **{f"eval.{k}": v for k, v in eval.model_dump().items()},
+        },
+        metrics=metrics,
+        json_artifacts={"eval.json": result},
+        file_artifacts={},
+        tags={"lrkv.kind": "evaluate", "lrkv.model": model},
+    )
+    print(f"prefill PPL {metrics['prefill_ppl']:.4f}, decode PPL {metrics['decode_ppl']:.4f}")
+    print(f"MLflow run {run['run_id']}")
+    return {"eval": result, "mlflow": run}

@@ -1,0 +1,211 @@
+"""The ``lrkv`` commands for day-to-day operation: pull, deploy, up, down, runs list/show/compare."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+from rich.tree import Tree
+
+from .report import console, fail
+
+MlflowUriOption = Annotated[
+    Optional[str], typer.Option(help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else local SQLite)")
+]
+ExperimentOption = Annotated[str, typer.Option(help="MLflow experiment")]
+runs_app = typer.Typer(no_args_is_help=True, help="Inspect conversions logged to MLflow.")
+
+
+def _mlflow_errors():
+    from mlflow.exceptions import MlflowException
+
+    return (ValueError, OSError, KeyError, MlflowException)
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else repr(err)
+
+
+def pull(
+    ref: Annotated[
+        str, typer.Argument(help="registered model: NAME@ALIAS (lrkv-llama@champion) or NAME/VERSION")
+    ],
+    out: Annotated[Path, typer.Option(help="write the compressed model directory here")],
+    mlflow_uri: MlflowUriOption = None,
+) -> None:
+    """Download a registered lrkv model from the MLflow registry; it loads with lrkv_core.load_compressed."""
+    from lrkv_tasks.convert import copy_model_dir
+    from lrkv_tasks.remote_refs import registered_version, resolve_registered_model
+
+    if mlflow_uri:
+        os.environ["MLFLOW_TRACKING_URI"] = mlflow_uri
+    try:
+        version = registered_version(ref)
+        copy_model_dir(resolve_registered_model(ref), out)
+    except _mlflow_errors() as e:
+        raise fail(_first_line(e)) from None
+    console.print(f"pulled {version.name} v{version.version} ({ref}) to {out}", soft_wrap=True)
+
+
+def deploy(
+    recipe: Annotated[Optional[Path], typer.Option(help="YAML recipe the deployments default to")] = None,
+    nightly: Annotated[
+        Optional[str], typer.Option(help="comma list of models the nightly deployment converts")
+    ] = None,
+    cron: Annotated[str, typer.Option(help="the nightly schedule (cron, UTC)")] = "0 2 * * *",
+    pool: Annotated[
+        Optional[str], typer.Option(help="process work pool (default $LRKV_WORK_POOL or lrkv)")
+    ] = None,
+) -> None:
+    """Register the convert, evaluate and nightly deployments on the Prefect server (the one `lrkv up`
+    started, or $PREFECT_API_URL)."""
+    from lrkv_tasks.recipe import load_recipe
+
+    from .apiserver import running_services
+
+    if not os.environ.get("PREFECT_API_URL"):
+        services = running_services()
+        if not services:
+            raise fail("no Prefect server: run `lrkv up` or set PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = services["prefect_api"]
+    try:
+        rec = load_recipe(recipe)
+        models = [m.strip() for m in (nightly or rec.model).split(",") if m.strip()]
+        from .deploy import deploy as register
+
+        ids = register(rec, models, cron=cron, pool=pool)
+    except (ValueError, OSError) as e:
+        raise fail(_first_line(e)) from None
+    for name, dep_id in ids.items():
+        console.print(f"deployment {name} ({dep_id})")
+    console.print(f"nightly: {', '.join(models)} at '{cron}' (UTC)")
+    console.print("run one now: prefect deployment run lrkv-convert/convert (or the UI's Run button)")
+
+
+def up() -> None:
+    """Start a local Prefect server, a process worker and an MLflow server (until `lrkv down`)."""
+    from .services import up as start
+
+    try:
+        services = start()
+    except (RuntimeError, OSError) as e:
+        raise fail(_first_line(e)) from None
+    console.print(f"Prefect UI {services['prefect_ui']}  (API {services['prefect_api']})")
+    console.print(
+        f"MLflow {services['mlflow']}  (export MLFLOW_TRACKING_URI={services['mlflow']} to log there)"
+    )
+    console.print(
+        f"worker on pool {services['work_pool']}; `lrkv convert` now uses this server; `lrkv down` stops all"
+    )
+
+
+def down() -> None:
+    """Stop what `lrkv up` started."""
+    from .services import down as stop
+
+    stopped = stop()
+    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+@runs_app.command("list")
+def runs_list(
+    experiment: ExperimentOption = "lrkv", mlflow_uri: MlflowUriOption = None, limit: int = 20
+) -> None:
+    """The newest runs: id, status, model and summary metrics."""
+    from lrkv_tasks.runs import SUMMARY_METRICS, list_runs
+
+    try:
+        rows = list_runs(mlflow_uri, experiment, limit)
+    except _mlflow_errors() as e:
+        raise fail(_first_line(e)) from None
+    table = Table(title=f"runs of {experiment}")
+    for col in ("run", "name", "status", "started", *SUMMARY_METRICS):
+        table.add_column(col, no_wrap=col == "run")
+    for r in rows:
+        started = datetime.fromtimestamp(r["start_time"] / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M")
+        table.add_row(
+            r["run_id"], escape(r["name"] or ""), r["status"], started, *(_fmt(r[k]) for k in SUMMARY_METRICS)
+        )
+    console.print(table)
+
+
+def _tree(node: Tree, items: list[dict]) -> None:
+    for item in items:
+        label = f"{item['path'].rsplit('/', 1)[-1]}" + (f" ({item['size']} B)" if item["size"] else "")
+        branch = node.add(escape(label))
+        _tree(branch, item.get("children", []))
+
+
+@runs_app.command("show")
+def runs_show(
+    run: Annotated[str, typer.Argument(help="MLflow run id")],
+    mlflow_uri: MlflowUriOption = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
+) -> None:
+    """One run: metrics, params and its artifact tree."""
+    from lrkv_tasks.runs import show_run
+
+    try:
+        info = show_run(mlflow_uri, run)
+    except _mlflow_errors() as e:
+        raise fail(_first_line(e)) from None
+    if json_out:
+        console.print_json(json.dumps(info))
+        return
+    console.print(f"run {info['run_id']} ({escape(info['name'] or '')}): {info['status']}")
+    for title, data in (("metrics", info["metrics"]), ("params", info["params"]), ("tags", info["tags"])):
+        table = Table(title=title)
+        table.add_column("key")
+        table.add_column("value", overflow="fold")
+        for k, v in data.items():
+            table.add_row(escape(k), escape(_fmt(v)))
+        console.print(table)
+    tree = Tree("artifacts")
+    _tree(tree, info["artifacts"])
+    console.print(tree)
+
+
+@runs_app.command("compare")
+def runs_compare(
+    a: Annotated[str, typer.Argument(help="first run id")],
+    b: Annotated[str, typer.Argument(help="second run id")],
+    mlflow_uri: MlflowUriOption = None,
+) -> None:
+    """Two runs side by side: every metric (with b − a) and the params that differ."""
+    from lrkv_tasks.runs import compare_runs
+
+    try:
+        cmp = compare_runs(mlflow_uri, a, b)
+    except _mlflow_errors() as e:
+        raise fail(_first_line(e)) from None
+    table = Table(title=f"metrics: a={a[:8]} b={b[:8]}")
+    for col in ("metric", "a", "b", "b − a"):
+        table.add_column(col)
+    for m in cmp["metrics"]:
+        table.add_row(escape(m["metric"]), _fmt(m["a"]), _fmt(m["b"]), _fmt(m["diff"]))
+    console.print(table)
+    params = Table(title="params that differ")
+    for col in ("param", "a", "b"):
+        params.add_column(col, overflow="fold")
+    for p in cmp["params"]:
+        params.add_row(escape(p["param"]), escape(_fmt(p["a"])), escape(_fmt(p["b"])))
+    console.print(params)
+
+
+def register_operations(app: typer.Typer) -> None:
+    """Add these commands to the ``lrkv`` app."""
+    for command in (pull, deploy, up, down):
+        app.command()(command)
+    app.add_typer(runs_app, name="runs")

@@ -1,0 +1,89 @@
+"""One backward pass per calibration micro-batch, exposing each k/v_proj's input and output gradient.
+
+The gradient statistics (the weight Fisher, the output-gradient covariance) all need, per layer and per
+K/V projection, the projection's input ``x`` (B, T, d) and the gradient of the batch's mean next-token loss
+at its output ``g`` (B, T, Hkv·D). Only the k/v weights require gradients while collecting, so activations are
+kept for those projections only; the model's ``requires_grad`` flags and training mode are restored after.
+
+Labels are the input ids themselves: the HF model shifts them once (Palu's ``labels=input_ids[:, 1:]`` with
+``input_ids[:, :-1]`` shifts twice and scores the token after next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..adapters import get_adapter
+
+Visit = Callable[[int, str, torch.Tensor, torch.Tensor], None]  # (layer, "k"|"v", x (B,T,d), g (B,T,out))
+
+
+def kv_gradient_passes(
+    model: nn.Module,
+    rows: torch.Tensor,
+    visit: Visit,
+    *,
+    batch_size: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[int, int]:
+    """Call ``visit(layer, kind, x, g)`` for every k/v projection of every micro-batch of ``rows`` (N, T).
+
+    Returns ``(rows seen, micro-batches)``.
+    """
+    if rows.ndim != 2 or rows.shape[1] < 2:
+        raise ValueError(f"rows must be (N, T) token ids with T ≥ 2, got {tuple(rows.shape)}")
+    if int(rows.min()) < 0:
+        raise ValueError(
+            "rows hold negative ids (padding/ignore labels?); gradient statistics need unpadded rows"
+        )
+    adapter = get_adapter(model.config)
+    shape = adapter.shape(model.config)
+    projs = [
+        (i, kind, getattr(adapter.attention(model, i), name))
+        for i in range(shape.L)
+        for kind, name in (("k", adapter.k_name), ("v", adapter.v_name))
+    ]
+    device = next(model.parameters()).device
+    seen: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (layer, kind, input x, output) per pass
+
+    def make_hook(i: int, kind: str):
+        def hook(_module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            seen.append((i, kind, args[0].detach(), output))
+
+        return hook
+
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    handles = []
+    n, n_batches = rows.shape[0], 0
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        for i, kind, proj in projs:
+            proj.weight.requires_grad_(True)
+            handles.append(proj.register_forward_hook(make_hook(i, kind)))
+        model.eval()
+        with torch.enable_grad():
+            for start in range(0, n, batch_size):
+                batch = rows[start : start + batch_size].to(device)  # (B, T)
+                seen.clear()
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss  # HF shifts the labels
+                grads = torch.autograd.grad(loss, [out for *_, out in seen], allow_unused=True)
+                for (i, kind, x, _), g in zip(seen, grads):
+                    if g is not None:
+                        visit(i, kind, x, g.detach())
+                seen.clear()
+                n_batches += 1
+                if progress:
+                    progress(min(start + batch_size, n), n)
+    finally:
+        seen.clear()
+        for h in handles:
+            h.remove()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)
+    return n, n_batches

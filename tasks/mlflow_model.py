@@ -1,0 +1,35 @@
+"""The pyfunc loader of lrkv's MLflow models (``loader_module`` in their MLmodel): no pickle involved.
+
+``mlflow.pyfunc.load_model("models:/lrkv-<model>@champion")`` calls :func:`_load_pyfunc` with the model's
+data directory, which is an lrkv compressed model directory; ``predict`` generates greedily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lrkv_core.io import load_compressed
+
+
+class LrkvPyfunc:
+    """A compressed model behind pyfunc's ``predict``: token id rows in, generated token id rows out."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model = load_compressed(model_dir)
+
+    def predict(self, model_input: Any, params: dict | None = None) -> list[list[int]]:
+        """Greedy continuation of each row of token ids (``params["max_new_tokens"]``, default 16)."""
+        rows = model_input.values.tolist() if hasattr(model_input, "values") else list(model_input)
+        new = int((params or {}).get("max_new_tokens", 16))
+        out = []
+        with torch.no_grad():
+            for row in rows:
+                ids = torch.tensor([list(row)], dtype=torch.long)
+                out.append(self.model.generate(ids, max_new_tokens=new, do_sample=False)[0].tolist())
+        return out
+
+
+def _load_pyfunc(data_path: str) -> LrkvPyfunc:
+    return LrkvPyfunc(data_path)

@@ -1,0 +1,166 @@
+"""The compressed model in MLflow: logged as a pyfunc model, registered as ``lrkv-<model-slug>``, aliased.
+
+The MLflow model is the lrkv model directory under ``data/lrkv-model`` plus an MLmodel whose pyfunc
+``loader_module`` is :mod:`lrkv_tasks.mlflow_model` (it calls ``load_compressed``): no pickle, no code
+copied into the model. Registration (:func:`register_version`) tags the version with the model's content
+hash and evaluation, sets the ``candidate`` alias and, when the quality gate passes (:func:`quality_gate`),
+``champion``. It is all-or-nothing: a failure at any step deletes the new version and puts the aliases back
+where they were, and a re-run first deletes versions an earlier, killed attempt left without the
+``lrkv.complete`` tag.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+from lrkv_core.version import __version__
+
+from .tracking import client
+
+LOADER = "lrkv_tasks.mlflow_model"
+DATA_NAME = "lrkv-model"
+CANDIDATE, CHAMPION = "candidate", "champion"
+SHA_TAG, COMPLETE_TAG = "lrkv.sha256", "lrkv.complete"
+PPL_TAG, BASE_PPL_TAG, PROTOCOL_TAG, GATE_TAG = "lrkv.ppl", "lrkv.base_ppl", "lrkv.protocol", "lrkv.gate"
+
+
+def model_name(model_ref: str) -> str:
+    """``lrkv-<slug>`` of a model reference (``meta-llama/Llama-2-7b-hf`` -> ``lrkv-llama-2-7b-hf``)."""
+    last = re.split(r"[/:]", model_ref.rstrip("/"))[-1]
+    slug = re.sub(r"[^a-z0-9]+", "-", last.lower()).strip("-")
+    return f"lrkv-{slug or 'model'}"
+
+
+def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
+    """Log the compressed model directory as an MLflow (pyfunc) model of ``run``.
+
+    Returns ``{"model_id", "source"}``: the logged model's id and its artifact location (what a registered
+    version points at; a ``models:/m-...`` source would be resolved through MLflow's global tracking URI).
+    """
+    import mlflow.pyfunc
+    from mlflow.entities import LoggedModelOutput
+
+    mc = client(run["tracking_uri"])
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / DATA_NAME
+        data.symlink_to(Path(model_dir).resolve(), target_is_directory=True)  # copied once, by save_model
+        saved = Path(tmp) / "mlflow-model"
+        mlflow.pyfunc.save_model(
+            path=str(saved),
+            loader_module=LOADER,
+            data_path=str(data),
+            pip_requirements=[f"lrkv=={__version__}"],
+        )
+        logged = mc.create_logged_model(
+            run["experiment_id"], name="model", source_run_id=run["run_id"], tags={SHA_TAG: sha256}
+        )
+        try:
+            mc.log_model_artifacts(logged.model_id, str(saved))
+        except BaseException:
+            mc.finalize_logged_model(logged.model_id, "FAILED")
+            raise
+    mc.finalize_logged_model(logged.model_id, "READY")
+    mc.log_outputs(run["run_id"], [LoggedModelOutput(logged.model_id, 0)])
+    return {"model_id": logged.model_id, "source": logged.artifact_location}
+
+
+def quality_gate(quality: dict | None, champion: dict | None, max_ppl_rise: float) -> tuple[bool, str]:
+    """Whether a version becomes champion: its perplexity rose at most ``max_ppl_rise`` (relative) over the
+    original's, and it beats the current champion measured on the same protocol. Returns ``(ok, why)``."""
+    if quality is None:
+        return False, "not evaluated"
+    rise = quality["ppl"] / quality["base_ppl"] - 1
+    if rise > max_ppl_rise:
+        return False, f"perplexity rise {rise:+.2%} exceeds the gate's {max_ppl_rise:.2%}"
+    if champion is not None:
+        if champion.get("protocol") != quality["protocol"]:
+            return False, f"champion v{champion['version']} was measured on another protocol: not comparable"
+        if quality["ppl"] >= champion["ppl"]:
+            return False, f"perplexity {quality['ppl']:.4f} does not beat champion v{champion['version']}'s"
+    return True, f"perplexity rise {rise:+.2%} within {max_ppl_rise:.2%}" + (
+        f", better than champion v{champion['version']}" if champion else ", first champion"
+    )
+
+
+def _alias_version(mc, name: str, alias: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mc.get_model_version_by_alias(name, alias)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def _quality_of(version) -> dict | None:
+    if version is None or PPL_TAG not in version.tags:
+        return None
+    return {
+        "version": version.version,
+        "ppl": float(version.tags[PPL_TAG]),
+        "protocol": version.tags.get(PROTOCOL_TAG),
+    }
+
+
+def _ensure_registered(mc, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mc.create_registered_model(name, description="lrkv compressed models (latent KV cache)")
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+
+
+def register_version(
+    run: dict, logged: dict, sha256: str, name: str, quality: dict | None, max_ppl_rise: float
+) -> dict:
+    """Register the logged model as a new version of ``name`` (all-or-nothing; see the module docstring).
+
+    ``quality``: ``{"ppl", "base_ppl", "protocol"}`` of the compressed model (None: not evaluated).
+    Returns ``{"name", "version", "aliases", "gate"}``.
+    """
+    mc = client(run["tracking_uri"])
+    _ensure_registered(mc, name)
+    for old in mc.search_model_versions(f"name='{name}'"):
+        if old.tags.get(SHA_TAG) == sha256 and old.tags.get(COMPLETE_TAG) != "true":
+            mc.delete_model_version(name, old.version)  # left by an attempt that was killed midway
+    before = {alias: _alias_version(mc, name, alias) for alias in (CANDIDATE, CHAMPION)}
+    tags = {SHA_TAG: sha256}
+    if quality is not None:
+        tags |= {
+            PPL_TAG: repr(quality["ppl"]),
+            BASE_PPL_TAG: repr(quality["base_ppl"]),
+            PROTOCOL_TAG: quality["protocol"],
+        }
+    version = mc.create_model_version(
+        name, logged["source"], run_id=run["run_id"], tags=tags, model_id=logged["model_id"]
+    )
+    try:
+        ok, why = quality_gate(quality, _quality_of(before[CHAMPION]), max_ppl_rise)
+        mc.set_model_version_tag(name, version.version, GATE_TAG, ("passed: " if ok else "failed: ") + why)
+        mc.set_registered_model_alias(name, CANDIDATE, version.version)
+        if ok:
+            mc.set_registered_model_alias(name, CHAMPION, version.version)
+        mc.set_model_version_tag(name, version.version, COMPLETE_TAG, "true")
+    except BaseException:
+        _roll_back(mc, name, version.version, before)
+        raise
+    aliases = [CANDIDATE, CHAMPION] if ok else [CANDIDATE]
+    return {
+        "name": name,
+        "version": version.version,
+        "aliases": aliases,
+        "gate": {"passed": ok, "reason": why},
+    }
+
+
+def _roll_back(mc, name: str, version: str, before: dict) -> None:
+    """Delete the half-made version and point the aliases back at the versions they named before."""
+    mc.delete_model_version(name, version)
+    for alias, old in before.items():
+        if old is not None:
+            mc.set_registered_model_alias(name, alias, old.version)

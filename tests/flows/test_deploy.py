@@ -1,0 +1,104 @@
+"""Deployments on Prefect's real API, and a run triggered through the API (the UI's Run button) completed
+by a real process worker."""
+
+import os
+import subprocess
+import sys
+import time
+
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.settings import PREFECT_API_URL
+
+from lrkv_flows.deploy import deploy
+from lrkv_tasks.recipe import load_recipe
+from tests.support.models import tiny_model_dir, token_parquet
+
+
+def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(prefect_api, tmp_path):
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    recipe = load_recipe(
+        None,
+        {
+            "model": str(model_dir),
+            "calibration": {"dataset": data, "n_samples": 8, "seq_len": 32, "batch_size": 4},
+            "compression": {"ratio": 0.5, "group_size": 2, "rank_multiple": 8},
+            "eval": {
+                "dataset": data,
+                "seq_len": 32,
+                "max_windows": 2,
+                "decode_prefix": 16,
+                "decode_windows": 1,
+            },
+            "tracking": {"mlflow_uri": mlflow_uri, "experiment": "deploy-test"},
+            "store": str(tmp_path / "store"),
+        },
+    )
+    pool = "lrkv-test-pool"
+    ids = deploy(recipe, [str(model_dir), "builtin:pydoc-llama"], cron="30 1 * * *", pool=pool)
+    assert set(ids) == {"lrkv-convert/convert", "lrkv-evaluate/evaluate", "lrkv-nightly/nightly"}
+
+    with get_client(sync_client=True) as client:
+        nightly = client.read_deployment_by_name("lrkv-nightly/nightly")
+        assert [s.schedule.cron for s in nightly.schedules] == ["30 1 * * *"] and nightly.schedules[0].active
+        assert nightly.parameters["models"] == [str(model_dir), "builtin:pydoc-llama"]
+        assert nightly.work_pool_name == pool and nightly.entrypoint == "lrkv_flows.deploy.nightly_flow"
+        convert = client.read_deployment_by_name("lrkv-convert/convert")
+        assert convert.parameters["recipe"]["model"] == str(model_dir)
+
+    # what the UI's Run button does: create a flow run of the deployment through the API
+    flow_run = run_deployment("lrkv-convert/convert", timeout=0)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "LRKV_HOME": str(tmp_path / "home")}
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            pool,
+            "--type",
+            "process",
+            "--run-once",
+        ],
+        env=env,
+        stdout=open(tmp_path / "worker.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 600
+    with get_client(sync_client=True) as client:
+        while True:
+            state = client.read_flow_run(flow_run.id).state
+            if state.is_final() or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    worker.wait(timeout=120)
+    log = (tmp_path / "worker.log").read_text()
+    assert state.is_completed(), f"{state.name}: {state.message}\n{log[-3000:]}"
+    client = MlflowClient(mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("deploy-test").experiment_id])
+    assert [r.info.status for r in runs] == ["FINISHED"]
+    assert runs[0].data.tags["lrkv.prefect_flow_run"] == str(flow_run.id)
+
+
+def test_the_evaluate_flow_logs_a_run(prefect_api, tmp_path):
+    from lrkv_flows.evaluate import evaluate_flow
+    from lrkv_tasks.recipe import EvalRecipe, TrackingRecipe
+
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=8, seq_len=32)}"
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ev = EvalRecipe(dataset=data, seq_len=32, max_windows=2, decode_prefix=16, decode_windows=1)
+    result = evaluate_flow(
+        str(model_dir),
+        ev,
+        tracking=TrackingRecipe(mlflow_uri=mlflow_uri, experiment="eval-test"),
+        store=str(tmp_path / "store"),
+    )
+    run = MlflowClient(mlflow_uri).get_run(result["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["lrkv.kind"] == "evaluate"
+    assert run.data.metrics["prefill_ppl"] == result["eval"]["prefill"]["ppl"] > 1

@@ -1,0 +1,179 @@
+"""Killing ``lrkv convert`` midway, as a user does (a terminal's Ctrl-C, a SIGKILL), then resuming it.
+
+Real processes: the CLI in its own process group, with the Prefect API server it owns and MLflow on SQLite.
+The model has many thin layers so that the per-layer decomposition takes long enough to be interrupted,
+and enough evaluation data that evaluation does too. A re-run must recompute none of the layer tasks
+that had finished (counted from the CLI's task table), and no process may outlive a killed CLI.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from mlflow.tracking import MlflowClient
+
+from tests.support.models import tiny_model_dir, token_parquet
+
+LAYERS = 48  # thin layers: decomposing them all takes a few seconds of task overhead, time to be interrupted
+ROW = re.compile(
+    r"│\s*(decompose_layer\[\d+\]|summarize_layer\[\d+\]|build_model|evaluate\[\w+\])\s*│\s*(\w+)\s*│"
+)
+
+
+def _setup(tmp_path: Path, layers: int, evaluate: bool) -> tuple[list[str], dict]:
+    """The CLI command: ``layers`` layers; with ``evaluate``, 96 windows decoded token by token (seconds)."""
+    model = tiny_model_dir(tmp_path, num_hidden_layers=layers)
+    data = token_parquet(tmp_path / "data.parquet", rows=96, seq_len=64)
+    args = [
+        sys.executable,
+        "-m",
+        "lrkv_flows.cli",
+        "convert",
+        "--model",
+        str(model),
+        "--dataset",
+        f"parquet:{data}",
+    ]
+    args += ["--ratio", "0.5", "--group-size", "2", "--n-samples", "8", "--seq-len", "64"]
+    args += ["--store", str(tmp_path / "store"), "--set", "registry.enabled=false"]
+    if evaluate:
+        args += ["--eval-dataset", f"parquet:{data}", "--set", "eval.max_windows=96"]
+        args += ["--set", "eval.decode_windows=96", "--set", "eval.decode_prefix=4"]
+    else:
+        args += ["--eval-dataset", "none"]
+    env = {**os.environ, "LRKV_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    for name in ("PREFECT_API_URL", "PREFECT_LOCAL_STORAGE_PATH", "MLFLOW_TRACKING_URI"):
+        env.pop(name, None)
+    return args, env
+
+
+def _start(args, env, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_for(predicate, proc, timeout=300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the CLI exited early ({proc.returncode})"
+        assert time.monotonic() < deadline, "timed out waiting for the run to get there"
+        time.sleep(0.05)
+
+
+def _count(folder: Path) -> int:
+    return len(list(folder.iterdir())) if folder.is_dir() else 0
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+def _finished_layers(store: Path) -> int:
+    """Layer decompositions whose result was recorded (a task that was cut off has no complete record)."""
+    done = 0
+    for record in (store / "prefect-results").iterdir():
+        try:
+            done += '"kind": "factors"' in json.loads(record.read_bytes())["result"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return done
+
+
+def _states(log: Path) -> dict[str, str]:
+    return {m[1]: m[2] for m in ROW.finditer(log.read_text())}
+
+
+def _runs(home: Path) -> list:
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lrkv")
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def _rerun(args, env, tmp_path, name) -> dict[str, str]:
+    log = tmp_path / f"{name}.log"
+    res = subprocess.run(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, timeout=900)
+    assert res.returncode == 0, log.read_text()[-3000:]
+    return _states(log)
+
+
+def test_sigkill_during_decomposition_leaves_no_process_and_resumes_without_redoing_layers(tmp_path):
+    args, env = _setup(tmp_path, LAYERS, evaluate=False)
+    proc = _start(args, env, tmp_path / "first.log")
+    _wait_for(lambda: _count(tmp_path / "store" / "factors") >= 4, proc)
+    children = _descendants(proc.pid)
+    assert children, "the CLI owns its Prefect API server"
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert not _gone(children), "the Prefect API server outlived a SIGKILLed CLI"
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["RUNNING"]  # nobody could mark it
+    finished = _finished_layers(tmp_path / "store")
+    assert 0 < finished < LAYERS
+
+    states = _rerun(args, env, tmp_path, "resume")
+    decomposed = {k: v for k, v in states.items() if k.startswith("decompose_layer")}
+    assert len(decomposed) == LAYERS
+    cached = sum(v == "Cached" for v in decomposed.values())
+    assert cached == finished, (cached, finished)  # every finished layer from the cache, the rest computed
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]  # the orphan reaped
+
+
+def test_ctrl_c_during_evaluation_stops_fast_records_killed_and_resumes_from_the_cache(tmp_path):
+    args, env = _setup(tmp_path, 8, evaluate=True)
+    log = tmp_path / "first.log"
+    proc = _start(args, env, log)
+    _wait_for(lambda: _count(tmp_path / "store" / "models") >= 1, proc)  # built: evaluation is running
+    time.sleep(0.3)  # past the build's record: inside evaluation (seconds long)
+    children = _descendants(proc.pid)
+    assert children, "the CLI owns its Prefect API server"
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    code = proc.wait(timeout=60)
+    elapsed = time.monotonic() - started
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert elapsed < 15, elapsed
+    assert "interrupted (SIGINT)" in text and "Traceback" not in text, text[-3000:]
+    assert not _gone(children), "a process outlived the interrupted CLI"
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED"]
+    print(f"Ctrl-C stopped the CLI in {elapsed:.2f}s")
+
+    states = _rerun(args, env, tmp_path, "resume")
+    layer_tasks = {k: v for k, v in states.items() if "_layer[" in k or k == "build_model"}
+    assert len(layer_tasks) == 2 * 8 + 1
+    assert set(layer_tasks.values()) == {"Cached"}, layer_tasks  # zero finished layer tasks recomputed
+    assert states["evaluate[compressed]"] == "Completed"
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]
+
+
+def test_when_only_the_api_server_dies_the_run_fails_and_nothing_is_exported(tmp_path):
+    args, env = _setup(tmp_path, LAYERS, evaluate=False)
+    out = tmp_path / "out"
+    log = tmp_path / "first.log"
+    proc = _start([*args, "--out", str(out)], env, log)
+    _wait_for(lambda: _count(tmp_path / "store" / "factors") >= 4, proc)
+    [server] = _descendants(proc.pid)
+    server.kill()
+    code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == 1 and "the Prefect API server exited unexpectedly" in text, text[-3000:]
+    assert [r.info.status for r in _runs(tmp_path / "home")] == ["FAILED"]
+    assert not out.exists() and not _descendants_alive(proc.pid)
+
+
+def _descendants_alive(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return False
