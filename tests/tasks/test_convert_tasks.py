@@ -29,7 +29,7 @@ def test_task_chain_produces_an_exact_full_rank_model(setup):
     calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
     assert calib.uri.startswith(store) and calib.meta["n_samples"] == 8 and calib.kind == "calibration"
     gram = t.collect_statistic.fn(model, calib, {"name": "gram"}, "float32", 4, store)
-    assert gram.meta["n_tokens"] == 8 * 32 and gram.meta["statistic"] == {"name": "gram"}
+    assert gram.meta["n_tokens"] == 8 * 32 and gram.meta["statistic"] == {"name": "gram", "n_samples": None}
     fisher = t.collect_statistic.fn(model, calib, {"name": "fisher", "per_row": False}, "float32", 4, store)
     assert fisher.meta["n_samples"] == 2 and fisher.meta["per_row"] is False  # batches of 4
     layers = [
