@@ -115,6 +115,27 @@ def convert(
     rank_multiple: Annotated[
         Optional[int], typer.Option(help="round ranks down to a multiple of this")
     ] = None,
+    bits: Annotated[
+        Optional[int],
+        typer.Option(
+            help="quantize the cached latents: 2, 3, 4 or 8 (packed integer codes, fp16 per-token scales and "
+            "zero-points) or 16 (fp16 latents); sets compression.cache to the quantized storage"
+        ),
+    ] = None,
+    quant_group_size: Annotated[
+        Optional[int],
+        typer.Option(help="latents per quantization group (must divide every rank); default: a whole group"),
+    ] = None,
+    residual_length: Annotated[
+        Optional[int], typer.Option(help="newest tokens kept in full precision (KIVI's residual); default 0")
+    ] = None,
+    rotation: Annotated[
+        Optional[str],
+        typer.Option(
+            help="none | hadamard | auto: orthogonal rotation of each group's latents fused into the weights "
+            "(spreads outliers before quantization; auto: Hadamard where the rank allows, else seeded random)"
+        ),
+    ] = None,
     n_samples: Annotated[Optional[int], typer.Option(help="calibration windows")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
     out: Annotated[Optional[Path], typer.Option(help="write the compressed model directory here")] = None,
@@ -147,6 +168,8 @@ def convert(
         "compression.decomposition": decomposition,
         "compression.allocator": allocator,
         "compression.rank_multiple": rank_multiple,
+        "compression.cache": quantized_cache(bits, quant_group_size, residual_length),
+        "compression.rotation": rotation,
         "calibration.n_samples": n_samples,
         "calibration.seq_len": seq_len,
         "eval.seq_len": seq_len,
@@ -217,6 +240,17 @@ def _prefect_api():
     finally:
         if server is not None:
             server.stop()
+
+
+def quantized_cache(bits: int | None, group_size: int | None, residual: int | None) -> dict | None:
+    """``--bits 3 [--quant-group-size 16] [--residual-length 32]`` as the recipe's cache storage
+    ``{name: quantized, bits: 3, quant_group_size: 16, residual: 32}``; None when no flag is given."""
+    if bits is None:
+        if group_size is not None or residual is not None:
+            raise typer.BadParameter("--quant-group-size and --residual-length need --bits")
+        return None
+    options = {"quant_group_size": group_size, "residual": residual}
+    return {"name": "quantized", "bits": bits} | {k: v for k, v in options.items() if v is not None}
 
 
 def _group_size(value: str | None) -> int | str | None:
@@ -311,11 +345,27 @@ def eval_cmd(
     tasks: Annotated[Optional[str], typer.Option(help="lm-eval zero-shot tasks, comma list")] = None,
     tasks_path: Annotated[Optional[Path], typer.Option(help="directory of local lm-eval task YAMLs")] = None,
     limit: Annotated[Optional[int], typer.Option(help="documents per zero-shot task")] = None,
+    hf_quant_cache: Annotated[
+        Optional[str],
+        typer.Option(
+            help="evaluate an original model through transformers' QuantizedCache, the anchor for lrkv's "
+            "quantized cache: BACKEND:BITS[:GROUP[:RESIDUAL]], e.g. hqq:4 (hqq: 2/3/4/8 bits, quanto: 2/4; "
+            "per-token groups, default group = head dim, residual 0); needs `pip install 'lrkv[anchor]'`"
+        ),
+    ] = None,
 ) -> None:
     """Evaluate a model: prefill PPL, teacher-forced decode PPL, measured KV bytes/token."""
     try:
         res = _evaluate(
-            model_dir, dataset, seq_len, max_windows, decode_prefix, decode_windows, batch_size, base
+            model_dir,
+            dataset,
+            seq_len,
+            max_windows,
+            decode_prefix,
+            decode_windows,
+            batch_size,
+            base,
+            hf_quant_cache,
         )
         if tasks:
             from lrkv_tasks.zeroshot import run_zeroshot
@@ -347,7 +397,7 @@ def _step(description: str):
 
 
 def _evaluate(
-    model_dir, dataset, seq_len, max_windows, decode_prefix, decode_windows, batch_size, base
+    model_dir, dataset, seq_len, max_windows, decode_prefix, decode_windows, batch_size, base, hf_cache
 ) -> dict:
     from lrkv_core.pipeline import evaluate_dir
 
@@ -363,6 +413,7 @@ def _evaluate(
             decode_windows=decode_windows,
             batch_size=batch_size,
             base_dir=base,
+            hf_quantized_cache=hf_cache,
             progress=advance,
         )
 

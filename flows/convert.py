@@ -126,7 +126,15 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         timings,
         "build_model",
         stored(t.build_model).submit(
-            model, layers, plan, comp.decomposition.to_dict(), comp.cache.to_dict(), recipe.dtype, store
+            model,
+            layers,
+            plan,
+            comp.decomposition.to_dict(),
+            comp.cache.to_dict(),
+            recipe.dtype,
+            store,
+            rotation=comp.rotation,
+            rotation_seed=comp.rotation_seed,
         ),
     )
     before_lora = recovered = None

@@ -84,6 +84,7 @@ def print_summary(result: dict) -> None:
                 table.add_row(f"{task_name} {metric}", f"{base_value:.4f}", f"{value:.4f}")
         ratio = comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"]
         table.add_row("KV bytes ratio (measured)", "1", f"{ratio:.4f}")
+        table.add_row("KV compression (measured)", "1×", f"{1 / ratio:.2f}×")
     plan = result["plan"].meta
     table.add_row(
         "KV width ratio target / achieved", f"{plan['target_ratio']}", f"{plan['achieved_ratio']:.4f}"
@@ -125,8 +126,10 @@ def print_eval(model_dir: str, res: dict) -> None:
         r = res[name]
         table.add_row(name, f"{r['nll']:.4f}", f"{r['ppl']:.4f}", str(r["tokens"]))
     console.print(table)
+    kv = res["kv"]
     console.print(
-        f"KV bytes/token (measured, {res['kv']['cache_class']}): {res['kv']['kv_bytes_per_token']:.1f}"
+        f"KV bytes/token (measured, {kv['cache_class']}): {kv['kv_bytes_per_token']:.1f}; the original "
+        f"model's cache: {kv['dense_kv_bytes_per_token']:.1f}; compression {kv['kv_compression_ratio']:.2f}×"
     )
     if "kl" in res:
         kl = res["kl"]

@@ -34,6 +34,7 @@ from .cache import CACHE_STORAGES, CacheStorage
 from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
 from .fuse import compress_model
 from .linalg import group_slices
+from .rotation import ROTATIONS
 from .statistics import STATISTICS, LayerValue, Statistic
 
 Progress = Callable[[int, int], None] | None
@@ -55,7 +56,11 @@ class CompressionConfig:
     statistics : options for calibration statistics (by name, recipe form or instance); statistics not
         listed that a method needs are collected with their defaults.
     cache : the cache storage the compressed model uses (a registered strategy: name, recipe form or
-        instance); recorded in the model-format section, so loading rebuilds the same cache.
+        instance, e.g. ``{"name": "quantized", "bits": 3}``); recorded in the model-format section, so
+        loading rebuilds the same cache.
+    rotation : ``none``, ``hadamard`` or ``auto``: the orthogonal rotation fused into each group's factors
+        (:mod:`lrkv_core.rotation`) to spread latents before quantization; ``rotation_seed`` seeds the
+        random orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists.
     """
 
     ratio: float = 0.5
@@ -65,6 +70,8 @@ class CompressionConfig:
     allocator: Allocator | str | Mapping[str, Any] = "uniform"
     statistics: Sequence[Statistic | str | Mapping[str, Any]] = ()
     cache: CacheStorage | str | Mapping[str, Any] = "dense"
+    rotation: str = "none"
+    rotation_seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
@@ -73,6 +80,8 @@ class CompressionConfig:
             raise ValueError(f"rank multiple must be ≥ 1, got {self.rank_multiple}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group size must be ≥ 1, got {self.group_size}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"unknown rotation {self.rotation!r}; choose from {', '.join(ROTATIONS)}")
         object.__setattr__(self, "decomposition", DECOMPOSITIONS.create(self.decomposition))
         object.__setattr__(self, "allocator", ALLOCATORS.create(self.allocator))
         stats = tuple(STATISTICS.create(s) for s in self.statistics)
@@ -98,8 +107,10 @@ class CompressionConfig:
     def for_model(self, model_config: PretrainedConfig) -> CompressionConfig:
         """This config with the group size resolved, checked against a model's attention geometry.
 
-        Raises a clear ``ValueError`` before any work when the group size does not divide the KV heads or
-        the ratio and rank multiple leave some group at rank 0; the architecture must be supported.
+        Raises a clear ``ValueError`` before any work when the group size does not divide the KV heads,
+        the ratio and rank multiple leave some group at rank 0, or the cache storage cannot hold some rank
+        the plan may give (ranks are multiples of the rank multiple, or a group's max rank: e.g. a
+        quantization group size must divide both); the architecture must be supported.
         """
         shape = get_adapter(model_config).shape(model_config)
         group_size = resolve_group_size(self.group_size, shape.Hkv)
@@ -109,6 +120,14 @@ class CompressionConfig:
         need = n_groups * min(self.rank_multiple, width, shape.d)
         budget = budget_width(self.ratio, 2 * shape.L * shape.kv_width)
         check_one_step_fits(need, budget, self.ratio, self.rank_multiple, width)
+        max_rank = min(width, shape.d)
+        try:
+            self.cache.check_ranks([min(self.rank_multiple, max_rank), max_rank])
+        except ValueError as err:
+            raise ValueError(
+                f"{err}: ranks are multiples of the rank multiple ({self.rank_multiple}) or a group's max "
+                f"rank ({max_rank}); choose a quantization group size dividing both"
+            ) from None
         return replace(self, group_size=group_size)
 
 
@@ -166,6 +185,8 @@ class Conversion:
             self.plan,
             decomposition=self.config.decomposition.to_dict(),
             cache=self.config.cache.to_dict(),
+            rotation=self.config.rotation,
+            rotation_seed=self.config.rotation_seed,
         )
 
 

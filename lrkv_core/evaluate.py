@@ -5,9 +5,19 @@ Every function takes (N, T) windows of token ids (see :func:`lrkv_core.data.eval
 what was measured (seq_len, prefix_len, windows, tokens scored, which targets), so numbers from different
 protocols are never compared by accident.
 
-Prefill scores each window in one forward pass without a cache. Decode prefills a prefix, then feeds the
-remaining tokens one by one through ``past_key_values`` (teacher forcing): a quantized, lazy or
-token-adaptive cache only shows its cost there.
+Prefill scores each window in one forward pass through a fresh cache (``use_cache=True``), as a deployed
+model prefills a prompt: an lrkv model's attention then reads every latent back from its cache storage, so
+a quantized latent cache shows its cost here too (Palu's protocol, every token quantized); for the original
+model and a dense latent cache the logits are those of a cache-free pass. Decode prefills a prefix, then
+feeds the remaining tokens one by one through ``past_key_values`` (teacher forcing): lazy or token-adaptive
+caches, and caches that keep a prompt in full precision (transformers' ``QuantizedCache``), only show their
+cost there. ``cache_factory`` (a callable returning an empty ``Cache``) evaluates a model with a cache of
+the caller's choosing, e.g. transformers' ``QuantizedCache`` for the original model
+(:mod:`lrkv_core.hf_quantized_cache`).
+
+KV bytes are measured from the tensors the cache holds (:func:`lrkv_core.cache.cache_nbytes`: packed codes,
+scales, zero-points, positions, full-precision windows) next to those of the original model's
+``DynamicCache`` for the same tokens, and their ratio is the compression the cache really achieves.
 """
 
 from __future__ import annotations
@@ -20,10 +30,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
+from lrkv_core.adapters import get_adapter
 from lrkv_core.cache import cache_nbytes
 
 Progress = Callable[[int, int], None] | None
+CacheFactory = Callable[[], Cache] | None
+
+
+def _with_cache(cache_factory: CacheFactory) -> dict[str, Any]:
+    """Forward kwargs that run through a fresh cache: the model's default one, or ``cache_factory()``."""
+    return {"use_cache": True} | ({} if cache_factory is None else {"past_key_values": cache_factory()})
 
 
 @contextmanager
@@ -62,9 +81,10 @@ def prefill_perplexity(
     *,
     batch_size: int = 8,
     score_from: int = 1,
+    cache_factory: CacheFactory = None,
     progress: Progress = None,
 ) -> dict[str, Any]:
-    """Next-token NLL with each window scored alone in one forward pass (no cache).
+    """Next-token NLL with each window scored alone in one forward pass, through a fresh cache.
 
     Parameters
     ----------
@@ -88,13 +108,14 @@ def prefill_perplexity(
     with _inference(model) as device:
         for b, start in enumerate(range(0, n, batch_size)):
             ids = windows[start : start + batch_size].to(device)  # (B, T)
-            logits = model(ids, use_cache=False).logits  # (B, T, V)
+            logits = model(ids, **_with_cache(cache_factory)).logits  # (B, T, V)
             total += _token_nll(logits[:, score_from - 1 : -1], ids[:, score_from:]).item()
             if progress is not None:
                 progress(b + 1, n_batches)
     tokens = n * (t - score_from)
     protocol = {
         "measure": "prefill_nll",
+        "through_cache": True,
         "seq_len": t,
         "windows": n,
         "targets": [score_from, t],
@@ -109,6 +130,7 @@ def decode_perplexity(
     *,
     prefix_len: int,
     batch_size: int = 8,
+    cache_factory: CacheFactory = None,
     progress: Progress = None,
 ) -> dict[str, Any]:
     """Next-token NLL of targets ``prefix_len..T-1`` decoded one token at a time through the cache.
@@ -139,7 +161,7 @@ def decode_perplexity(
     with _inference(model) as device:
         for start in range(0, n, batch_size):
             ids = windows[start : start + batch_size].to(device)  # (B, T)
-            out = model(ids[:, :prefix_len], use_cache=True)
+            out = model(ids[:, :prefix_len], **_with_cache(cache_factory))
             cache = out.past_key_values
             cache_class = type(cache).__name__
             for pos in range(prefix_len, t):  # target position
@@ -162,27 +184,46 @@ def decode_perplexity(
     return {**_result(total, tokens, protocol), "cache_class": cache_class}
 
 
-def kv_bytes_per_token(model: nn.Module, windows: torch.Tensor, *, n_rows: int = 1) -> dict[str, Any]:
+def dense_kv_bytes(config: Any, n_rows: int, seq_len: int, dtype: torch.dtype) -> int:
+    """Bytes the original model's ``DynamicCache`` holds for ``n_rows × seq_len`` tokens in ``dtype``: a cache
+    built from the (original or compressed) model's config, filled with (B, Hkv, T, D) zeros and measured."""
+    shape = get_adapter(config).shape(config)
+    cache = DynamicCache(config=config)
+    states = torch.zeros(n_rows, shape.Hkv, seq_len, shape.D, dtype=dtype)
+    for layer in range(shape.L):
+        cache.update(states, states, layer)
+    return cache_nbytes(cache)
+
+
+def kv_bytes_per_token(
+    model: nn.Module, windows: torch.Tensor, *, n_rows: int = 1, cache_factory: CacheFactory = None
+) -> dict[str, Any]:
     """KV-cache bytes per token, measured from the tensors the cache holds after a prefill.
 
     Runs ``model(windows[:n_rows], use_cache=True)`` and sums every tensor of ``out.past_key_values``
-    (keys, values, latents, positions, scales, zero-points, ...), never a formula. Per token means per
-    prefilled token: a sliding-window layer holds at most ``window − 1`` of them, so for windowed models
-    the figure falls as ``seq_len`` grows past the window (for the original model's cache too).
+    (keys, values, latents, positions, packed codes, scales, zero-points, full-precision windows, ...), never
+    a formula. Per token means per prefilled token: a sliding-window layer holds at most ``window − 1`` of
+    them, so for windowed models the figure falls as ``seq_len`` grows past the window (for the original
+    model's cache too). The original model's ``DynamicCache`` for the same tokens in the model's dtype
+    (:func:`dense_kv_bytes`) gives the compression ratio the cache achieves.
 
     Returns
     -------
     dict
-        ``kv_bytes_total``, ``kv_bytes_per_token`` (total / (rows · T)), ``cache_class`` and ``protocol``.
+        ``kv_bytes_total``, ``kv_bytes_per_token`` (total / (rows · T)), ``dense_kv_bytes_per_token``,
+        ``kv_compression_ratio`` (dense / measured), ``cache_class`` and ``protocol``.
     """
     rows = windows[:n_rows]
     n, t = _check_windows(rows, min_len=1)
     with _inference(model) as device:
-        cache = model(rows.to(device), use_cache=True).past_key_values
+        cache = model(rows.to(device), **_with_cache(cache_factory)).past_key_values
     total = cache_nbytes(cache)
+    dense = dense_kv_bytes(model.config, n, t, next(model.parameters()).dtype)
     return {
         "kv_bytes_total": total,
         "kv_bytes_per_token": total / (n * t),
+        "dense_kv_bytes_per_token": dense / (n * t),
+        "kv_compression_ratio": dense / total,
         "cache_class": type(cache).__name__,
         "protocol": {
             "measure": "kv_bytes_after_prefill",
@@ -203,8 +244,9 @@ def kl_and_agreement(
 ) -> dict[str, Any]:
     """Mean KL(base ‖ model) per token and top-1 agreement of the next-token distributions.
 
-    Both models score each window in one forward pass (no cache); every one of the T positions of a
-    window gives a next-token distribution. Log-probabilities are taken in float32.
+    Both models score each window in one forward pass through a fresh cache (see the module docstring);
+    every one of the T positions of a window gives a next-token distribution. Log-probabilities are taken
+    in float32.
 
     Returns
     -------
@@ -217,8 +259,8 @@ def kl_and_agreement(
     with _inference(base_model) as base_device, _inference(model) as device:
         for b, start in enumerate(range(0, n, batch_size)):
             ids = windows[start : start + batch_size]  # (B, T)
-            logp = F.log_softmax(base_model(ids.to(base_device), use_cache=False).logits.float(), dim=-1)
-            logq = F.log_softmax(model(ids.to(device), use_cache=False).logits.float(), dim=-1)
+            logp = F.log_softmax(base_model(ids.to(base_device), use_cache=True).logits.float(), dim=-1)
+            logq = F.log_softmax(model(ids.to(device), use_cache=True).logits.float(), dim=-1)
             logq = logq.to(logp.device)  # (B, T, V)
             kl = F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1)  # (B, T)
             kl_sum += kl.double().sum().item()
@@ -231,5 +273,11 @@ def kl_and_agreement(
         "top1_agreement": agree / tokens,
         "tokens": tokens,
         "windows": n,
-        "protocol": {"measure": "kl_base_vs_model", "seq_len": t, "windows": n, "tokens_scored": tokens},
+        "protocol": {
+            "measure": "kl_base_vs_model",
+            "through_cache": True,
+            "seq_len": t,
+            "windows": n,
+            "tokens_scored": tokens,
+        },
     }

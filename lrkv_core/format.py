@@ -3,7 +3,13 @@
 One typed object, :class:`LrkvFormat`, is written by fusion, read by save/load, the transformers quantizer
 hook, the latent cache (which storage to use) and the model card. ``format_version`` says which layout of
 the section a model was written with: sections without one were written by lrkv 0.1 (format 1) and are
-read through :func:`_migrate_v1`; a section from a newer lrkv than this one is refused with a clear error.
+read through :func:`_migrate_v1`; format 2 (lrkv 0.2) had no ``rotation`` and reads as ``rotation: none``
+(:func:`_migrate_v2`); a section from a newer lrkv than this one is refused with a clear error.
+
+Format 3 added ``rotation`` and ``rotation_seed``: the orthogonal rotation of each group's rank dimension
+fused into the factors (:mod:`lrkv_core.rotation`). It is already in the weights, so loading needs nothing
+from it; it is recorded to describe the model (and a format-2 reader, which refuses unknown keys, is told
+to upgrade rather than that the section is broken).
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 2
+from .rotation import ROTATIONS
+
+FORMAT_VERSION = 3
 ROPE_HANDLING = ("reconstruct-then-rope", "keys-fused-into-q")
 
 
@@ -26,7 +34,9 @@ class LrkvFormat:
 
     Ranks are per layer, per group of ``group_size`` KV heads: ``ranks_k[layer][g]``, ``ranks_v[layer][g]``.
     ``decomposition``, ``allocator`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) of the
-    registered methods that made the model and of the cache storage it decodes with.
+    registered methods that made the model and of the cache storage it decodes with. ``rotation`` is the
+    policy (one of :data:`~lrkv_core.rotation.ROTATIONS`) whose rotations were fused into every group's
+    factors, seeded by ``rotation_seed`` where it drew random orthogonal matrices.
     """
 
     decomposition: dict[str, Any]
@@ -41,6 +51,8 @@ class LrkvFormat:
     qkv_bias: bool  # q_proj (and k_up, with RoPE) carry the original q/k biases
     o_bias: bool  # o_proj bias (original o bias + the folded v bias)
     cache: dict[str, Any] = field(default_factory=lambda: {"name": "dense"})
+    rotation: str = "none"
+    rotation_seed: int = 0
     method: str = "palu"
     lrkv_version: str = ""
     format_version: int = FORMAT_VERSION
@@ -48,6 +60,8 @@ class LrkvFormat:
     def __post_init__(self) -> None:
         if self.rope not in ROPE_HANDLING:
             raise FormatError(f"unknown rope handling {self.rope!r}; known: {', '.join(ROPE_HANDLING)}")
+        if self.rotation not in ROTATIONS:
+            raise FormatError(f"unknown rotation {self.rotation!r}; known: {', '.join(ROTATIONS)}")
         if len(self.ranks_k) != len(self.ranks_v) or any(
             len(k) != len(v) for k, v in zip(self.ranks_k, self.ranks_v)
         ):
@@ -79,6 +93,8 @@ class LrkvFormat:
             )
         if version == 1:
             data = _migrate_v1(data)
+        elif version == 2:
+            data = _migrate_v2(data)
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -112,5 +128,11 @@ def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
     out["decomposition"] = {"name": data.get("decomposition", "whitened")}
     out["allocator"] = {"name": data.get("allocator", "uniform")}
     out["lrkv_version"] = data.get("version", "0.1.0")
-    out["format_version"] = FORMAT_VERSION
-    return out
+    return _migrate_v2(out)
+
+
+def _migrate_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """lrkv 0.2's section: no rotation (the fields' defaults, ``none``), otherwise the same layout."""
+    if "rotation" in data or "rotation_seed" in data:
+        raise FormatError("format 2 section with a rotation: not written by a released lrkv")
+    return {**data, "format_version": FORMAT_VERSION}

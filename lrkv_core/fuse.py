@@ -8,6 +8,9 @@ picks the attention kind (:data:`ATTENTION_KINDS`): its module class and how its
 - Non-RoPE models: ``B_k`` is folded into ``q_proj`` (rows ``B_k,g,jᵀ W_q,h``, bias ``B_k,g,jᵀ b_q,h``);
   the k bias only adds ``q·b_k``, constant per query row, and is dropped (softmax cancels it).
 - All models: ``W_o,h B_v,g,j`` per query head h becomes ``o_proj``; ``W_o,h b_v,j`` joins its bias.
+- Rotation (``--rotation``, :mod:`lrkv_core.rotation`): each group's truncated factors become ``(Rᵀ A, B R)``
+  before any of the above, so ``k_down``/``v_down`` emit rotated latents and ``k_up``, the keys folded into
+  ``q_proj`` and the values folded into ``o_proj`` all undo it: the product, and the model, are unchanged.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from .adapters import ArchAdapter, AttnShape, get_adapter
 from .allocation import RankPlan
 from .attention import LatentAttention, LatentAttentionBase, LatentLayout
 from .attention_norope import NoRopeLatentAttention
-from .cache import LatentCache
+from .cache import CACHE_STORAGES, LatentCache
 from .decompositions import LayerFactors
 from .format import LrkvFormat
-from .linalg import truncate
+from .linalg import GroupFactors, truncate
+from .rotation import check_rotation, group_seed, rotate_factors, rotation_matrix
 from .version import __version__
 
 
@@ -98,11 +102,32 @@ def attention_kind(adapter: ArchAdapter) -> AttentionKind:
     return ATTENTION_KINDS[adapter.rope]
 
 
+def rotated_parts(
+    groups: list[GroupFactors], ranks: tuple[int, ...], rotation: str, seed: int, layer: int, kind: str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each group's rank-r factors ``(A (r, d), B (s·D, r))`` in float64 on the CPU, rotated to
+    ``(Rᵀ A, B R)`` by the policy's matrix for that group (:func:`lrkv_core.rotation.rotation_matrix`)."""
+    parts = []
+    for g, (f, r) in enumerate(zip(groups, ranks)):
+        a, b = (t.to(torch.float64).cpu() for t in truncate(f, r))
+        matrix, _ = rotation_matrix(r, rotation, group_seed(seed, layer, kind, g))
+        parts.append(rotate_factors(a, b, matrix))
+    return parts
+
+
 @torch.no_grad()
 def fuse_attention(
-    attn: nn.Module, factors: LayerFactors, layout: LatentLayout, adapter: ArchAdapter, config, layer_idx: int
+    attn: nn.Module,
+    factors: LayerFactors,
+    layout: LatentLayout,
+    adapter: ArchAdapter,
+    config,
+    layer_idx: int,
+    rotation: str = "none",
+    rotation_seed: int = 0,
 ) -> LatentAttentionBase:
-    """The latent attention holding ``attn``'s weights through the truncated factors (float64 fusion)."""
+    """The latent attention holding ``attn``'s weights through the truncated (and rotated) factors, fused
+    in float64."""
     shape = adapter.shape(config)
     s, D = layout.group_size, shape.D
     q, k, v, o = (getattr(attn, getattr(adapter, f"{p}_name")) for p in "qkvo")
@@ -110,10 +135,9 @@ def fuse_attention(
     new = kind.module(config, layer_idx, adapter, layout)  # filled in float64 on the CPU, then moved
     new = new.to(dtype=torch.float64)
 
-    k_parts = [truncate(f, r) for f, r in zip(factors.groups["k"], layout.ranks_k)]
-    v_parts = [truncate(f, r) for f, r in zip(factors.groups["v"], layout.ranks_v)]
-    k_parts = [(a.to(torch.float64).cpu(), b.to(torch.float64).cpu()) for a, b in k_parts]
-    v_parts = [(a.to(torch.float64).cpu(), b.to(torch.float64).cpu()) for a, b in v_parts]
+    rot = (rotation, rotation_seed, layer_idx)
+    k_parts = rotated_parts(factors.groups["k"], layout.ranks_k, *rot, "k")
+    v_parts = rotated_parts(factors.groups["v"], layout.ranks_v, *rot, "v")
     _set_linear(new.k_down, torch.cat([a for a, _ in k_parts]))
     _set_linear(new.v_down, torch.cat([a for a, _ in v_parts]))
     kind.fuse_keys(new, q, k, k_parts, shape)
@@ -139,11 +163,16 @@ def compress_model(
     *,
     decomposition: dict,
     cache: dict | None = None,
+    rotation: str = "none",
+    rotation_seed: int = 0,
 ) -> nn.Module:
     """Replace every attention in place by its latent form with the plan's ranks; returns the model.
 
     ``decomposition`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) recorded in the
     model-format section (``config.lrkv``); the cache storage is what the model's latent cache will use.
+    ``rotation`` (a policy of :mod:`lrkv_core.rotation`, seeded by ``rotation_seed``) is fused into every
+    group's factors. Whether the storage can hold the plan's ranks and the policy can rotate them is checked
+    before the model is touched.
     """
     config = model.config
     adapter = get_adapter(config)
@@ -162,14 +191,20 @@ def compress_model(
         qkv_bias=has_bias["q"] or has_bias["k"],
         o_bias=has_bias["o"] or has_bias["v"],  # the v bias folds into the output bias
         cache=dict(cache or {"name": "dense"}),
+        rotation=rotation,
+        rotation_seed=rotation_seed,
         lrkv_version=__version__,
     )
     if fmt.n_layers != len(factors) or fmt.n_layers != adapter.shape(config).L:
         raise ValueError("plan, factors and model disagree on the number of layers")
+    storage = CACHE_STORAGES.create(fmt.cache)
+    for ranks in (*fmt.ranks_k, *fmt.ranks_v):
+        storage.check_ranks(ranks)
+    check_rotation(rotation, [*fmt.ranks_k, *fmt.ranks_v])
     for i, (f, layout) in enumerate(zip(factors, layouts(fmt))):
-        adapter.set_attention(
-            model, i, fuse_attention(adapter.attention(model, i), f, layout, adapter, config, i)
-        )
+        attn = adapter.attention(model, i)
+        new = fuse_attention(attn, f, layout, adapter, config, i, rotation, rotation_seed)
+        adapter.set_attention(model, i, new)
     config.lrkv = fmt.to_dict()
     enable_latent_cache(model)
     return model

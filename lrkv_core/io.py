@@ -157,13 +157,19 @@ def model_card(fmt: LrkvFormat, source: str | None = None) -> str:
     ranks = "\n".join(f"| {i} | {rk} | {rv} |" for i, (rk, rv) in enumerate(zip(fmt.ranks_k, fmt.ranks_v)))
     origin = f"Source model: `{source}`.\n\n" if source else ""
     cache = ", ".join(f"{k}={v}" for k, v in fmt.cache.items() if k != "name")
+    rotation = (
+        ""
+        if fmt.rotation == "none"
+        else f" Each group's latents are rotated ({fmt.rotation}, seed {fmt.rotation_seed}), the rotation "
+        "fused into the down- and up-projections."
+    )
     return (
         f"# lrkv compressed model\n\n{origin}"
         f"The KV cache stores low-rank latents: {fmt.decomposition['name']} decomposition per group of "
         f"{fmt.group_size} KV head(s), {fmt.allocator['name']} ranks rounded to multiples of "
         f"{fmt.rank_multiple}. Kept KV width: {fmt.achieved_ratio:.4f} of the original "
         f"(target {fmt.target_ratio}). {keys}; the value up-projection is folded into o_proj. "
-        f"Cache storage: {fmt.cache['name']}{f' ({cache})' if cache else ''}.\n\n"
+        f"Cache storage: {fmt.cache['name']}{f' ({cache})' if cache else ''}.{rotation}\n\n"
         "| layer | K ranks per group | V ranks per group |\n|---|---|---|\n"
         f"{ranks}\n\nLoad: `lrkv_core.load_compressed(path)`, or "
         "`AutoModelForCausalLM.from_pretrained(path)` after `import lrkv_core` (no pickle, no "

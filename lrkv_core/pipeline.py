@@ -7,6 +7,7 @@ step of the in-memory API (:mod:`lrkv_core.convert`) with file I/O.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from .decompositions import (
 )
 from .format import LrkvFormat
 from .fuse import compress_model
+from .hf_quantized_cache import HfQuantizedCacheSpec
 from .io import model_card, save_compressed
 from .models import load_model, load_tokenizer, read_tensors
 from .statistics import STATISTICS, load_statistic, save_statistic
@@ -142,14 +144,24 @@ def build_file(
     *,
     decomposition: str | Mapping[str, Any],
     cache: Mapping[str, Any] | None = None,
+    rotation: str = "none",
+    rotation_seed: int = 0,
     dtype: str = "float32",
 ) -> dict:
-    """Fuse the factors into the model and save the compressed model directory."""
+    """Fuse the factors (rotated by ``rotation``) into the model and save the compressed model directory."""
     model, tokenizer = load_model(model_dir, dtype=dtype)
     factors = [load_layer_factors(p) for p in factor_paths]
     plan = RankPlan.load(plan_path)
     decomposition = DECOMPOSITIONS.create(decomposition).to_dict()
-    compress_model(model, factors, plan, decomposition=decomposition, cache=cache)
+    compress_model(
+        model,
+        factors,
+        plan,
+        decomposition=decomposition,
+        cache=cache,
+        rotation=rotation,
+        rotation_seed=rotation_seed,
+    )
     card = model_card(LrkvFormat.of(model.config), model_dir)
     save_compressed(model, out_dir, tokenizer=tokenizer, card=card)
     return {"achieved_ratio": plan.achieved_ratio}
@@ -166,25 +178,42 @@ def evaluate_dir(
     batch_size: int = 8,
     dtype: str = "float32",
     base_dir: str | None = None,
+    hf_quantized_cache: str | HfQuantizedCacheSpec | None = None,
     progress: Progress = None,
 ) -> dict[str, Any]:
     """Prefill PPL, teacher-forced decode PPL and measured KV bytes/token of a (compressed or base) model.
 
-    With ``base_dir``, also KL(base ‖ model) per token and top-1 agreement on the prefill windows.
+    With ``base_dir``, also KL(base ‖ model) per token and top-1 agreement on the prefill windows. With
+    ``hf_quantized_cache`` (a spec or ``BACKEND:BITS[:GROUP[:RESIDUAL]]``), an original model is evaluated
+    through transformers' ``QuantizedCache`` (:mod:`lrkv_core.hf_quantized_cache`), the anchor for lrkv's
+    quantized latent cache.
     """
     model, tokenizer = load_model(model_dir, dtype=dtype)
     windows = eval_windows(dataset, tokenizer, seq_len=seq_len, max_windows=max_windows)  # (N, T)
     if not 0 < decode_prefix < seq_len:
         raise ValueError(f"decode prefix {decode_prefix} must be inside the window (1..{seq_len - 1})")
-    prefill = evaluate.prefill_perplexity(model, windows, batch_size=batch_size, progress=progress)
-    decode = evaluate.decode_perplexity(
-        model, windows[:decode_windows], prefix_len=decode_prefix, batch_size=batch_size, progress=progress
+    spec = hf_quantized_cache
+    if isinstance(spec, str):
+        spec = HfQuantizedCacheSpec.parse(spec)
+    factory = None if spec is None else functools.partial(spec.make, model.config)
+    prefill = evaluate.prefill_perplexity(
+        model, windows, batch_size=batch_size, cache_factory=factory, progress=progress
     )
-    kv = evaluate.kv_bytes_per_token(model, windows)
+    decode = evaluate.decode_perplexity(
+        model,
+        windows[:decode_windows],
+        prefix_len=decode_prefix,
+        batch_size=batch_size,
+        cache_factory=factory,
+        progress=progress,
+    )
+    kv = evaluate.kv_bytes_per_token(model, windows, cache_factory=factory)
     out = {"prefill": prefill, "decode": decode, "kv": kv}
     if base_dir is not None:
         base, _ = load_model(base_dir, dtype=dtype)
         out["kl"] = evaluate.kl_and_agreement(base, model, windows, batch_size=batch_size, progress=progress)
     for result in out.values():
         result["protocol"]["dataset"] = dataset
+        if spec is not None:
+            result["protocol"]["hf_quantized_cache"] = spec.to_dict()
     return out | {"model": str(model_dir)}

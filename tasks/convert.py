@@ -217,8 +217,10 @@ def build_model(
     cache: dict,
     dtype: str,
     store: str,
+    rotation: str = "none",
+    rotation_seed: int = 0,
 ) -> ArtifactRef:
-    """Fuse factors into the model and save the compressed model directory."""
+    """Fuse factors (rotated) into the model and save the compressed model directory."""
     return _stored(
         store,
         "model",
@@ -231,6 +233,8 @@ def build_model(
             out,
             decomposition=decomposition,
             cache=cache,
+            rotation=rotation,
+            rotation_seed=rotation_seed,
             dtype=dtype,
         ),
     )

@@ -54,6 +54,12 @@ class PaluRecipe(Strict):
         [], description="options of calibration statistics, e.g. [{name: fisher, per_row: false}]"
     )
     cache: registered(CACHE_STORAGES) = "dense"  # type: ignore[valid-type]
+    rotation: Literal["none", "hadamard", "auto"] = Field(
+        "none",
+        description="orthogonal rotation of each group's rank dimension fused into the factors (spreads "
+        "latents before quantization): hadamard, or auto (Hadamard where the rank allows, else random)",
+    )
+    rotation_seed: int = 0
 
     @model_validator(mode="after")
     def _positive_group(self) -> PaluRecipe:
@@ -71,6 +77,8 @@ class PaluRecipe(Strict):
             allocator=self.allocator,
             statistics=tuple(self.statistics),
             cache=self.cache,
+            rotation=self.rotation,
+            rotation_seed=self.rotation_seed,
         )
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +46,14 @@ class ArtifactRef(BaseModel):
     def path(self) -> str:
         """The local path of the artifact (``uri`` of a local store)."""
         return self.uri
+
+
+@contextmanager
+def staging_path(parent: Path, suffix: str = "") -> Iterator[Path]:
+    """A fresh path ``<parent>/<tmp>/artifact<suffix>`` to write an artifact into; removed on exit."""
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(dir=parent)) / f"artifact{suffix}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)

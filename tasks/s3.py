@@ -22,13 +22,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from lrkv_core.fingerprint import hash_dir, hash_file, hash_json
 from lrkv_core.paths import lrkv_home
 
-from .refs import RESULTS, digest_of
+from .refs import RESULTS, digest_of, staging_path
 
 MANIFEST = "MANIFEST.json"
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")
@@ -115,16 +115,9 @@ class S3Store:
     def _key(self, *parts: str) -> str:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
-    @contextmanager
-    def staging(self, suffix: str = "") -> Iterator[Path]:
+    def staging(self, suffix: str = "") -> AbstractContextManager[Path]:
         """A local temporary path to write an artifact into before :meth:`put` uploads it."""
-        tmp_root = lrkv_home() / "staging"
-        tmp_root.mkdir(parents=True, exist_ok=True)
-        path = Path(tempfile.mkdtemp(dir=tmp_root)) / f"artifact{suffix}"
-        try:
-            yield path
-        finally:
-            shutil.rmtree(path.parent, ignore_errors=True)
+        return staging_path(lrkv_home() / "staging", suffix)
 
     def put(self, staged: Path, kind: str) -> tuple[str, str]:
         """Upload a staged file or directory under its content hash; returns ``(uri, sha256)``."""

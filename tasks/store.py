@@ -16,17 +16,14 @@ The store also holds the tasks' cached results (Prefect result records, JSON) in
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
 from lrkv_core.files import make_tree_readable
 from lrkv_core.paths import lrkv_home
 
-from .refs import RESULTS, digest_of, is_s3
+from .refs import RESULTS, digest_of, is_s3, staging_path
 
 __all__ = ["RESULTS", "ArtifactStore", "LocalStore", "artifact_exists", "is_s3", "local_path", "open_store"]
 
@@ -56,16 +53,9 @@ class LocalStore:
         self.path = Path(root).expanduser().resolve() if root else default_store_root()
         self.root = str(self.path)
 
-    @contextmanager
-    def staging(self, suffix: str = "") -> Iterator[Path]:
+    def staging(self, suffix: str = "") -> AbstractContextManager[Path]:
         """A temporary path inside the store (same filesystem, so the final move is atomic)."""
-        tmp_dir = self.path / ".staging"
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        path = Path(tempfile.mkdtemp(dir=tmp_dir)) / f"artifact{suffix}"
-        try:
-            yield path
-        finally:
-            shutil.rmtree(path.parent, ignore_errors=True)
+        return staging_path(self.path / ".staging", suffix)
 
     def put(self, staged: Path, kind: str) -> tuple[str, str]:
         """Move a staged file or directory into place; returns ``(path, sha256)``."""

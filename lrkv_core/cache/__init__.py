@@ -3,6 +3,7 @@
 - :mod:`.storage`: :class:`CacheStorage` (a strategy's registered config), :class:`LatentStore` (its mutable
   per-layer store, generic per-token operations written once), :class:`LatentView` (what attention reads);
 - :mod:`.window`: :class:`FullWindow`, :class:`SlidingWindow`;
+- :mod:`.dense`, :mod:`.quantized`: the registered storage strategies;
 - :mod:`.layer`: :class:`LatentLayer`, one store × one window behind transformers' cache-layer API;
 - :mod:`.latent_cache`: :class:`LatentCache` (``from_config`` reads ranks and storage from ``config.lrkv``)
   and :func:`cache_nbytes`.
@@ -12,10 +13,11 @@ A new storage strategy is one module beside :mod:`.dense` (a ``LatentStore`` sub
 """
 
 # storage strategies: importing a strategy's module registers it
-from . import dense  # noqa: F401
+from . import dense, quantized  # noqa: F401
 from .dense import DenseStorage, DenseStore
 from .latent_cache import LatentCache, cache_nbytes
 from .layer import LatentLayer
+from .quantized import QuantizedStorage, QuantizedStore
 from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView, split_groups
 from .window import FullWindow, SlidingWindow
 
@@ -29,6 +31,8 @@ __all__ = [
     "LatentLayer",
     "LatentStore",
     "LatentView",
+    "QuantizedStorage",
+    "QuantizedStore",
     "SlidingWindow",
     "cache_nbytes",
     "split_groups",

@@ -14,7 +14,8 @@ layers (Mistral, Qwen2's ``layer_types``) keep only the last ``window − 1`` to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
@@ -95,17 +96,34 @@ class LatentCache(DynamicCache):
         return self.layers[layer_idx].update_latents(h_k, h_v, position_ids, ranks)
 
 
+def _stored_tensors(obj: Any, found: dict[int, torch.Tensor]) -> None:
+    """Collect the plain tensors under ``obj``: itself, the items of tuples, lists and dicts, and the inner
+    tensors of tensor subclasses that store their data in them (optimum-quanto's packed codes, scales and
+    shifts), whose own ``numel · element_size`` would describe the unpacked values instead."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            for name in obj.__tensor_flatten__()[0]:
+                _stored_tensors(getattr(obj, name), found)
+        else:
+            found.setdefault(id(obj), obj)
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            _stored_tensors(value, found)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _stored_tensors(value, found)
+
+
 def cache_nbytes(cache: Cache) -> int:
     """Bytes of every tensor a cache holds, over all layers (latent parts, positions, scales, ...).
 
-    Latent layers report their tensors (:meth:`LatentLayer.tensors`); other layers (a ``DynamicCache``'s) are
-    scanned for tensor attributes (keys, values, a sliding window's scalar).
+    Latent layers report their tensors (:meth:`LatentLayer.tensors`); other layers (a ``DynamicCache``'s, a
+    transformers ``QuantizedCache``'s) are scanned through their attributes, tuples, lists and dicts
+    (keys, values, a sliding window's scalar, HQQ's codes and scale/zero metadata, quanto's packed tensors).
     """
     total = 0
     for layer in cache.layers:
-        if isinstance(layer, LatentLayer):
-            tensors = layer.tensors()
-        else:
-            tensors = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
-        total += sum(t.numel() * t.element_size() for t in tensors)
+        found: dict[int, torch.Tensor] = {}
+        _stored_tensors(layer.tensors() if isinstance(layer, LatentLayer) else vars(layer), found)
+        total += sum(t.numel() * t.element_size() for t in found.values())
     return total

@@ -10,6 +10,10 @@ A strategy is two classes:
   part; a strategy only says how new latents become parts (:meth:`LatentStore.encode`) and how parts become
   what attention reads (:meth:`LatentStore.decode`).
 
+A store may keep its newest ``residual`` tokens exactly as given (KIVI's full-precision residual window): new
+latents enter that window, and only the tokens it pushes out are encoded. The generic operations treat the
+encoded tokens and the window as one token sequence, so every strategy gets the window for free.
+
 Attention reads a :class:`LatentView`: per-group key and value latents with exactly the layout's rank r_g
 per group (a strategy that keeps fewer dimensions for some tokens pads them with zeros, which equals
 truncation since ranks are prefixes of the spectrum), and the positions.
@@ -63,19 +67,27 @@ class LatentStore(ABC):
     Parameters
     ----------
     ranks_k, ranks_v : per-group ranks r_g of the layer's key and value latents.
+    residual : how many of the newest tokens are kept exactly as given, before encoding (0: none).
 
     Attributes
     ----------
-    parts : name → tensor (B, S, ...), whatever :meth:`encode` returns, appended along dim 1.
+    parts : name → tensor (B, S_e, ...), whatever :meth:`encode` returns for the S_e oldest tokens, appended
+        along dim 1.
+    recent : ``{"k": (B, S_r, R_k), "v": (B, S_r, R_v)}``, the S_r ≤ ``residual`` newest tokens as given
+        (empty without a residual window). Tokens are the encoded ones, then these: S = S_e + S_r.
     positions : (B, S) int32 position ids, or None when the latents come without them (non-RoPE models).
         The first append decides; later ones must agree.
     dtype : dtype of the latents given to the first append (what a strategy decodes back to).
     """
 
-    def __init__(self, ranks_k: Sequence[int], ranks_v: Sequence[int]) -> None:
+    def __init__(self, ranks_k: Sequence[int], ranks_v: Sequence[int], residual: int = 0) -> None:
+        if residual < 0:
+            raise ValueError(f"a residual window holds ≥ 0 tokens, got {residual}")
         self.ranks_k = tuple(int(r) for r in ranks_k)
         self.ranks_v = tuple(int(r) for r in ranks_v)
+        self.residual = int(residual)
         self.parts: dict[str, torch.Tensor] = {}
+        self.recent: dict[str, torch.Tensor] = {}
         self.positions: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None
         self._with_positions: bool | None = None
@@ -95,7 +107,8 @@ class LatentStore(ABC):
     # ------------------------------------------------------------------------------ generic, for every part
 
     def append(self, h_k: torch.Tensor, h_v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
-        """Encode new latents h_k (B, T, R_k), h_v (B, T, R_v) and append them (and their positions)."""
+        """Append new latents h_k (B, T, R_k), h_v (B, T, R_v) and their positions: encoded, or, with a
+        residual window, into the window, encoding the tokens it pushes out."""
         B, T = h_k.shape[:2]
         if h_k.shape[-1] != sum(self.ranks_k) or h_v.shape[-1] != sum(self.ranks_v):
             raise ValueError(
@@ -109,6 +122,25 @@ class LatentStore(ABC):
                 f"latent cache layer {'holds' if self._with_positions else 'has no'} positions; "
                 "updates must all come with position ids or all without"
             )
+        if self.residual:
+            h_k, h_v = self._through_window(h_k, h_v)  # the tokens the window pushes out, (B, T_e, R)
+        if h_k.shape[1] or not self.residual:
+            self._append_encoded(h_k, h_v)
+        if position_ids is not None:
+            pos = position_ids.to(device=h_k.device, dtype=torch.int32).expand(B, T)
+            self.positions = pos if self.positions is None else torch.cat([self.positions, pos], dim=1)
+
+    def _through_window(self, h_k: torch.Tensor, h_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new latents to the residual window; return the oldest ones it no longer holds (B, T_e, R)."""
+        k = torch.cat([self.recent["k"], h_k], dim=1) if self.recent else h_k  # (B, S_r + T, R_k)
+        v = torch.cat([self.recent["v"], h_v], dim=1) if self.recent else h_v
+        out = max(k.shape[1] - self.residual, 0)
+        # a copy, so the window does not keep the pushed-out tokens' memory alive
+        self.recent = {"k": k[:, out:].clone(), "v": v[:, out:].clone()}
+        return k[:, :out], v[:, :out]
+
+    def _append_encoded(self, h_k: torch.Tensor, h_v: torch.Tensor) -> None:
+        B, T = h_k.shape[:2]
         new = self.encode(h_k, h_v)
         bad = {name: tuple(t.shape) for name, t in new.items() if tuple(t.shape[:2]) != (B, T)}
         if bad:
@@ -116,44 +148,67 @@ class LatentStore(ABC):
                 f"{type(self).__name__}.encode must return (B, T, ...) = ({B}, {T}, ...) parts: {bad}"
             )
         if self.parts:
-            new = {name: torch.cat([self.parts[name], t], dim=1) for name, t in new.items()}  # (B, S, ...)
+            new = {name: torch.cat([self.parts[name], t], dim=1) for name, t in new.items()}  # (B, S_e, ...)
         self.parts = new
-        if position_ids is not None:
-            pos = position_ids.to(device=h_k.device, dtype=torch.int32).expand(B, T)
-            self.positions = pos if self.positions is None else torch.cat([self.positions, pos], dim=1)
 
     def view(self) -> LatentView:
-        """Every stored token, decoded: per group (B, S, r_g), exactly the layout's ranks."""
-        keys, values = self.decode(self.parts)
-        widths = ([k.shape[-1] for k in keys], [v.shape[-1] for v in values])
-        if widths != (list(self.ranks_k), list(self.ranks_v)):
-            raise ValueError(
-                f"{type(self).__name__}.decode gave groups of widths {widths}, "
-                f"the layout has {self.ranks_k} (keys) and {self.ranks_v} (values)"
+        """Every stored token, decoded: per group (B, S, r_g), exactly the layout's ranks (the encoded tokens
+        as :meth:`decode` gives them back, then the residual window's as they were given)."""
+        segments = []
+        if self._encoded():
+            keys, values = self.decode(self.parts)
+            widths = ([k.shape[-1] for k in keys], [v.shape[-1] for v in values])
+            if widths != (list(self.ranks_k), list(self.ranks_v)):
+                raise ValueError(
+                    f"{type(self).__name__}.decode gave groups of widths {widths}, "
+                    f"the layout has {self.ranks_k} (keys) and {self.ranks_v} (values)"
+                )
+            segments.append((keys, values))
+        if self.recent and self.recent["k"].shape[1]:
+            segments.append(
+                (split_groups(self.recent["k"], self.ranks_k), split_groups(self.recent["v"], self.ranks_v))
             )
+        if len(segments) == 1:
+            keys, values = segments[0]
+        else:  # (B, S_e + S_r, r_g) per group
+            keys = [torch.cat(g, dim=1) for g in zip(*(seg[0] for seg in segments))]
+            values = [torch.cat(g, dim=1) for g in zip(*(seg[1] for seg in segments))]
         return LatentView(tuple(keys), tuple(values), self.positions)
 
-    def __len__(self) -> int:
-        """Number of stored tokens S."""
+    def _encoded(self) -> int:
+        """Number of encoded tokens S_e."""
         return next(iter(self.parts.values())).shape[1] if self.parts else 0
 
+    def __len__(self) -> int:
+        """Number of stored tokens S (encoded, then in the residual window)."""
+        return self._encoded() + (self.recent["k"].shape[1] if self.recent else 0)
+
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply ``fn`` to every per-token tensor (parts and positions)."""
+        """Apply ``fn`` to every batch-major tensor (parts, the residual window and positions)."""
         self.parts = {name: fn(t) for name, t in self.parts.items()}
+        self.recent = {name: fn(t) for name, t in self.recent.items()}
         if self.positions is not None:
             self.positions = fn(self.positions)
+
+    def _slice_tokens(self, start: int, end: int) -> None:
+        """Keep tokens ``start..end-1`` of the sequence (encoded tokens first, then the window)."""
+        n_enc = self._encoded()
+        self.parts = {name: t[:, min(start, n_enc) : min(end, n_enc)] for name, t in self.parts.items()}
+        lo, hi = max(start - n_enc, 0), max(end - n_enc, 0)
+        self.recent = {name: t[:, lo:hi] for name, t in self.recent.items()}
+        if self.positions is not None:
+            self.positions = self.positions[:, start:end]
 
     def keep_last(self, n: int) -> None:
         """Drop all but the last ``n`` tokens (a sliding window)."""
         start = max(len(self) - n, 0)
         if start:
-            self._map(lambda t: t[:, start:])
+            self._slice_tokens(start, len(self))
 
     def crop(self, n: int) -> None:
         """Drop the last ``n`` tokens."""
         if n > 0:
-            end = max(len(self) - n, 0)
-            self._map(lambda t: t[:, :end])
+            self._slice_tokens(0, max(len(self) - n, 0))
 
     def select(self, indices: torch.Tensor) -> None:
         """Keep the batch rows ``indices`` (in that order)."""
@@ -169,7 +224,7 @@ class LatentStore(ABC):
 
     def reset(self) -> None:
         """Forget every token; the next append starts afresh (and decides about positions again)."""
-        self.parts, self.positions, self.dtype, self._with_positions = {}, None, None, None
+        self.parts, self.recent, self.positions, self.dtype, self._with_positions = {}, {}, None, None, None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the store holds: parts, positions and whatever else a strategy keeps as attributes."""
@@ -193,6 +248,10 @@ class CacheStorage(Method, ABC):
     @abstractmethod
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> LatentStore:
         """A new, empty store for one layer with these per-group ranks."""
+
+    def check_ranks(self, ranks: Sequence[int]) -> None:
+        """Raise ``ValueError`` if this strategy cannot keep latent groups of these ranks; every rank is fine
+        unless a strategy says otherwise (a quantization group size must divide them, for instance)."""
 
 
 CACHE_STORAGES: Registry[CacheStorage] = Registry("cache storage", CacheStorage)

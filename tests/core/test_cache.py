@@ -110,6 +110,44 @@ def test_store_appends_and_applies_every_generic_operation_to_every_part_and_the
     assert store.positions is None and len(store) == 2
 
 
+def test_a_residual_window_and_the_encoded_tokens_are_one_token_sequence() -> None:
+    """The newest ``residual`` tokens stay as given; every generic operation spans both segments."""
+    store = DenseStore((2,), (1,), residual=3)
+    store.append(_latents(0, 4, 2, batch=2), _latents(0, 4, 1, batch=2), _positions(0, 4))
+    assert store._encoded() == 1 and store.recent["k"].shape[1] == 3 and len(store) == 4
+    store.append(_latents(4, 2, 2, batch=2), _latents(4, 2, 1, batch=2), _positions(4, 2))
+
+    def tokens() -> list[torch.Tensor]:  # the token index of every stored token, per tensor kind, (B, S)
+        view = store.view()
+        return [view.keys[0][..., 0], view.values[0][..., 0], store.positions.float()]
+
+    def segments() -> tuple[list[float], list[float]]:  # row 0's encoded tokens, then the window's
+        return store.parts["k"][0, :, 0].tolist(), store.recent["k"][0, :, 0].tolist()
+
+    assert segments() == ([0.0, 1.0, 2.0], [3.0, 4.0, 5.0])
+    assert all(torch.equal(t[0], torch.arange(6.0)) for t in tokens())
+    store.keep_last(4)
+    assert segments() == ([2.0], [3.0, 4.0, 5.0])
+    store.crop(2)
+    assert segments() == ([2.0], [3.0]) and all(torch.equal(t[0], torch.tensor([2.0, 3.0])) for t in tokens())
+    store.append(_latents(6, 3, 2, batch=2), _latents(6, 3, 1, batch=2), _positions(6, 3))
+    assert segments() == ([2.0, 3.0], [6.0, 7.0, 8.0])
+    assert torch.equal(store.positions[0], torch.tensor([2, 3, 6, 7, 8], dtype=torch.int32))
+    store.parts = {name: t + 100 * torch.arange(2.0)[:, None, None] for name, t in store.parts.items()}
+    store.recent = {name: t + 100 * torch.arange(2.0)[:, None, None] for name, t in store.recent.items()}
+    store.positions = store.positions + 100 * torch.arange(2, dtype=torch.int32)[:, None]
+    store.reorder(torch.tensor([1, 0]))
+    assert all(torch.equal(t[:, -1], torch.tensor([108.0, 8.0])) for t in tokens())
+    store.repeat_interleave(2)
+    store.select(torch.tensor([3, 0]))
+    assert all(torch.equal(t[:, 0], torch.tensor([2.0, 102.0])) for t in tokens())
+    assert {id(t) for t in store.tensors()} == {
+        id(t) for t in (*store.parts.values(), *store.recent.values())
+    } | {id(store.positions)}
+    store.reset()
+    assert len(store) == 0 and store.recent == {} and store.tensors() == []
+
+
 def test_store_refuses_mixing_updates_with_and_without_positions() -> None:
     layer = LatentLayer(ranks_k=(3,), ranks_v=(3,))
     h = torch.zeros(1, 2, 3)

@@ -63,7 +63,8 @@ def test_prefill_matches_reference_and_ignores_batching() -> None:
     assert res["ppl"] == pytest.approx(math.exp(res["nll"]))
     assert res["tokens"] == 5 * 19 and res["windows"] == 5
     assert res["protocol"] == {
-        "measure": "prefill_nll", "seq_len": 20, "windows": 5, "targets": [1, 20], "tokens_scored": 95,
+        "measure": "prefill_nll", "through_cache": True, "seq_len": 20, "windows": 5, "targets": [1, 20],
+        "tokens_scored": 95,
     }  # fmt: skip
     assert prefill_perplexity(model, windows, batch_size=5)["nll"] == pytest.approx(res["nll"], abs=1e-6)
     later = prefill_perplexity(model, windows, score_from=12)
@@ -112,6 +113,8 @@ def test_kv_bytes_of_plain_llama_are_keys_and_values_only(dtype: torch.dtype, el
     assert res["kv_bytes_total"] == 2 * 16 * 2 * n_layers * n_kv * head_dim * elem
     assert res["cache_class"] == "DynamicCache"
     assert res["protocol"]["windows"] == 2 and res["protocol"]["tokens_prefilled"] == 32
+    # the original model's own cache is the reference: compression 1
+    assert res["dense_kv_bytes_per_token"] == res["kv_bytes_per_token"] and res["kv_compression_ratio"] == 1
 
 
 def test_kl_of_a_model_with_itself_is_zero() -> None:

@@ -258,3 +258,25 @@ def test_a_newer_format_version_is_refused_and_format_1_is_migrated(compressed, 
     ids = _ids()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_format_2_is_migrated_to_no_rotation_and_format_3_records_it(compressed, tmp_path) -> None:
+    model, _ = compressed
+    out = save_compressed(model, tmp_path / "m")
+    config = json.loads((out / "config.json").read_text())
+    assert config["lrkv"]["rotation"] == "none" and config["lrkv"]["rotation_seed"] == 0
+    v2 = {k: v for k, v in config["lrkv"].items() if k not in ("rotation", "rotation_seed")}
+    (out / "config.json").write_text(json.dumps({**config, "lrkv": {**v2, "format_version": 2}}))
+    loaded = load_compressed(out)
+    fmt = LrkvFormat.of(loaded.config)
+    assert fmt.rotation == "none" and fmt.format_version == FORMAT_VERSION == 3
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    bad = {**v2, "format_version": 2, "rotation": "auto"}
+    (out / "config.json").write_text(json.dumps({**config, "lrkv": bad}))
+    with pytest.raises(ModelFileError, match="format 2 section with a rotation"):
+        load_compressed(out)
+    (out / "config.json").write_text(json.dumps({**config, "lrkv": {**config["lrkv"], "rotation": "spin"}}))
+    with pytest.raises(ModelFileError, match="unknown rotation 'spin'"):
+        load_compressed(out)

@@ -134,3 +134,27 @@ def test_merged_model_saves_and_loads_as_a_compressed_model(make_tiny, compress,
     assert loaded.config.lrkv == merged.config.lrkv
     state = loaded.state_dict()
     assert not any("lora" in name for name in state)  # nothing of the adapters is left
+
+
+def test_a_quantized_cache_keeps_its_settings_through_merge_save_and_load(make_tiny, tmp_path):
+    """A 4-bit latent cache with a fused rotation: the merged model saves and loads with the same cache
+    storage (options included), the same bytes per token, and decodes as the merged model does."""
+    from lrkv_core.convert import CompressionConfig, convert
+
+    cache = {"name": "quantized", "bits": 4, "quant_group_size": 4, "residual": 2}
+    config = CompressionConfig(ratio=0.5, group_size=2, rank_multiple=4, cache=cache, rotation="hadamard")
+    model = convert(make_tiny("llama"), ids_for(8, 24, seed=123), config)
+    section = copy.deepcopy(model.config.lrkv)
+    assert section["cache"]["name"] == "quantized" and section["cache"]["bits"] == 4
+    ids = ids_for(2, 20)
+    kv = kv_bytes_per_token(model, ids)
+    trained = train_lora(model, _data(), RecoveryConfig(steps=3, r=4, lr=2e-2, batch_size=4, seq_len=16))
+    merged = merge_lora(trained.model)
+    save_compressed(merged, tmp_path / "q4")
+    loaded = load_compressed(tmp_path / "q4")
+    assert loaded.config.lrkv == section  # cache storage, its options, rotation, ranks: all kept
+    assert kv_bytes_per_token(loaded, ids)["kv_bytes_per_token"] == kv["kv_bytes_per_token"]
+    assert kv["kv_bytes_per_token"] < kv["dense_kv_bytes_per_token"] / 2  # really a quantized cache
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, merged(ids).logits)
+    assert torch.equal(greedy(loaded, ids[:, :6]), greedy(merged, ids[:, :6]))

@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lrkv_core import load_compressed, load_model
@@ -129,6 +130,7 @@ def test_bad_settings_fail_before_any_work(tmp_path):
         (["--ratio", "0.2", "--group-size", "1"], "leaves rank 0 for some groups"),
         (["--eval-dataset", f"parquet:{tmp_path / 'missing.parquet'}"], "missing.parquet"),
         (["--eval-dataset", f"text:{tmp_path / 'data.parquet'}"], "has no tokenizer"),
+        (["--bits", "4", "--quant-group-size", "3"], "quantization group size 3 does not divide"),
     ]
     for extra, message in cases:
         res = _lrkv(_convert_args(model_dir, data, out, *extra), tmp_path / "home", timeout=120)
@@ -172,3 +174,38 @@ def test_eval_reports_user_errors_in_one_line(tmp_path):
         assert message in " ".join(res.stdout.split()) and "Traceback" not in res.stdout + res.stderr
     res = _lrkv(["eval", str(model_dir), "--dataset", f"{data}x", "--seq-len", "32"], tmp_path / "home")
     assert res.returncode == 1 and "dataset file not found" in res.stdout
+
+
+def test_convert_with_quantized_latents_and_a_rotation(tmp_path):
+    """--bits/--quant-group-size/--residual-length/--rotation reach the model-format section and the cache."""
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    out = tmp_path / "out"
+    flags = ["--bits", "3", "--quant-group-size", "4", "--residual-length", "2", "--rotation", "auto"]
+    res = _lrkv(
+        _convert_args(model_dir, data, out, "--ratio", "0.5", "--group-size", "2", *flags), tmp_path / "h"
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "KV compression (measured)" in res.stdout
+    section = load_compressed(out).config.lrkv
+    assert section["cache"] == {"name": "quantized", "bits": 3, "quant_group_size": 4, "residual": 2}
+    assert section["rotation"] == "auto" and section["format_version"] == 3
+    res = _lrkv(["convert", "--quant-group-size", "4"], tmp_path / "h", timeout=120)
+    assert res.returncode == 2 and "need --bits" in " ".join((res.stdout + res.stderr).split())
+
+
+def test_eval_through_transformers_quantized_cache(tmp_path):
+    pytest.importorskip("hqq", reason="the hqq backend is not installed (pip install 'lrkv[anchor]')")
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=4, seq_len=32)}"
+    report = tmp_path / "eval.json"
+    args = ["eval", str(model_dir), "--dataset", data, "--seq-len", "32", "--json-out", str(report)]
+    res = _lrkv([*args, "--hf-quant-cache", "hqq:2"], tmp_path / "home")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["kv"]["cache_class"] == "QuantizedCache" and result["kv"]["kv_compression_ratio"] > 1
+    assert result["decode"]["protocol"]["hf_quantized_cache"] == {
+        "backend": "hqq", "bits": 2, "q_group_size": None, "residual_length": 0,
+    }  # fmt: skip
+    res = _lrkv([*args, "--hf-quant-cache", "quanto:3"], tmp_path / "home", timeout=120)
+    assert res.returncode == 1 and "quanto backend takes (2, 4) bits" in " ".join(res.stdout.split())

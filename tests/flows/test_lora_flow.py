@@ -114,7 +114,7 @@ def test_a_flow_killed_in_training_resumes_from_the_checkpoint(prefect_api, tmp_
     assert kv_bytes_per_token(a, ids) == kv_bytes_per_token(b, ids)
 
 
-def test_cli_lora_steps_runs_the_recovery(tmp_path):
+def test_cli_lora_steps_runs_the_recovery_and_keeps_a_quantized_cache(tmp_path):
     from tests.flows.test_cli import _convert_args, _lrkv
 
     model_dir = tiny_model_dir(tmp_path)
@@ -130,10 +130,18 @@ def test_cli_lora_steps_runs_the_recovery(tmp_path):
         "--set",
         "lora.seq_len=32",
     ]
-    res = _lrkv(_convert_args(model_dir, data, out, "--ratio", "0.5", *lora), tmp_path / "home")
+    res = _lrkv(
+        _convert_args(model_dir, data, out, "--ratio", "0.5", "--bits", "4", *lora), tmp_path / "home"
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = " ".join(res.stdout.split())
     assert "lora_recover" in text and "decode ppl before LoRA" in text and "LoRA steps (this run)" in text
     assert "LoRA trains on" in text and "steps: 3" in text  # the note and the recipe echoed
     assert "## LoRA recovery" in (out / "README.md").read_text()  # the model card says what was merged
-    assert load_compressed(out).config.lrkv["achieved_ratio"] == 0.5
+    section = load_compressed(out).config.lrkv
+    assert section["achieved_ratio"] == 0.5 and section["cache"] == {
+        "name": "quantized",
+        "bits": 4,
+        "quant_group_size": None,
+        "residual": 0,
+    }

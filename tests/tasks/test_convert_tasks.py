@@ -29,7 +29,7 @@ def test_task_chain_produces_an_exact_full_rank_model(setup):
     calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
     assert calib.uri.startswith(store) and calib.meta["n_samples"] == 8 and calib.kind == "calibration"
     gram = t.collect_statistic.fn(model, calib, {"name": "gram"}, "float32", 4, store)
-    assert gram.meta["n_tokens"] == 8 * 32 and gram.meta["statistic"] == {"name": "gram"}
+    assert gram.meta["n_tokens"] == 8 * 32 and gram.meta["statistic"] == {"name": "gram", "n_samples": None}
     fisher = t.collect_statistic.fn(model, calib, {"name": "fisher", "per_row": False}, "float32", 4, store)
     assert fisher.meta["n_samples"] == 2 and fisher.meta["per_row"] is False  # batches of 4
     layers = [
@@ -71,6 +71,36 @@ def test_task_chain_produces_an_exact_full_rank_model(setup):
     assert abs(base_eval["prefill"]["nll"] - comp_eval["prefill"]["nll"]) < 1e-4
     assert abs(base_eval["decode"]["nll"] - comp_eval["decode"]["nll"]) < 1e-4
     assert comp_eval["kv"]["cache_class"] == "LatentCache"
+
+
+def test_build_model_fuses_the_rotation_and_records_the_quantized_cache(setup):
+    store = setup["store"]
+    model = t.resolve_model.fn(str(setup["model_dir"]))
+    calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
+    gram = t.collect_statistic.fn(model, calib, {"name": "gram"}, "float32", 4, store)
+    whitened = {"name": "whitened"}
+    layers = [t.decompose_layer.fn(model, {"gram": gram}, i, 2, whitened, store) for i in range(2)]
+    summaries = [t.summarize_layer.fn(f, {}, [], store) for f in layers]
+    plan = t.plan_ranks.fn(model, summaries, 0.5, 2, 8, {"name": "uniform"}, store)
+    cache = {"name": "quantized", "bits": 4, "quant_group_size": 4, "residual": 0}
+    plain = t.build_model.fn(model, layers, plan, whitened, {"name": "dense"}, "float32", store)
+    built = t.build_model.fn(
+        model, layers, plan, whitened, cache, "float32", store, rotation="hadamard", rotation_seed=3
+    )
+    section = json.loads(open(f"{built.uri}/config.json").read())["lrkv"]
+    assert section["cache"] == cache and (section["rotation"], section["rotation_seed"]) == ("hadamard", 3)
+    rotated, unrotated = load_compressed(built.uri), load_compressed(plain.uri)
+    ids = torch.randint(3, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        rotated.config.lrkv["cache"] = {"name": "dense"}  # without quantization the rotation changes nothing
+        assert (rotated(ids).logits - unrotated(ids).logits).abs().max() < 1e-4
+    ev = {"dataset": setup["data"], "seq_len": 32, "max_windows": 4, "decode_prefix": 16, "decode_windows": 2,
+          "batch_size": 4}  # fmt: skip
+    kv = t.evaluate.fn(built, ev, "float32", "compressed")["kv"]
+    # per token and layer: 8 + 8 latents at 4 bits, 2 + 2 groups of 4 with fp16 scale and zero, a position
+    # against the original's fp32 K and V: 2 layers × 2 KV heads × 8 dims × 2 × 4 bytes
+    assert kv["kv_bytes_per_token"] == 2 * (4 + 4 + 4 * 2 * 2 + 4) and kv["dense_kv_bytes_per_token"] == 256
+    assert kv["kv_compression_ratio"] == 256 / 56
 
 
 def test_export_refuses_to_clobber_foreign_directories(setup, tmp_path):

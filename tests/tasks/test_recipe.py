@@ -31,6 +31,28 @@ def test_methods_come_from_the_registries_with_strict_options():
         load_recipe(None, {"compression.statistics": [{"name": "fisher", "per_rows": False}]})
 
 
+def test_the_quantized_cache_and_the_rotation_are_recipe_fields():
+    r = load_recipe(
+        None,
+        {
+            "compression.cache": {"name": "quantized", "bits": "3", "quant_group_size": 8},
+            "compression.rotation": "auto",
+        },
+    )
+    assert r.compression.cache.bits == 3 and r.compression.cache.quant_group_size == 8  # typed options
+    dumped = r.model_dump(mode="json")["compression"]
+    assert dumped["cache"] == {"name": "quantized", "bits": 3, "quant_group_size": 8, "residual": 0}
+    assert dumped["rotation"] == "auto" and dumped["rotation_seed"] == 0
+    config = r.compression.to_config()
+    assert config.rotation == "auto" and config.cache.to_dict() == dumped["cache"]
+    with pytest.raises(ValidationError, match="quantized cache bits must be one of"):
+        load_recipe(None, {"compression.cache": {"name": "quantized", "bits": 5}})
+    with pytest.raises(ValidationError, match=r"cache storage 'quantized': group_size: Unexpected keyword"):
+        load_recipe(None, {"compression.cache": {"name": "quantized", "group_size": 8}})
+    with pytest.raises(ValidationError, match="rotation"):
+        load_recipe(None, {"compression.rotation": "random"})
+
+
 def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("model: some/model\ncompression:\n  ratio: 0.7\n  group_size: 2\n")

@@ -1,0 +1,110 @@
+"""The ``quantized`` cache storage: latents as packed b-bit integer codes with float16 scales and zero-points.
+
+Palu's quantized latent cache (§3.3): each new token's latents are quantized as they enter the cache, per
+token and per quantization group (a whole latent group's row of r_g values, or sub-groups of
+``quant_group_size``), asymmetrically at 2, 3, 4 or 8 bits (:mod:`lrkv_core.quant.integer`), and the codes are
+packed (:mod:`lrkv_core.quant.packing`: 2-bit four per byte, 3-bit eight per three bytes, 4-bit two per
+byte). ``bits=16`` keeps the latents as float16 instead: the 16-bit row of the tables.
+
+Parts, per token (all (B, S, ...)): ``k_codes`` (B, S, ⌈R_k·b/8⌉) uint8, ``k_scale`` and ``k_zero``
+(B, S, G_k) float16, and the same for ``v`` (at 16 bits: ``k`` (B, S, R_k) and ``v`` (B, S, R_v)
+float16). With ``residual > 0`` the newest ``residual`` tokens stay as given (KIVI's full-precision
+window; see :class:`~lrkv_core.cache.storage.LatentStore`). Attention reads the dequantized latents
+``z + q·s``, the very tensors :func:`lrkv_core.quant.fake_quantize` gives, and the bytes the cache reports
+are these tensors'.
+Rotating each group's rank dimension first (``--rotation``, fused into the weights) spreads the whitened
+latents' energy before quantization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..quant import INTEGER_BITS, QuantizedRows, dequantize, group_widths, pack_codes, quantize, unpack_codes
+from .storage import CACHE_STORAGES, CacheStorage, LatentStore, split_groups
+
+STORED_BITS = (*INTEGER_BITS, 16)
+
+
+class QuantizedStore(LatentStore):
+    """Keeps latents as packed codes + float16 scales and zero-points (or as float16 at 16 bits).
+
+    Parameters
+    ----------
+    ranks_k, ranks_v : per-group ranks of the layer.
+    bits : 2, 3, 4, 8 (integer codes) or 16 (float16 latents).
+    quant_group_size : width of a quantization group; None: each latent group's whole row.
+    residual : newest tokens kept as given (full precision).
+    """
+
+    def __init__(
+        self,
+        ranks_k: Sequence[int],
+        ranks_v: Sequence[int],
+        bits: int,
+        quant_group_size: int | None = None,
+        residual: int = 0,
+    ) -> None:
+        super().__init__(ranks_k, ranks_v, residual=residual)
+        self.bits = bits
+        group = None if bits == 16 else quant_group_size  # float16 latents have no quantization groups
+        self.widths = {  # quantization group widths along each row
+            "k": group_widths(self.ranks_k, group),
+            "v": group_widths(self.ranks_v, group),
+        }
+
+    def encode(self, h_k: torch.Tensor, h_v: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.bits == 16:
+            return {"k": h_k.to(torch.float16), "v": h_v.to(torch.float16)}
+        parts = {}
+        for kind, h in (("k", h_k), ("v", h_v)):
+            q = quantize(h, self.widths[kind], self.bits)  # codes (B, T, R), scale/zero (B, T, G)
+            parts[f"{kind}_codes"] = pack_codes(q.codes, self.bits)  # (B, T, ⌈R·b/8⌉)
+            parts[f"{kind}_scale"], parts[f"{kind}_zero"] = q.scale, q.zero
+        return parts
+
+    def _latents(self, parts: Mapping[str, torch.Tensor], kind: str) -> torch.Tensor:
+        """The dequantized latents (B, S, R) of ``kind``, in the model's dtype."""
+        if self.bits == 16:
+            return parts[kind].to(self.dtype)
+        width = sum(self.widths[kind])
+        codes = unpack_codes(parts[f"{kind}_codes"], self.bits, width)  # (B, S, R)
+        rows = QuantizedRows(codes, parts[f"{kind}_scale"], parts[f"{kind}_zero"])
+        return dequantize(rows, self.widths[kind], self.dtype)
+
+    def decode(self, parts: Mapping[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], ...]:
+        return (
+            split_groups(self._latents(parts, "k"), self.ranks_k),
+            split_groups(self._latents(parts, "v"), self.ranks_v),
+        )
+
+
+@CACHE_STORAGES.register
+@dataclass(frozen=True)
+class QuantizedStorage(CacheStorage):
+    """Latents as packed 2/3/4/8-bit codes, fp16 per-token scales and zero-points (Palu), or fp16 (16)."""
+
+    name: ClassVar[str] = "quantized"
+    bits: int = 4
+    quant_group_size: int | None = None  # None: one quantization group per latent group row
+    residual: int = 0  # newest tokens kept in full precision (KIVI's residual length)
+
+    def __post_init__(self) -> None:
+        if self.bits not in STORED_BITS:
+            raise ValueError(f"quantized cache bits must be one of {STORED_BITS}, got {self.bits}")
+        if self.quant_group_size is not None and self.quant_group_size < 1:
+            raise ValueError(f"quant_group_size must be ≥ 1 or null, got {self.quant_group_size}")
+        if self.residual < 0:
+            raise ValueError(f"residual must be ≥ 0 tokens, got {self.residual}")
+
+    def check_ranks(self, ranks: Sequence[int]) -> None:
+        """A quantization group size must divide every latent group's rank (integer bits only)."""
+        if self.bits != 16:
+            group_widths(ranks, self.quant_group_size)
+
+    def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> QuantizedStore:
+        return QuantizedStore(ranks_k, ranks_v, self.bits, self.quant_group_size, self.residual)
