@@ -28,7 +28,7 @@ from lrkv_tasks.summary import publish_summary
 from lrkv_tasks.tracking import OPEN_RUNS, close_run, discard_run, open_run
 from lrkv_tasks.zeroshot import zeroshot
 
-from .interrupt import FLOW_RUNS
+from .interrupt import FLOW_RUNS, require_api
 
 
 def _record(timings: list[dict], name: str, future) -> Any:
@@ -171,6 +171,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
                     stored(zeroshot).submit(ref, ev, recipe.dtype, label, store),
                 )
                 (base_eval if label == "base" else comp_eval)["zeroshot"] = result
+    require_api()  # publish nothing the orchestrator did not record
     logged = _record(
         timings,
         "log_run",

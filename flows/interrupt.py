@@ -54,6 +54,26 @@ def _clean_up(server: OwnedServer | None, status: str, reason: str, say: Callabl
         server.stop(drain=False)  # exiting now: what was not sent yet is dropped
 
 
+class ApiServerGone(RuntimeError):
+    """The Prefect API went away while the flow ran: its results must not be published."""
+
+
+def require_api() -> None:
+    """Raise :class:`ApiServerGone` unless the Prefect API answers.
+
+    The watchdog polls the owned server once a second; a flow with little work left can reach its
+    publishing steps (closing the MLflow run FINISHED, registering, exporting) inside that second, so the
+    flow asks here first and fails instead of publishing what the orchestrator never recorded.
+    """
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        err = client.api_healthcheck()
+    if err is not None:
+        gone = type(err).__name__
+        raise ApiServerGone(f"the Prefect API server exited unexpectedly ({gone}); nothing was published")
+
+
 @contextmanager
 def supervised(server: OwnedServer | None, say: Callable[[str], None]) -> Iterator[None]:
     """Run the block with SIGINT/SIGTERM handlers and an API watchdog (see the module docstring)."""

@@ -1,6 +1,7 @@
 """Cached task results under the real Prefect API: JSON only, checked before use, rebuilt when stale."""
 
 import json
+import time
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
@@ -69,8 +70,13 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
         .data.tags["lrkv.prefect_flow_run"]
     )
     with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id={"any_": [flow_run_id]}), limit=200, offset=0)
-        messages = [entry.message for entry in logs]
+        deadline = time.monotonic() + 30  # Prefect ships logs from a background thread: wait for them
+        while True:
+            logs = client.read_logs(LogFilter(flow_run_id={"any_": [flow_run_id]}), limit=200, offset=0)
+            messages = [entry.message for entry in logs]
+            if "collect gram: 8/8" in messages or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert "collect gram: 8/8" in messages, messages
         # the client's read_artifacts sends null filters, this server (fastapi pin) rejects: ask plainly
         body = {
