@@ -14,7 +14,7 @@ import yaml
 from rich.markup import escape
 
 from .ops_cli import register_operations
-from .report import console, print_eval, print_summary, rich_progress
+from .report import console, print_eval, print_summary, recipe_error, rich_progress
 from .report import fail as _fail
 
 app = typer.Typer(
@@ -186,8 +186,7 @@ def convert(
         overrides = _lora_overrides(lora, lora_steps, read_yaml(recipe)) | overrides
         rec = load_recipe(recipe, overrides)
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
-        console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise _fail(f"invalid recipe: {recipe_error(e)}", 2) from None
     _configure_prefect(rec.store, verbose)
     try:
         _build_builtin(rec.model)
@@ -312,8 +311,7 @@ def ablate(
     try:
         rec = AblateRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
     except (ValueError, OSError, yaml.YAMLError) as e:
-        console.print(f"[red]invalid recipe:[/red] {escape(str(e))}", soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise _fail(f"invalid recipe: {recipe_error(e)}", 2) from None
     _configure_prefect(rec.base.store, verbose)
     try:
         _build_builtin(rec.base.model)

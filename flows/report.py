@@ -21,6 +21,21 @@ def fail(message: str, code: int = 1):
     return typer.Exit(code)
 
 
+def recipe_error(err: Exception) -> str:
+    """One line for a bad recipe: each pydantic error as ``field: message (got value)``, else the error."""
+    from pydantic import ValidationError
+
+    if not isinstance(err, ValidationError):
+        return str(err).splitlines()[0] if str(err) else repr(err)
+    parts = []
+    for e in err.errors(include_url=False):
+        where = ".".join(str(p) for p in e["loc"]) or "recipe"
+        message = e["msg"].replace("Value error, ", "")
+        got = "" if e["type"] in ("extra_forbidden", "value_error") else f" (got {e['input']!r})"
+        parts.append(f"{where}: {message}{got}")
+    return "; ".join(parts)
+
+
 @contextmanager
 def rich_progress() -> Iterator[None]:
     """Show every ``lrkv_tasks.progress.step`` of the block as a rich progress bar."""
