@@ -12,6 +12,7 @@ environment variable: ``LRKV_PREFECT_PORT`` (4200), ``LRKV_MLFLOW_PORT`` (5000),
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -135,18 +136,36 @@ def up() -> dict:
     return services
 
 
-def down() -> list[str]:
-    """Stop what ``lrkv up`` started (each whole process session); returns the names stopped."""
+def _group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def down(grace: float = 20.0) -> list[str]:
+    """Stop what ``lrkv up`` started (each whole process session); returns the names stopped.
+
+    The worker goes first (stopped after the server, it retries the dead API on its way out), then the
+    servers; a session still alive ``grace`` seconds after SIGTERM is killed.
+    """
     path = lrkv_home() / SERVICES
     if not path.is_file():
         return []
     services = json.loads(path.read_text())
     stopped = []
-    for name, pid in services["pids"].items():
+    for name, pid in reversed(services["pids"].items()):  # the reverse of the start order
         try:
             os.killpg(pid, signal.SIGTERM)  # each service leads its own session: this reaches its children
-            stopped.append(name)
         except ProcessLookupError:
             continue
+        stopped.append(name)
+        deadline = time.monotonic() + grace
+        while _group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
     path.unlink()
     return stopped
