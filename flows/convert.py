@@ -96,6 +96,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
             ),
         )
         for s in config.needed_statistics()
+        if not s.uses_factors
     }
     layer_ids = list(range(model.meta["shape"]["L"]))
     decomposed = stored(t.decompose_layer).map(
@@ -107,6 +108,15 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         store=unmapped(store),
     )
     layers = [_record(timings, f"decompose_layer[{i}]", f) for i, f in enumerate(decomposed)]
+    for s in config.needed_statistics():  # those that read the factors (kl_response), after decomposing
+        if s.uses_factors:
+            stats[s.name] = _record(
+                timings,
+                f"collect_statistic[{s.name}]",
+                stored(t.collect_statistic).submit(
+                    model, calib, s.to_dict(), recipe.dtype, cal.batch_size, store, layers=layers
+                ),
+            )
     features = sorted(config.features())
     summarized = stored(t.summarize_layer).map(
         factors=layers,

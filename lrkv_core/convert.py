@@ -151,12 +151,19 @@ def collect_statistics(
     *,
     batch_size: int = 8,
     progress: Progress = None,
+    factors: Sequence[LayerFactors] | None = None,
 ) -> dict[str, list[LayerValue]]:
-    """Every layer's value of each statistic over the calibration ``rows`` (N, T)."""
+    """Every layer's value of each statistic over the calibration ``rows`` (N, T).
+
+    ``factors`` (every layer's, in order) go to the statistics that read them (``uses_factors``)."""
     if statistics and rows is None:
         names = [s.name for s in statistics]
         raise ValueError(f"the chosen methods need calibration statistics {names}: pass calibration rows")
-    return {s.name: s.collect(model, rows, batch_size=batch_size, progress=progress)[0] for s in statistics}
+    out = {}
+    for s in statistics:
+        extra = {"factors": factors} if s.uses_factors else {}
+        out[s.name] = s.collect(model, rows, batch_size=batch_size, progress=progress, **extra)[0]
+    return out
 
 
 @torch.no_grad()
@@ -211,22 +218,30 @@ def plan_conversion(
     shape = adapter.shape(model.config)
     given = dict(statistics or {})
     todo = [s for s in config.needed_statistics() if s.name not in given]
-    stats = given | collect_statistics(model, calibration, todo, batch_size=batch_size, progress=progress)
+    before = [s for s in todo if not s.uses_factors]
+    stats = given | collect_statistics(model, calibration, before, batch_size=batch_size, progress=progress)
     query = config.decomposition.uses_query(adapter.rope)
-    factors, summaries = [], []
-    for layer in range(shape.L):
-        layer_stats = {name: values[layer] for name, values in stats.items()}
-        f = decompose_layer(
+
+    def layer_stats(layer: int) -> dict[str, LayerValue]:
+        return {name: values[layer] for name, values in stats.items()}
+
+    factors = [
+        decompose_layer(
             layer,
             model_layer_weights(model, layer, query=query),
-            layer_stats,
+            layer_stats(layer),
             n_kv_heads=shape.Hkv,
             head_dim=shape.D,
             group_size=config.group_size,
             decomposition=config.decomposition,
         )
-        factors.append(f)
-        summaries.append(summarize_layer(f, layer_stats, config.features()))
+        for layer in range(shape.L)
+    ]
+    after = [s for s in todo if s.uses_factors]  # statistics that read the factors (kl_response)
+    stats |= collect_statistics(
+        model, calibration, after, batch_size=batch_size, progress=progress, factors=factors
+    )
+    summaries = [summarize_layer(f, layer_stats(f.layer), config.features()) for f in factors]
     plan = plan_from_summaries(
         summaries,
         ratio=config.ratio,

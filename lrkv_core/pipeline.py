@@ -8,7 +8,7 @@ step of the in-memory API (:mod:`lrkv_core.convert`) with file I/O.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from transformers import AutoConfig
@@ -53,12 +53,18 @@ def statistic_file(
     dtype: str = "float32",
     batch_size: int = 8,
     progress: Progress = None,
+    factors: Sequence[str] = (),
 ) -> dict:
-    """One calibration statistic of every layer (a registered :class:`~lrkv_core.statistics.Statistic`)."""
+    """One calibration statistic of every layer (a registered :class:`~lrkv_core.statistics.Statistic`).
+
+    ``factors``: every layer's factors file, in layer order, for a statistic that reads them."""
     stat = STATISTICS.create(statistic)
+    if stat.uses_factors and not factors:
+        raise ValueError(f"statistic {stat.name} reads the factors: give every layer's factors file")
     model, _ = load_model(model_dir, dtype=dtype)
     rows = read_token_rows(calib_path)  # (N, T)
-    values, meta = stat.collect(model, rows, batch_size=batch_size, progress=progress)
+    extra = {"factors": [load_layer_factors(path) for path in factors]} if stat.uses_factors else {}
+    values, meta = stat.collect(model, rows, batch_size=batch_size, progress=progress, **extra)
     save_statistic(stat, values, meta, out_path)
     return {"statistic": stat.to_dict(), "layers": len(values), **meta}
 

@@ -113,9 +113,15 @@ def extract_calibration(
     **CACHED,
 )
 def collect_statistic(
-    model: ArtifactRef, calib: ArtifactRef, statistic: dict, dtype: str, batch_size: int, store: str
+    model: ArtifactRef,
+    calib: ArtifactRef,
+    statistic: dict,
+    dtype: str,
+    batch_size: int,
+    store: str,
+    layers: list[ArtifactRef] | None = None,
 ) -> ArtifactRef:
-    """One calibration statistic of every layer (Gram, Fisher, ...)."""
+    """One calibration statistic of every layer (Gram, Fisher, ...; ``layers``: the factors it reads)."""
     with step(f"collect {statistic['name']}") as advance:
         return _stored(
             store,
@@ -130,6 +136,7 @@ def collect_statistic(
                 dtype=dtype,
                 batch_size=batch_size,
                 progress=advance,
+                factors=[_local(f) for f in layers or ()],
             ),
         )
 

@@ -9,7 +9,9 @@ calibration statistics it declares (:data:`FEATURES`):
   full-rank factors, so it is data-free whatever the decomposition;
 - ``fisher_rms``: the mean over each group's rows of the RMS gradient ``√F`` (Palu's group score);
 - ``fisher_sums``: the Fisher information summed over each group's rows;
-- ``error_curves``: the Fisher-weighted truncation error ``E(r) = Σ F ⊙ (W − B_r A_r)²`` at every rank.
+- ``error_curves``: the Fisher-weighted truncation error ``E(r) = Σ F ⊙ (W − B_r A_r)²`` at every rank;
+- ``kl_curves``: the model's measured second-order KL when the group alone is cut to each rank (the
+  ``kl_response`` statistic, which reads the factors: :mod:`lrkv_core.statistics.response`).
 
 A new feature is one :class:`Feature` entry (``register_feature``) wherever the allocator that needs it lives.
 """
@@ -151,10 +153,24 @@ def _error_curves(factors: LayerFactors, stats: Mapping[str, Any]) -> PerKind:
     }
 
 
+def _kl_curves(factors: LayerFactors, stats: Mapping[str, Any]) -> PerKind:
+    out = {}
+    for kind in KINDS:
+        curves, groups = stats["kl_response"][kind], factors.groups[kind]
+        if curves.shape != (len(groups), groups[0].max_rank + 1):
+            raise ValueError(
+                f"kl_response of layer {factors.layer} {kind} has shape {tuple(curves.shape)}, not "
+                f"{(len(groups), groups[0].max_rank + 1)}: it was collected from other factors"
+            )
+        out[kind] = [curve.to(torch.float64) for curve in curves]
+    return out
+
+
 register_feature(Feature("weight_condition", frozenset(), _weight_condition))
 register_feature(Feature("fisher_sums", frozenset({"fisher"}), _fisher_sums))
 register_feature(Feature("fisher_rms", frozenset({"fisher"}), _fisher_rms))
 register_feature(Feature("error_curves", frozenset({"fisher"}), _error_curves))
+register_feature(Feature("kl_curves", frozenset({"kl_response"}), _kl_curves))
 
 
 def statistics_for(features: Iterable[str]) -> frozenset[str]:

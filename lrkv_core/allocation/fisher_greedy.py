@@ -1,7 +1,9 @@
-"""``fisher-greedy`` (lrkv): greedy on the Fisher-weighted truncation error ``Σ F ⊙ (W − W_r)²``.
+"""Greedy allocators on per-group error curves (lrkv).
 
 From one step per group, repeatedly give a step to the group with the largest drop of its error curve per
-unit of width (:func:`lrkv_core.allocation.features.weighted_error_curve`).
+unit of width. ``fisher-greedy`` reads the Fisher-weighted truncation error ``Σ F ⊙ (W − W_r)²``
+(:func:`lrkv_core.allocation.features.weighted_error_curve`); ``kl-greedy`` the model's measured
+second-order KL of cutting each group alone (:mod:`lrkv_core.statistics.response`).
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ class FisherGreedy(Allocator):
 
     name: ClassVar[str] = "fisher-greedy"
     needs: ClassVar[frozenset[str]] = frozenset({"error_curves"})
+    curve: ClassVar[str] = "error_curves"  # the feature holding each group's (max_rank + 1,) curve
+    total: ClassVar[str] = "weighted_error"  # what the plan's details call the curves' sum
 
     def allocate(self, problem: RankProblem) -> Allocation:
-        curves = problem.values("error_curves")
+        curves = problem.values(self.curve)
         for i, curve in enumerate(curves):
             if curve.numel() != problem.max_rank(i) + 1:
                 raise ValueError(
-                    f"error curve of {problem.name(problem.groups[i])} must have max_rank + 1 entries"
+                    f"{self.curve} of {problem.name(problem.groups[i])} must have max_rank + 1 entries"
                 )
             if not torch.isfinite(curve[torch.tensor(problem.grid(i))]).all():
                 raise ValueError(
-                    f"the error curve of {problem.name(problem.groups[i])} lacks ranks on the grid of rank "
+                    f"the {self.curve} of {problem.name(problem.groups[i])} lacks ranks on the grid of rank "
                     f"multiple {problem.rank_multiple}: compute it with a rank multiple that divides it"
                 )
         values = [c.tolist() for c in curves]
@@ -43,4 +47,15 @@ class FisherGreedy(Allocator):
 
         base = [problem.min_rank(i) for i in range(len(problem.groups))]
         ranks = fit_to_budget(problem, base, gain)
-        return ranks, {"weighted_error": sum(v[r] for v, r in zip(values, ranks))}
+        return ranks, {self.total: sum(v[r] for v, r in zip(values, ranks))}
+
+
+@ALLOCATORS.register
+@dataclass(frozen=True)
+class KLGreedy(FisherGreedy):
+    """greedy on the measured second-order KL of cutting each group alone, per unit of width"""
+
+    name: ClassVar[str] = "kl-greedy"
+    needs: ClassVar[frozenset[str]] = frozenset({"kl_curves"})
+    curve: ClassVar[str] = "kl_curves"
+    total: ClassVar[str] = "kl_estimate"

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from safetensors import safe_open
@@ -35,6 +35,8 @@ class Statistic(Method, ABC):
     """
 
     n_samples: int | None = None  # the first n calibration rows; None: all of them
+    # read the decomposition's factors (``collect(..., factors=...)``), so collected after decomposing
+    uses_factors: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.n_samples is not None and self.n_samples < 1:
@@ -55,7 +57,9 @@ class Statistic(Method, ABC):
     def collect(
         self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
     ) -> tuple[list[LayerValue], dict[str, Any]]:
-        """Per-layer values for ``rows`` (N, T) token ids, and metadata (sample counts, ...)."""
+        """Per-layer values for ``rows`` (N, T) token ids, and metadata (sample counts, ...).
+
+        A statistic with ``uses_factors`` also takes ``factors=``, every layer's full-spectrum factors."""
 
 
 STATISTICS: Registry[Statistic] = Registry("statistic", Statistic)

@@ -19,6 +19,8 @@ from torch import nn
 from ..adapters import get_adapter
 
 Visit = Callable[[int, str, torch.Tensor, torch.Tensor], None]  # (layer, "k"|"v", x (B,T,d), g (B,T,out))
+# (rows (B, T), logits (B, T − 1, V) at positions 0..T−2) -> the tokens (B, T − 1) the loss scores there
+Targets = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def kv_gradient_passes(
@@ -28,8 +30,13 @@ def kv_gradient_passes(
     *,
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
+    targets: Targets | None = None,
 ) -> tuple[int, int]:
     """Call ``visit(layer, kind, x, g)`` for every k/v projection of every micro-batch of ``rows`` (N, T).
+
+    ``targets`` picks what the loss scores: by default the rows' own next tokens (the empirical Fisher);
+    e.g. tokens sampled from the model's own predictions give the true Fisher's gradients. The loss is the
+    mean over the batch's B·(T − 1) scored tokens either way.
 
     Returns ``(rows seen, micro-batches)``.
     """
@@ -70,7 +77,12 @@ def kv_gradient_passes(
             for start in range(0, n, batch_size):
                 batch = rows[start : start + batch_size].to(device)  # (B, T)
                 seen.clear()
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss  # HF shifts the labels
+                if targets is None:
+                    loss = model(input_ids=batch, labels=batch, use_cache=False).loss  # HF shifts the labels
+                else:
+                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+                    wanted = targets(batch, logits.detach()).to(device)
+                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted.flatten())
                 grads = torch.autograd.grad(loss, [out for *_, out in seen], allow_unused=True)
                 for (i, kind, x, _), g in zip(seen, grads):
                     if g is not None:

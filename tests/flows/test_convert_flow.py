@@ -110,6 +110,15 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert states["summarize_layer[0]"] == "Completed"  # the error curves are new features
     assert half["plan"].meta["achieved_ratio"] == 0.5
 
+    # kl-greedy's statistic reads the factors: collected after them, from the cached decomposition
+    comp = load_recipe(None, {"compression.ratio": 0.5, "compression.allocator": "kl-greedy"}).compression
+    comp = comp.model_copy(update={"group_size": 2, "rank_multiple": 8})
+    measured = convert_flow(recipe.model_copy(update={"compression": comp}))
+    states = {row["task"]: row["state"] for row in measured["timings"]}
+    assert states["decompose_layer[0]"] == "Cached" and states["collect_statistic[kl_response]"] == "Completed"
+    assert "collect_statistic[fisher]" not in states and states["plan_ranks"] == "Completed"
+    assert measured["plan"].meta["achieved_ratio"] == 0.5
+
 
 def test_convert_flow_on_stories260k_is_exact_at_full_rank(prefect_api, tmp_path):
     model_dir = SHARED / "models" / "stories260k"

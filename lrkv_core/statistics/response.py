@@ -1,0 +1,139 @@
+"""``kl_response``: how much the model's predictions move when one group's latents are cut to each rank.
+
+For one group of K or V latents with full-spectrum factors ``W_g = B A`` (``B`` (s·D, m), ``A`` (m, d)),
+keeping the first r latents perturbs the projection's output at token t by ``δ_t(r) = −B_{r:} A_{r:} x_t``.
+To second order the KL divergence of the model's next-token distribution from the original's is
+``½ δᵀ F δ`` with F the Fisher information of the row's loss, and ``δᵀ F δ = E_y[(∇ℓ · δ)²]`` where the
+gradient is taken with targets y drawn from the model's own predictions. With ``u_t = B ᵀ g_t`` and
+``v_t = A x_t`` (per latent j: ``u_tj``, ``v_tj``), ``∇ℓ · δ(r) = −Σ_t Σ_{j≥r} u_tj v_tj``: a suffix sum
+over latents of ``c_j = Σ_t u_tj v_tj``. So one backward pass per calibration batch gives every group's
+whole curve ``KL(r) ≈ (T − 1)/2 · mean_rows (Σ_{j≥r} c_j)²`` in nats per scored token, with the
+interactions between latents and between tokens that element-wise (diagonal) Fisher proxies drop.
+
+It reads the factors, so it is collected after the decomposition (``uses_factors``), unlike the Gram and
+Fisher that the decomposition itself reads. ``labels="data"`` scores the rows' own next tokens instead (the
+empirical Fisher, as Palu's weight Fisher does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..adapters import get_adapter
+from .base import STATISTICS, LayerValue, Progress, Statistic
+from .gradients import kv_gradient_passes
+
+if TYPE_CHECKING:
+    from ..decompositions import LayerFactors
+
+KINDS = ("k", "v")
+LABELS = ("sampled", "data")
+
+
+@STATISTICS.register
+@dataclass(frozen=True)
+class KLResponse(Statistic):
+    """second-order KL of cutting each K/V group to each rank, one gradient pass (reads the factors)"""
+
+    name: ClassVar[str] = "kl_response"
+    uses_factors: ClassVar[bool] = True
+    labels: str = "sampled"  # targets drawn from the model's predictions (true Fisher), or "data"
+    draws: int = 1  # label draws per row when sampled (more: less noise, one more pass each)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.labels not in LABELS:
+            raise ValueError(f"kl_response labels must be one of {LABELS}, got {self.labels!r}")
+        if self.draws < 1:
+            raise ValueError(f"kl_response draws must be ≥ 1, got {self.draws}")
+        if self.labels == "data" and self.draws != 1:
+            raise ValueError("kl_response draws > 1 only makes sense with sampled labels")
+
+    def collect(
+        self,
+        model: nn.Module,
+        rows: torch.Tensor,
+        *,
+        batch_size: int = 8,
+        progress: Progress = None,
+        factors: Sequence[LayerFactors] | None = None,
+    ) -> tuple[list[LayerValue], dict[str, Any]]:
+        if factors is None:
+            raise ValueError("kl_response reads the decomposition's factors: collect it after decomposing")
+        curves, n = collect_kl_response(
+            model,
+            self.rows(rows),
+            factors,
+            batch_size=batch_size,
+            sampled=self.labels == "sampled",
+            draws=self.draws,
+            seed=self.seed,
+            progress=progress,
+        )
+        return curves, {"n_rows": n, "labels": self.labels, "draws": self.draws}
+
+
+def collect_kl_response(
+    model: nn.Module,
+    rows: torch.Tensor,
+    factors: Sequence[LayerFactors],
+    *,
+    batch_size: int = 8,
+    sampled: bool = True,
+    draws: int = 1,
+    seed: int = 0,
+    progress: Progress = None,
+) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Every group's second-order KL curve, ``curves[layer][kind]`` (G, m + 1) float64, ``KL[r]`` at rank r.
+
+    Parameters
+    ----------
+    rows : (N, T) calibration token ids (unpadded).
+    factors : every layer's full-spectrum factors, in layer order.
+    sampled : targets drawn from the model's own predictions (``KL ≈ ½ δᵀFδ``); else the rows' next tokens.
+    draws : label draws per row (each row is repeated ``draws`` times).
+
+    Returns
+    -------
+    curves, and the number of (row, draw) samples averaged.
+    """
+    shape = get_adapter(model.config).shape(model.config)
+    if len(factors) != shape.L or [f.layer for f in factors] != list(range(shape.L)):
+        raise ValueError(f"kl_response needs the factors of layers 0..{shape.L - 1} in order")
+    rows = rows.repeat_interleave(draws, dim=0) if sampled else rows
+    scored = rows.shape[1] - 1
+    groups = {(f.layer, kind): f.groups[kind] for f in factors for kind in KINDS}
+    width = {key: g[0].up.shape[0] for key, g in groups.items()}
+    sums = {key: torch.zeros(len(g), g[0].max_rank + 1, dtype=torch.float64) for key, g in groups.items()}
+    cast: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    gen = torch.Generator().manual_seed(seed)
+
+    def sample(_rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float(), dim=-1).flatten(0, 1).cpu()
+        return torch.multinomial(probs, 1, generator=gen).view(logits.shape[:2])
+
+    def visit(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
+        key = (layer, kind)
+        if key not in cast:  # the factors once on the projection's device, in float32
+            cast[key] = [
+                (f.up.to(x.device, torch.float32), f.down.to(x.device, torch.float32)) for f in groups[key]
+            ]
+        g = g.float() * x.shape[0]  # ∂(row b's mean loss) = B · ∂(batch mean loss)
+        x = x.float()
+        w = width[key]
+        for j, (up, down) in enumerate(cast[key]):
+            c = ((g[..., j * w : (j + 1) * w] @ up) * (x @ down.T)).sum(1).double().cpu()  # (B, m)
+            tail = c.flip(-1).cumsum(-1).flip(-1)  # Σ_{j≥r} c_j for r = 0..m−1; r = m is 0
+            sums[key][j, :-1] += tail.square().sum(0)
+
+    n, _ = kv_gradient_passes(
+        model, rows, visit, batch_size=batch_size, progress=progress, targets=sample if sampled else None
+    )
+    scale = scored / (2 * n)
+    return [{kind: sums[(i, kind)] * scale for kind in KINDS} for i in range(shape.L)], n
