@@ -46,6 +46,18 @@ def test_orders_without_a_hadamard_matrix_here(n: int) -> None:
     assert hadamard(n) is None
 
 
+def test_every_multiple_of_8_up_to_256_but_184_and_232_has_a_hadamard_matrix() -> None:
+    """What the README and docs/quantized-cache.md promise for ranks on the default rank multiple."""
+    missing = set()
+    for n in range(8, 257, 8):
+        h = hadamard(n)
+        if h is None:
+            missing.add(n)
+        else:
+            assert torch.allclose(h @ h.T, EYE(n, dtype=torch.float64), atol=1e-10), n
+    assert missing == {184, 232}
+
+
 def test_random_orthogonal_is_orthogonal_and_seeded() -> None:
     q = random_orthogonal(24, seed=5)
     assert torch.allclose(q @ q.T, EYE(24, dtype=torch.float64), atol=1e-12)

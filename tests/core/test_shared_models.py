@@ -214,7 +214,7 @@ def test_shakespeare_save_load_keeps_the_tokenizer(shakespeare, compress, tmp_pa
 def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakespeare) -> None:
     """The second-order curves from one gradient pass against the KL measured by cutting one group in the
     real model (measured 2026-11-23 with 64 rows: within 10–25 % per point; here 8 rows, 4 label draws).
-    Second order holds for small cuts: cutting layer 0's values to 16 of 64 (measured KL 0.11) it gives 0.06."""
+    Second order holds for small cuts: layer 0's values cut to 16 of 64 (measured KL 0.11) it puts at 0.06."""
     from lrkv_core.convert import CompressionConfig, plan_conversion
     from lrkv_core.statistics import collect_kl_response
 

@@ -170,11 +170,4 @@ def test_when_only_the_api_server_dies_the_run_fails_and_nothing_is_exported(tmp
     text = log.read_text()
     assert code == 1 and "the Prefect API server exited unexpectedly" in text, text[-3000:]
     assert [r.info.status for r in _runs(tmp_path / "home")] == ["FAILED"]
-    assert not out.exists() and not _descendants_alive(proc.pid)
-
-
-def _descendants_alive(pid: int) -> bool:
-    try:
-        return bool(psutil.Process(pid).children(recursive=True))
-    except psutil.NoSuchProcess:
-        return False
+    assert not out.exists()
