@@ -85,7 +85,7 @@ class Registry(Generic[M]):
     def get(self, name: str) -> type[M]:
         """The class registered as ``name``; an error listing the registered names otherwise."""
         if name not in self._classes:
-            raise ValueError(f"unknown {self.kind} {name!r}; choose from {', '.join(self._classes)}")
+            raise ValueError(f"unknown {self.kind} {name!r}; choose from {', '.join(sorted(self._classes))}")
         return self._classes[name]
 
     def resolve(self, spec: str | Mapping[str, Any]) -> tuple[type[M], dict[str, Any]]:

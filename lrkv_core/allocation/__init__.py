@@ -4,7 +4,7 @@ Add an allocator: a new file here with a frozen dataclass ``@ALLOCATORS.register
 options, ``needs`` the features it reads) and its import below. Recipes, the CLI and the flow pick it up.
 """
 
-from . import eigen, fisher, fisher_greedy, lorc, uniform  # noqa: F401  (registration)
+from . import curves, eigen, fisher, lorc, uniform  # noqa: F401  (registration)
 from .base import ALLOCATORS, Allocation, Allocator
 from .eigen import relative_errors
 from .features import FEATURES, Feature, LayerSummary, register_feature, statistics_for, summarize_layer

@@ -1,5 +1,5 @@
 """kl_response: every group's second-order KL curve from one gradient pass, checked against autograd and
-against the KL measured by actually cutting a group; kl-greedy plans from it."""
+against the KL measured by actually cutting a group; kl plans from it."""
 
 from __future__ import annotations
 
@@ -72,13 +72,13 @@ def test_kl_response_options_and_inputs_are_checked(make_tiny) -> None:
         collect_kl_response(model, rows, factors[:1])
 
 
-def test_kl_greedy_plans_from_the_curves_it_collected_after_decomposing(make_tiny, one_thread) -> None:
-    """In memory: kl_response is collected after the factors (it reads them) and kl-greedy meets the budget,
+def test_kl_plans_from_the_curves_it_collected_after_decomposing(make_tiny, one_thread) -> None:
+    """In memory: kl_response is collected after the factors (it reads them) and kl meets the budget,
     keeping the ranks whose cut the curves price highest."""
     model = make_tiny("llama", 2)
     rows = torch.randint(3, 61, (8, 16), generator=torch.Generator().manual_seed(0))
     conversion = plan_conversion(
-        model, rows, CompressionConfig(ratio=0.5, group_size=1, rank_multiple=2, allocator="kl-greedy")
+        model, rows, CompressionConfig(ratio=0.5, group_size=1, rank_multiple=2, allocator="kl")
     )
     plan = conversion.plan
     assert plan.kept == plan.budget_width == 32

@@ -112,7 +112,7 @@ def test_bad_ratio_raises(ratio: float) -> None:
 
 
 def test_bad_allocator_and_multiple_raise() -> None:
-    choices = "eigen, fisher, fisher-greedy, kl-greedy, lorc, uniform"
+    choices = "eigen, fisher, fisher-greedy, kl, lorc, uniform"
     with pytest.raises(ValueError, match=rf"unknown allocator 'fisher_typo'; choose from {choices}"):
         allocate_ranks(_spectra(1, 1, 16), ratio=0.5, group_size=1, head_dim=16, allocator="fisher_typo")
     with pytest.raises(ValueError, match="rank multiple"):

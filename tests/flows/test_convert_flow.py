@@ -110,8 +110,8 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert states["summarize_layer[0]"] == "Completed"  # the error curves are new features
     assert half["plan"].meta["achieved_ratio"] == 0.5
 
-    # kl-greedy's statistic reads the factors: collected after them, from the cached decomposition
-    comp = load_recipe(None, {"compression.ratio": 0.5, "compression.allocator": "kl-greedy"}).compression
+    # kl's statistic reads the factors: collected after them, from the cached decomposition
+    comp = load_recipe(None, {"compression.ratio": 0.5, "compression.allocator": "kl"}).compression
     comp = comp.model_copy(update={"group_size": 2, "rank_multiple": 8})
     measured = convert_flow(recipe.model_copy(update={"compression": comp}))
     states = {row["task"]: row["state"] for row in measured["timings"]}

@@ -45,7 +45,7 @@ def synthetic_inputs(seed: int = 0) -> dict:
         "fisher_sums": sensitivity,
         "fisher_rms": sensitivity,  # the fisher allocator reads either score: any positive values do
         "error_curves": curves,
-        "kl_curves": curves,  # any (max_rank + 1,) curve per group: kl-greedy shares fisher-greedy's rule
+        "kl_curves": curves,  # any (max_rank + 1,) curve per group: kl minimises them as fisher-greedy does
         "weight_condition": spectral_condition(spectra),
     }
     return {"spectra": spectra, "features": features}
