@@ -44,6 +44,8 @@ def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
     import mlflow.pyfunc
     from mlflow.entities import LoggedModelOutput
 
+    from .mlflow_model import signature
+
     mc = client(run["tracking_uri"])
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / DATA_NAME
@@ -54,6 +56,7 @@ def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
             loader_module=LOADER,
             data_path=str(data),
             pip_requirements=[f"lrkv=={__version__}"],
+            signature=signature(),  # declares predict's params, which MLflow would otherwise drop
         )
         logged = mc.create_logged_model(
             run["experiment_id"], name="model", source_run_id=run["run_id"], tags={SHA_TAG: sha256}
