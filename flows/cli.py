@@ -14,6 +14,15 @@ import yaml
 from rich.markup import escape
 
 from .ops_cli import register_operations
+from .options import (
+    csv_list,
+    flag_overrides,
+    local_path,
+    parse_group_size,
+    parse_set,
+    quantized_cache,
+    store_root,
+)
 from .report import console, print_eval, print_summary, recipe_error, rich_progress
 from .report import fail as _fail
 
@@ -61,24 +70,6 @@ def _set_option(example: str):
     ]
 
 
-def _parse_set(values: list[str]) -> dict:
-    out = {}
-    for item in values:
-        if "=" not in item:
-            raise typer.BadParameter(f"--set takes key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k] = yaml.safe_load(v)
-    return out
-
-
-def _overrides(flags: dict, eval_key: str) -> dict:
-    """The flags the user gave, as recipe overrides; ``--eval-dataset none`` turns evaluation off."""
-    out = {k: v for k, v in flags.items() if v is not None}
-    if out.get(eval_key) == "none":
-        out[eval_key] = None
-    return out
-
-
 def _configure_prefect(store: str | None, verbose: bool) -> None:
     """Settings Prefect reads at start-up; set before it is imported, and only where the user has not."""
     from lrkv_tasks.store import RESULTS, LocalStore, is_s3
@@ -96,7 +87,12 @@ def _configure_prefect(store: str | None, verbose: bool) -> None:
 
 @app.command()
 def convert(
-    recipe: Annotated[Optional[Path], typer.Option(help="YAML recipe (strict: unknown keys fail)")] = None,
+    recipe: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="YAML recipe (strict: unknown keys fail)", parser=local_path("--recipe"), metavar="FILE"
+        ),
+    ] = None,
     model: ModelOption = None,
     dataset: DatasetOption = None,
     eval_dataset: EvalDatasetOption = None,
@@ -138,9 +134,21 @@ def convert(
     ] = None,
     n_samples: Annotated[Optional[int], typer.Option(help="calibration windows")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="write the compressed model directory here")] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="write the compressed model directory here",
+            parser=local_path("--out", "a local directory"),
+            metavar="DIR",
+        ),
+    ] = None,
     store: Annotated[
-        Optional[Path], typer.Option(help="artifact store root (default <LRKV_HOME>/store)")
+        Optional[str],
+        typer.Option(
+            help="artifact store root: a directory or s3://bucket/prefix (default <LRKV_HOME>/store)",
+            parser=store_root,
+            metavar="DIR|s3://BUCKET/PREFIX",
+        ),
     ] = None,
     mlflow_uri: Annotated[
         Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
@@ -164,7 +172,7 @@ def convert(
         "model": model,
         "calibration.dataset": dataset,
         "compression.ratio": ratio,
-        "compression.group_size": _group_size(group_size),
+        "compression.group_size": parse_group_size(group_size),
         "compression.decomposition": decomposition,
         "compression.allocator": allocator,
         "compression.rank_multiple": rank_multiple,
@@ -174,14 +182,14 @@ def convert(
         "calibration.seq_len": seq_len,
         "eval.seq_len": seq_len,
         "out": str(out) if out else None,
-        "store": str(store) if store else None,
+        "store": store,
         "tracking.mlflow_uri": mlflow_uri,
         "eval.dataset": eval_dataset,
     }
-    overrides = _overrides(flags, "eval.dataset")
+    overrides = flag_overrides(flags, "eval.dataset")
     if seq_len is not None:
         overrides.setdefault("eval.decode_prefix", seq_len // 2)
-    overrides.update(_parse_set(set_ or []))
+    overrides.update(parse_set(set_ or []))
     try:
         overrides = _lora_overrides(lora, lora_steps, read_yaml(recipe)) | overrides
         rec = load_recipe(recipe, overrides)
@@ -241,26 +249,6 @@ def _prefect_api():
             server.stop()
 
 
-def quantized_cache(bits: int | None, group_size: int | None, residual: int | None) -> dict | None:
-    """``--bits 3 [--quant-group-size 16] [--residual-length 32]`` as the recipe's cache storage
-    ``{name: quantized, bits: 3, quant_group_size: 16, residual: 32}``; None when no flag is given."""
-    if bits is None:
-        if group_size is not None or residual is not None:
-            raise typer.BadParameter("--quant-group-size and --residual-length need --bits")
-        return None
-    options = {"quant_group_size": group_size, "residual": residual}
-    return {"name": "quantized", "bits": bits} | {k: v for k, v in options.items() if v is not None}
-
-
-def _group_size(value: str | None) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise typer.BadParameter(f"--group-size takes a positive integer or 'auto', got {value!r}") from None
-
-
 def _build_builtin(model_ref: str) -> None:
     """A ``builtin:`` model is built here on first use (about two minutes), with a progress bar."""
     if not model_ref.startswith("builtin:"):
@@ -273,14 +261,15 @@ def _build_builtin(model_ref: str) -> None:
         ensure_builtin_model(name, progress=lambda done, total, _loss: advance(done, total))
 
 
-def _csv(value: str | None, cast=str) -> list | None:
-    return None if value is None else [cast(v.strip()) for v in value.split(",") if v.strip()]
-
-
 @app.command()
 def ablate(
     recipe: Annotated[
-        Optional[Path], typer.Option(help="YAML ablation recipe: base (a convert recipe) + grid")
+        Optional[Path],
+        typer.Option(
+            help="YAML ablation recipe: base (a convert recipe) + grid",
+            parser=local_path("--recipe"),
+            metavar="FILE",
+        ),
     ] = None,
     model: ModelOption = None,
     dataset: DatasetOption = None,
@@ -291,7 +280,14 @@ def ablate(
     group_sizes: Annotated[Optional[str], typer.Option(help="comma list, e.g. 1,2,auto")] = None,
     allocators: Annotated[Optional[str], typer.Option(help=f"comma list of {_choices(ALLOCATORS)}")] = None,
     ratios: Annotated[Optional[str], typer.Option(help="comma list, e.g. 0.7,0.5,0.3")] = None,
-    out_dir: Annotated[Optional[Path], typer.Option(help="write ablation.csv/.md/.png here")] = None,
+    out_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="write ablation.csv/.md/.png here",
+            parser=local_path("--out-dir", "a local directory"),
+            metavar="DIR",
+        ),
+    ] = None,
     set_: _set_option("base.eval.max_windows=8") = None,
     verbose: VerboseOption = False,
 ) -> None:
@@ -302,12 +298,12 @@ def ablate(
         "base.model": model,
         "base.calibration.dataset": dataset,
         "base.eval.dataset": eval_dataset,
-        "decompositions": _csv(decompositions),
-        "group_sizes": _csv(group_sizes, _group_size),
-        "allocators": _csv(allocators),
-        "ratios": _csv(ratios, float),
+        "decompositions": csv_list(decompositions),
+        "group_sizes": csv_list(group_sizes, parse_group_size),
+        "allocators": csv_list(allocators),
+        "ratios": csv_list(ratios, float),
     }
-    overrides = _overrides(flags, "base.eval.dataset") | _parse_set(set_ or [])
+    overrides = flag_overrides(flags, "base.eval.dataset") | parse_set(set_ or [])
     try:
         rec = AblateRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
     except (ValueError, OSError, yaml.YAMLError) as e:
@@ -336,12 +332,20 @@ def eval_cmd(
     decode_prefix: Optional[int] = None,
     decode_windows: int = 16,
     batch_size: int = 8,
-    json_out: Annotated[Optional[Path], typer.Option(help="write the result JSON here")] = None,
+    json_out: Annotated[
+        Optional[Path],
+        typer.Option(help="write the result JSON here", parser=local_path("--json-out"), metavar="FILE"),
+    ] = None,
     base: Annotated[
         Optional[str], typer.Option(help="the original model: adds KL(base ‖ model) and top-1 agreement")
     ] = None,
     tasks: Annotated[Optional[str], typer.Option(help="lm-eval zero-shot tasks, comma list")] = None,
-    tasks_path: Annotated[Optional[Path], typer.Option(help="directory of local lm-eval task YAMLs")] = None,
+    tasks_path: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="directory of local lm-eval task YAMLs", parser=local_path("--tasks-path"), metavar="DIR"
+        ),
+    ] = None,
     limit: Annotated[Optional[int], typer.Option(help="documents per zero-shot task")] = None,
     hf_quant_cache: Annotated[
         Optional[str],
@@ -371,7 +375,7 @@ def eval_cmd(
             with rich_progress(), _step("zero-shot tasks"):
                 res["zeroshot"] = run_zeroshot(
                     model_dir,
-                    _csv(tasks),
+                    csv_list(tasks),
                     include_path=str(tasks_path) if tasks_path else None,
                     limit=limit,
                     batch_size=batch_size,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lrkv_core.allocation import ALLOCATORS
 from lrkv_core.cache import CACHE_STORAGES
@@ -19,6 +19,7 @@ from lrkv_core.decompositions import DECOMPOSITIONS
 from lrkv_core.lora import RecoveryConfig
 from lrkv_core.statistics import STATISTICS
 
+from .refs import STORE_FORMS, is_s3, local_dir
 from .registered import registered
 
 DEFAULT_MODEL = "builtin:pydoc-llama"
@@ -183,6 +184,20 @@ class ConvertRecipe(Strict):
         None, description="artifact store root: a directory or s3://bucket/prefix; default <LRKV_HOME>/store"
     )
     out: str | None = Field(None, description="also copy the compressed model directory here")
+
+    @field_validator("store")
+    @classmethod
+    def _store_is_a_directory_or_s3(cls, value: str | None) -> str | None:
+        if value and not is_s3(value):
+            local_dir(value, "store", STORE_FORMS)  # "s3:/bucket" (a folded s3://) is never a local directory
+        return value
+
+    @field_validator("out")
+    @classmethod
+    def _out_is_local(cls, value: str | None) -> str | None:
+        if value:
+            local_dir(value, "out", "a local directory")
+        return value
 
 
 def read_yaml(path: str | Path | None) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -14,11 +15,30 @@ from pydantic import BaseModel, ConfigDict
 from lrkv_core.fingerprint import hash_dir, hash_file
 
 RESULTS = "prefect-results"  # where a store keeps the tasks' result records
+STORE_FORMS = "a local directory or s3://bucket/prefix"
+# SCHEME:/... : a URI (s3://b, models:/m, gs://b), or one that Path() folded ("s3://b" -> "s3:/b")
+_URI_LIKE = re.compile(r"[a-z][a-z0-9+.-]+:/")
 
 
 def is_s3(uri: str | Path | None) -> bool:
     """Whether a store root or artifact URI is on S3."""
     return isinstance(uri, str) and uri.startswith("s3://")
+
+
+def looks_like_uri(path: str | Path) -> bool:
+    """Whether ``path`` starts ``SCHEME:/`` (``s3://b``, ``models:/m``, or ``s3:/b`` that ``Path`` folded from
+    ``s3://b``); such a string is never taken for a local path (``./s3:/b`` is one)."""
+    return _URI_LIKE.match(str(path)) is not None
+
+
+def local_dir(path: str | Path, what: str, accepts: str = "a local path") -> Path:
+    """``path`` as a local path, or a ValueError if it looks like a URI (see :func:`looks_like_uri`), so a
+    mistyped or mangled URI never becomes a directory named ``s3:``; ``accepts`` says what ``what`` takes."""
+    if looks_like_uri(path):
+        raise ValueError(
+            f"{what} {str(path)!r} looks like a URI; {what} takes {accepts} (write ./{path} for a local path)"
+        )
+    return Path(path)
 
 
 def digest_of(staged: Path) -> str:

@@ -6,7 +6,8 @@ copied into the model. Registration (:func:`register_version`) tags the version 
 hash and evaluation, sets the ``candidate`` alias and, when the quality gate passes (:func:`quality_gate`),
 ``champion``. It is all-or-nothing: a failure at any step deletes the new version and puts the aliases back
 where they were, and a re-run first deletes versions an earlier, killed attempt left without the
-``lrkv.complete`` tag.
+``lrkv.complete`` tag, moving an alias such a version took back to the version it named before (each version
+is created with tags ``lrkv.previous.<alias>`` recording that).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ DATA_NAME = "lrkv-model"
 CANDIDATE, CHAMPION = "candidate", "champion"
 SHA_TAG, COMPLETE_TAG = "lrkv.sha256", "lrkv.complete"
 PPL_TAG, BASE_PPL_TAG, PROTOCOL_TAG, GATE_TAG = "lrkv.ppl", "lrkv.base_ppl", "lrkv.protocol", "lrkv.gate"
+PREVIOUS_TAG = "lrkv.previous."  # + alias: the version the alias named before this version took it
 
 
 def model_name(model_ref: str) -> str:
@@ -42,6 +44,8 @@ def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
     import mlflow.pyfunc
     from mlflow.entities import LoggedModelOutput
 
+    from .mlflow_model import signature
+
     mc = client(run["tracking_uri"])
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / DATA_NAME
@@ -52,6 +56,7 @@ def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
             loader_module=LOADER,
             data_path=str(data),
             pip_requirements=[f"lrkv=={__version__}"],
+            signature=signature(),  # declares predict's params, which MLflow would otherwise drop
         )
         logged = mc.create_logged_model(
             run["experiment_id"], name="model", source_run_id=run["run_id"], tags={SHA_TAG: sha256}
@@ -125,11 +130,9 @@ def register_version(
     """
     mc = client(run["tracking_uri"])
     _ensure_registered(mc, name)
-    for old in mc.search_model_versions(f"name='{name}'"):
-        if old.tags.get(SHA_TAG) == sha256 and old.tags.get(COMPLETE_TAG) != "true":
-            mc.delete_model_version(name, old.version)  # left by an attempt that was killed midway
+    _remove_incomplete(mc, name, sha256)
     before = {alias: _alias_version(mc, name, alias) for alias in (CANDIDATE, CHAMPION)}
-    tags = {SHA_TAG: sha256}
+    tags = {SHA_TAG: sha256} | {PREVIOUS_TAG + a: v.version for a, v in before.items() if v is not None}
     if quality is not None:
         tags |= {
             PPL_TAG: repr(quality["ppl"]),
@@ -156,6 +159,42 @@ def register_version(
         "aliases": aliases,
         "gate": {"passed": ok, "reason": why},
     }
+
+
+def _remove_incomplete(mc, name: str, sha256: str) -> None:
+    """Delete the versions of this content that a killed attempt left without ``lrkv.complete``; an alias
+    one of them holds goes back to the version it named before (following ``lrkv.previous.<alias>``)."""
+    stale = {
+        v.version: v.tags
+        for v in mc.search_model_versions(f"name='{name}'")
+        if v.tags.get(SHA_TAG) == sha256 and v.tags.get(COMPLETE_TAG) != "true"
+    }
+    if not stale:
+        return
+    restore = {}
+    for alias, version in mc.get_registered_model(name).aliases.items():
+        previous = str(version)
+        while previous in stale:  # a chain of killed attempts: back to the last complete holder
+            previous = stale[previous].get(PREVIOUS_TAG + alias)
+        if previous != str(version):
+            restore[alias] = previous
+    for version in stale:
+        mc.delete_model_version(name, version)  # deleting a version drops the aliases it held
+    for alias, previous in restore.items():
+        if previous is not None and _exists(mc, name, previous):
+            mc.set_registered_model_alias(name, alias, previous)
+
+
+def _exists(mc, name: str, version: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mc.get_model_version(name, version)
+        return True
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
 
 
 def _roll_back(mc, name: str, version: str, before: dict) -> None:

@@ -23,7 +23,7 @@ from typing import Protocol
 from lrkv_core.files import make_tree_readable
 from lrkv_core.paths import lrkv_home
 
-from .refs import RESULTS, digest_of, is_s3, staging_path
+from .refs import RESULTS, STORE_FORMS, digest_of, is_s3, local_dir, staging_path
 
 __all__ = ["RESULTS", "ArtifactStore", "LocalStore", "artifact_exists", "is_s3", "local_path", "open_store"]
 
@@ -47,9 +47,15 @@ class ArtifactStore(Protocol):
 
 
 class LocalStore:
-    """A local-directory artifact store (the default: ``$LRKV_HOME/store``)."""
+    """A local-directory artifact store (the default: ``$LRKV_HOME/store``).
+
+    A root that looks like a URI is refused (a ValueError): ``s3://`` roots go to :func:`open_store`, and a
+    root such as ``s3:/bucket`` (what ``Path`` makes of ``s3://bucket``) must not become a local directory.
+    """
 
     def __init__(self, root: str | Path | None = None) -> None:
+        if root:
+            local_dir(root, "store", STORE_FORMS)  # s3:// roots are S3Store's; other URI-like ones: mistakes
         self.path = Path(root).expanduser().resolve() if root else default_store_root()
         self.root = str(self.path)
 

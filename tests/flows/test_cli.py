@@ -209,3 +209,32 @@ def test_eval_through_transformers_quantized_cache(tmp_path):
     }  # fmt: skip
     res = _lrkv([*args, "--hf-quant-cache", "quanto:3"], tmp_path / "home", timeout=120)
     assert res.returncode == 1 and "quanto backend takes (2, 4) bits" in " ".join(res.stdout.split())
+
+
+def test_options_taking_local_paths_refuse_uris_and_create_nothing(tmp_path, tmp_path_factory, monkeypatch):
+    """A URI or a folded one (``s3:/b``) given for a local path: exit 2 naming the option, nothing created."""
+    from typer.testing import CliRunner
+
+    from lrkv_flows.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LRKV_HOME", str(tmp_path_factory.mktemp("home")))
+    for name in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    convert = ["convert", "--model", "./missing"]  # were an option accepted, this fails fast
+    cases = [
+        [*convert, "--store", "s3:/lrkv/store"],
+        [*convert, "--store", "gs://lrkv/store"],
+        [*convert, "--out", "s3://lrkv/model"],
+        [*convert, "--recipe", "s3://lrkv/recipe.yaml"],
+        ["ablate", "--model", "./missing", "--out-dir", "s3://lrkv/ablation"],
+        ["eval", "model", "--dataset", "text:x.txt", "--json-out", "s3://lrkv/eval.json"],
+        ["pull", "lrkv-x@champion", "--out", "models:/lrkv-x"],
+        ["deploy", "--recipe", "s3://lrkv/recipe.yaml"],
+    ]
+    for args in cases:
+        res = CliRunner().invoke(app, args)
+        text = " ".join(res.output.replace("│", " ").split())
+        assert res.exit_code == 2, (args, res.output)
+        assert f"Invalid value for '{args[-2]}'" in text and "looks like a URI" in text, (args, text)
+    assert list(tmp_path.iterdir()) == []

@@ -2,6 +2,7 @@
 by a real process worker."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,16 +12,15 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL
 
-from lrkv_flows.deploy import deploy
-from lrkv_tasks.recipe import load_recipe
+from lrkv_flows.deploy import deploy, nightly_flow
+from lrkv_tasks.recipe import ConvertRecipe, load_recipe
 from tests.support.models import tiny_model_dir, token_parquet
 
 
-def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(prefect_api, tmp_path):
-    model_dir = tiny_model_dir(tmp_path)
+def _recipe(tmp_path, model_dir, mlflow_uri: str, experiment: str) -> ConvertRecipe:
+    """A fast recipe for the tiny model: 8 calibration rows, 2 evaluation windows, a store in tmp_path."""
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
-    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    recipe = load_recipe(
+    return load_recipe(
         None,
         {
             "model": str(model_dir),
@@ -33,10 +33,16 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
                 "decode_prefix": 16,
                 "decode_windows": 1,
             },
-            "tracking": {"mlflow_uri": mlflow_uri, "experiment": "deploy-test"},
+            "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment},
             "store": str(tmp_path / "store"),
         },
     )
+
+
+def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(prefect_api, tmp_path):
+    model_dir = tiny_model_dir(tmp_path)
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    recipe = _recipe(tmp_path, model_dir, mlflow_uri, "deploy-test")
     pool = "lrkv-test-pool"
     ids = deploy(recipe, [str(model_dir), "builtin:pydoc-llama"], cron="30 1 * * *", pool=pool)
     assert set(ids) == {"lrkv-convert/convert", "lrkv-evaluate/evaluate", "lrkv-nightly/nightly"}
@@ -68,15 +74,21 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
         env=env,
         stdout=open(tmp_path / "worker.log", "w"),
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # its group: the worker and the flow-run process it starts
     )
-    deadline = time.monotonic() + 600
-    with get_client(sync_client=True) as client:
-        while True:
-            state = client.read_flow_run(flow_run.id).state
-            if state.is_final() or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-    worker.wait(timeout=120)
+    try:
+        deadline = time.monotonic() + 600
+        with get_client(sync_client=True) as client:
+            while True:
+                state = client.read_flow_run(flow_run.id).state
+                if state.is_final() or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+        worker.wait(timeout=120)
+    finally:  # a timeout above must not leave the worker (or its flow run) polling the API
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
     log = (tmp_path / "worker.log").read_text()
     assert state.is_completed(), f"{state.name}: {state.message}\n{log[-3000:]}"
     client = MlflowClient(mlflow_uri)
@@ -102,3 +114,19 @@ def test_the_evaluate_flow_logs_a_run(prefect_api, tmp_path):
     run = MlflowClient(mlflow_uri).get_run(result["mlflow"]["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["lrkv.kind"] == "evaluate"
     assert run.data.metrics["prefill_ppl"] == result["eval"]["prefill"]["ppl"] > 1
+
+
+def test_the_nightly_flow_converts_every_model_then_fails_naming_the_bad_one(prefect_api, tmp_path):
+    """A missing model does not stop the next one (its MLflow run FINISHED); the flow run fails naming it."""
+    model_dir = tiny_model_dir(tmp_path)
+    missing = str(tmp_path / "no-such-model")
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    recipe = _recipe(tmp_path, model_dir, mlflow_uri, "nightly-test")
+    state = nightly_flow([missing, str(model_dir)], recipe, return_state=True)
+    assert state.is_failed(), state
+    err = state.result(raise_on_failure=False)
+    assert isinstance(err, RuntimeError) and "1 of 2 nightly conversions failed" in str(err), err
+    assert f"{missing}': 'FileNotFoundError: model directory {missing} does not exist" in str(err), err
+    client = MlflowClient(mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("nightly-test").experiment_id])
+    assert [(r.info.status, r.data.tags["lrkv.model"]) for r in runs] == [("FINISHED", str(model_dir))]

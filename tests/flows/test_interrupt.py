@@ -1,9 +1,10 @@
 """Killing ``lrkv convert`` midway, as a user does (a terminal's Ctrl-C, a SIGKILL), then resuming it.
 
-Real processes: the CLI in its own process group, with the Prefect API server it owns and MLflow on SQLite.
-The model has many thin layers so that the per-layer decomposition takes long enough to be interrupted,
-and enough evaluation data that evaluation does too. A re-run must recompute none of the layer tasks
-that had finished (counted from the CLI's task table), and no process may outlive a killed CLI.
+Real processes: the CLI in its own process group, with the Prefect API server it owns and MLflow on SQLite;
+the store a local directory or an S3 bucket (moto's server on loopback). The model has many thin layers so
+that the per-layer decomposition takes long enough to be interrupted, and enough evaluation data that
+evaluation does too. A re-run must recompute none of the layer tasks that had finished (counted from the
+CLI's task table), and no process may outlive a killed CLI.
 """
 
 import json
@@ -13,21 +14,25 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import boto3
 import psutil
 from mlflow.tracking import MlflowClient
 
 from tests.support.models import tiny_model_dir, token_parquet
 
 LAYERS = 48  # thin layers: decomposing them all takes a few seconds of task overhead, time to be interrupted
+S3_LAYERS = 16  # decomposed one at a time in the first run (see the S3 test), so fewer layers suffice
 ROW = re.compile(
     r"│\s*(decompose_layer\[\d+\]|summarize_layer\[\d+\]|build_model|evaluate\[\w+\])\s*│\s*(\w+)\s*│"
 )
 
 
-def _setup(tmp_path: Path, layers: int, evaluate: bool) -> tuple[list[str], dict]:
-    """The CLI command: ``layers`` layers; with ``evaluate``, 96 windows decoded token by token (seconds)."""
+def _setup(tmp_path: Path, layers: int, evaluate: bool, store: str | None = None) -> tuple[list[str], dict]:
+    """The CLI command: ``layers`` layers; with ``evaluate``, 96 windows decoded token by token (seconds);
+    the store ``tmp_path / "store"`` unless given."""
     model = tiny_model_dir(tmp_path, num_hidden_layers=layers)
     data = token_parquet(tmp_path / "data.parquet", rows=96, seq_len=64)
     args = [
@@ -41,7 +46,7 @@ def _setup(tmp_path: Path, layers: int, evaluate: bool) -> tuple[list[str], dict
         f"parquet:{data}",
     ]
     args += ["--ratio", "0.5", "--group-size", "2", "--n-samples", "8", "--seq-len", "64"]
-    args += ["--store", str(tmp_path / "store"), "--set", "registry.enabled=false"]
+    args += ["--store", store or str(tmp_path / "store"), "--set", "registry.enabled=false"]
     if evaluate:
         args += ["--eval-dataset", f"parquet:{data}", "--set", "eval.max_windows=96"]
         args += ["--set", "eval.decode_windows=96", "--set", "eval.decode_prefix=4"]
@@ -53,18 +58,18 @@ def _setup(tmp_path: Path, layers: int, evaluate: bool) -> tuple[list[str], dict
     return args, env
 
 
-def _start(args, env, log: Path) -> subprocess.Popen:
+def _start(args, env, log: Path, cwd: Path | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+        args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
     )
 
 
-def _wait_for(predicate, proc, timeout=300.0) -> None:
+def _wait_for(predicate, proc, timeout=300.0, every=0.05) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert proc.poll() is None, f"the CLI exited early ({proc.returncode})"
         assert time.monotonic() < deadline, "timed out waiting for the run to get there"
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def _count(folder: Path) -> int:
@@ -80,13 +85,33 @@ def _gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Pro
     return alive
 
 
-def _finished_layers(store: Path) -> int:
-    """Layer decompositions whose result was recorded (a task that was cut off has no complete record)."""
-    done = 0
-    records = store / "prefect-results"
+def _records(store: Path | str) -> list[bytes]:
+    """The task result records in a store: a local directory, or ``s3://bucket/prefix`` (read with boto3)."""
+    if isinstance(store, str) and store.startswith("s3://"):
+        bucket, _, prefix = store.removeprefix("s3://").partition("/")
+        client = boto3.client("s3")  # the loopback server, from the environment the s3 fixture set
+        pages = client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=f"{prefix}/prefect-results/"
+        )
+        keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+        return [client.get_object(Bucket=bucket, Key=key)["Body"].read() for key in keys]
+    out = []
+    records = Path(store) / "prefect-results"
     for record in records.iterdir() if records.is_dir() else ():
         try:
-            done += '"kind": "factors"' in json.loads(record.read_bytes())["result"]
+            out.append(record.read_bytes())
+        except OSError:  # a temporary file renamed away meanwhile
+            continue
+    return out
+
+
+def _recorded(store: Path | str, kind: str) -> int:
+    """Task results holding an artifact of ``kind`` that were recorded (a task cut off has no complete
+    record): ``factors`` for finished layer decompositions, ``model`` for a finished build."""
+    done = 0
+    for raw in _records(store):
+        try:
+            done += f'"kind": "{kind}"' in json.loads(raw)["result"]
         except (ValueError, KeyError, TypeError):
             continue
     return done
@@ -112,14 +137,14 @@ def _rerun(args, env, tmp_path, name) -> dict[str, str]:
 def test_sigkill_during_decomposition_leaves_no_process_and_resumes_without_redoing_layers(tmp_path):
     args, env = _setup(tmp_path, LAYERS, evaluate=False)
     proc = _start(args, env, tmp_path / "first.log")
-    _wait_for(lambda: _finished_layers(tmp_path / "store") >= 2, proc)  # recorded, not only written
+    _wait_for(lambda: _recorded(tmp_path / "store", "factors") >= 2, proc)  # recorded, not only written
     children = _descendants(proc.pid)
     assert children, "the CLI owns its Prefect API server"
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
     assert not _gone(children), "the Prefect API server outlived a SIGKILLed CLI"
     assert [r.info.status for r in _runs(tmp_path / "home")] == ["RUNNING"]  # nobody could mark it
-    finished = _finished_layers(tmp_path / "store")
+    finished = _recorded(tmp_path / "store", "factors")
     assert 0 < finished < LAYERS
 
     states = _rerun(args, env, tmp_path, "resume")
@@ -130,12 +155,38 @@ def test_sigkill_during_decomposition_leaves_no_process_and_resumes_without_redo
     assert [r.info.status for r in _runs(tmp_path / "home")] == ["KILLED", "FINISHED"]  # the orphan reaped
 
 
+def test_sigkill_with_the_store_on_s3_resumes_in_a_new_process_with_a_fresh_home(tmp_path, s3):
+    """``--store s3://`` reaches S3; a re-run with another LRKV_HOME recomputes no layer finished there."""
+    store = f"s3://lrkv/resume-{uuid.uuid4().hex[:8]}"
+    args, env = _setup(tmp_path, S3_LAYERS, evaluate=False, store=store)
+    first = {"LRKV_HOME": str(tmp_path / "home-1"), "PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS": "1"}
+    proc = _start(args, env | first, tmp_path / "first.log", cwd=tmp_path)  # one layer at a time: killable
+    _wait_for(lambda: _recorded(store, "factors") >= 2, proc, every=0.2)  # recorded in the bucket
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    finished = _recorded(store, "factors")
+    assert 0 < finished < S3_LAYERS
+    assert not (tmp_path / "s3:").exists()  # what a store path folded from s3:// would have created
+
+    env |= {"LRKV_HOME": str(tmp_path / "home-2")}  # no local download cache, no local Prefect or MLflow
+    log = tmp_path / "resume.log"
+    res = subprocess.run(
+        args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, timeout=900, cwd=tmp_path
+    )
+    assert res.returncode == 0, log.read_text()[-3000:]
+    decomposed = {k: v for k, v in _states(log).items() if k.startswith("decompose_layer")}
+    assert len(decomposed) == S3_LAYERS
+    cached = sum(v == "Cached" for v in decomposed.values())
+    assert cached == finished, (cached, finished)  # every finished layer from the records in S3
+    assert [r.info.status for r in _runs(tmp_path / "home-2")] == ["FINISHED"]
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_ctrl_c_during_evaluation_stops_fast_records_killed_and_resumes_from_the_cache(tmp_path):
     args, env = _setup(tmp_path, 8, evaluate=True)
     log = tmp_path / "first.log"
     proc = _start(args, env, log)
-    _wait_for(lambda: _count(tmp_path / "store" / "models") >= 1, proc)  # built: evaluation is running
-    time.sleep(0.3)  # past the build's record: inside evaluation (seconds long)
+    _wait_for(lambda: _recorded(tmp_path / "store", "model") >= 1, proc)  # build recorded: now evaluating
     children = _descendants(proc.pid)
     assert children, "the CLI owns its Prefect API server"
     started = time.monotonic()

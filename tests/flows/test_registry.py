@@ -33,6 +33,14 @@ with torch.no_grad():
     generated = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
 torch.save({"logits": logits, "generated": generated}, sys.argv[3])
 """
+PYFUNC = """
+import json, sys, torch
+torch.set_num_threads(1)
+import mlflow.pyfunc
+model = mlflow.pyfunc.load_model(sys.argv[1])
+print(json.dumps(model.predict(json.loads(sys.argv[2]), params={"max_new_tokens": 6})))
+"""
+NEW_TOKENS = 6
 
 
 def _recipe(tmp_path, store, mlflow_uri, ratio, **extra):
@@ -65,9 +73,23 @@ def _probe(ref, out, env):
         env=env,
         capture_output=True,
         text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
+
+
+def _pyfunc_predict(ref, env) -> list[list[int]]:
+    """``mlflow.pyfunc.load_model(ref).predict(IDS, params={"max_new_tokens": 6})`` in a fresh process."""
+    res = subprocess.run(
+        [sys.executable, "-c", PYFUNC, ref, json.dumps(IDS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def test_round_trip_s3_store_mlflow_registry_and_pull(
@@ -100,11 +122,15 @@ def test_round_trip_s3_store_mlflow_registry_and_pull(
     version = client.get_model_version_by_alias("lrkv-tiny-llama", "champion")
     assert version.run_id == run.info.run_id and version.tags["lrkv.complete"] == "true"
 
-    # the model before upload, and the same model pulled in a fresh process, then loaded by models:/ URI
+    # the model before upload; the same model pulled in a fresh process, loaded by models:/ URI in another
+    # (its own LRKV_HOME: it downloads), and loaded as an MLflow pyfunc model in a third
     torch.set_num_threads(1)
     before = load_compressed(local_path(first["compressed"].uri))
     with torch.no_grad():
         expected = before(torch.tensor(IDS)).logits
+        greedy = [
+            before.generate(torch.tensor([row]), max_new_tokens=NEW_TOKENS, do_sample=False) for row in IDS
+        ]
     env = _subprocess_env(s3, mlflow_s3_server, tmp_path / "fresh-home")
     out = tmp_path / "pulled"
     res = subprocess.run(
@@ -116,10 +142,16 @@ def test_round_trip_s3_store_mlflow_registry_and_pull(
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "pulled lrkv-tiny-llama v" in res.stdout
-    for ref in (out, "models:/lrkv-tiny-llama@champion"):
-        got = _probe(ref, tmp_path / "probe.pt", env)
+    probe_home = tmp_path / "probe-home"
+    for ref, home in ((out, tmp_path / "fresh-home"), ("models:/lrkv-tiny-llama@champion", probe_home)):
+        got = _probe(ref, tmp_path / "probe.pt", _subprocess_env(s3, mlflow_s3_server, home))
         assert torch.equal(got["logits"], expected), ref
-        assert got["generated"].shape == (1, len(IDS[0]) + 6)
+        assert got["generated"].shape == (1, len(IDS[0]) + NEW_TOKENS)
+    assert [p.name for p in (probe_home / "cache" / "models").iterdir()] == [version.tags["lrkv.sha256"]]
+    rows = _pyfunc_predict(
+        "models:/lrkv-tiny-llama@champion", _subprocess_env(s3, mlflow_s3_server, tmp_path / "pyfunc-home")
+    )
+    assert rows == [g[0].tolist() for g in greedy]  # prompt + 6 greedy tokens per row, as documented
 
     # a missing alias: one line naming what exists, no traceback
     res = subprocess.run(

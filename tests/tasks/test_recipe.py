@@ -86,3 +86,12 @@ def test_strict_recipes_fail_loudly(tmp_path, text):
 
 def test_flatten():
     assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": 3}) == {"a.b": 1, "a.c.d": 2, "e": 3}
+
+
+def test_store_and_out_refuse_what_looks_like_a_uri():
+    """store takes a directory or s3:// (not ``s3:/`` or gs://), out a local directory (not a URI)."""
+    assert load_recipe(None, {"store": "s3://lrkv/store"}).store == "s3://lrkv/store"
+    assert load_recipe(None, {"store": "./s3:/lrkv", "out": "./models:/m"}).out == "./models:/m"
+    for key, value in [("store", "s3:/lrkv/store"), ("store", "gs://b/x"), ("out", "s3://lrkv/m")]:
+        with pytest.raises(ValidationError, match=f"{key} '{value}' looks like a URI"):
+            load_recipe(None, {key: value})

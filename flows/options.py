@@ -1,0 +1,78 @@
+"""Parsers of the CLI's options: paths, recipe overrides, comma lists, group sizes, the quantized cache.
+
+Path options are parsed from the string the user typed: a ``Path``-typed option would fold
+``s3://bucket/prefix`` into ``s3:/bucket/prefix`` before any check, and a local directory
+``./s3:/bucket/prefix`` would then be created silently. ``--store`` keeps an ``s3://`` URI as it is; every
+option that takes a local path refuses anything that looks like a URI (``SCHEME:/...``; ``./s3:/x`` names
+such a local path on purpose).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import typer
+import yaml
+
+from lrkv_tasks.refs import STORE_FORMS, is_s3, local_dir
+
+
+def local_path(flag: str, accepts: str = "a local path") -> Callable[[str], Path]:
+    """A typer ``parser`` for ``flag``: the value as a local ``Path`` (refusing what looks like a URI)."""
+
+    def parse(value: str) -> Path:
+        try:
+            return local_dir(value, flag, accepts)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+
+    return parse
+
+
+def store_root(value: str) -> str:
+    """A typer ``parser`` for ``--store``: ``s3://bucket/prefix`` as given, else a local directory."""
+    return value if is_s3(value) else str(local_path("--store", STORE_FORMS)(value))
+
+
+def parse_set(values: list[str]) -> dict:
+    """``--set a.b=VALUE`` pairs as recipe overrides (values parsed as YAML)."""
+    out = {}
+    for item in values:
+        if "=" not in item:
+            raise typer.BadParameter(f"--set takes key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out
+
+
+def flag_overrides(flags: dict, eval_key: str) -> dict:
+    """The flags the user gave, as recipe overrides; ``--eval-dataset none`` turns evaluation off."""
+    out = {k: v for k, v in flags.items() if v is not None}
+    if out.get(eval_key) == "none":
+        out[eval_key] = None
+    return out
+
+
+def quantized_cache(bits: int | None, group_size: int | None, residual: int | None) -> dict | None:
+    """``--bits 3 [--quant-group-size 16] [--residual-length 32]`` as the recipe's cache storage
+    ``{name: quantized, bits: 3, quant_group_size: 16, residual: 32}``; None when no flag is given."""
+    if bits is None:
+        if group_size is not None or residual is not None:
+            raise typer.BadParameter("--quant-group-size and --residual-length need --bits")
+        return None
+    options = {"quant_group_size": group_size, "residual": residual}
+    return {"name": "quantized", "bits": bits} | {k: v for k, v in options.items() if v is not None}
+
+
+def parse_group_size(value: str | None) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"--group-size takes a positive integer or 'auto', got {value!r}") from None
+
+
+def csv_list(value: str | None, cast=str) -> list | None:
+    return None if value is None else [cast(v.strip()) for v in value.split(",") if v.strip()]
