@@ -46,7 +46,9 @@ def main() -> None:
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    compressed = convert(model, None, CompressionConfig(ratio=0.5, group_size=2, decomposition="plain"))
+    compressed = convert(
+        model, None, CompressionConfig(ratio=0.5, group_size=2, decomposition="plain", allocator="uniform")
+    )
     path = save_compressed(compressed, Path(tempfile.mkdtemp()) / "model")
     ids = torch.randint(0, config.vocab_size, (1, 32))
     with torch.no_grad():

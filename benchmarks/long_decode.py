@@ -68,7 +68,9 @@ def main() -> None:
     )  # fmt: skip
     original = LlamaForCausalLM(config).eval()
     cache = {"name": "quantized", "bits": args.bits}
-    settings = CompressionConfig(ratio=args.ratio, decomposition="plain", cache=cache, rotation=args.rotation)
+    settings = CompressionConfig(
+        ratio=args.ratio, decomposition="plain", allocator="uniform", cache=cache, rotation=args.rotation
+    )
     compressed = convert(copy.deepcopy(original), None, settings)
     prompt = torch.randint(0, config.vocab_size, (args.batch, 16), generator=torch.Generator().manual_seed(1))
     short = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(2))

@@ -83,9 +83,9 @@ def storage(bits: int, residual: int, group: int | None) -> dict[str, Any]:
 
 def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args, emit: Emit) -> list[dict[str, Any]]:
     """Every ratio × rotation × bits × residual of the grid, in that nesting (one plan per ratio)."""
-    base = CompressionConfig(group_size=args.group_size, rank_multiple=args.rank_multiple).for_model(
-        model.config
-    )
+    base = CompressionConfig(
+        group_size=args.group_size, rank_multiple=args.rank_multiple, allocator="uniform"
+    ).for_model(model.config)
     stats = collect_statistics(model, rows, base.needed_statistics())  # the Gram, once
     out = []
     for ratio in args.ratios:

@@ -34,17 +34,17 @@ USER_ERRORS = (ValueError, OSError, KeyError)
 
 
 def _choices(registry) -> str:
-    return " | ".join(registry.names())
+    return " | ".join(sorted(registry.names()))
 
 
 def _registries():
-    from lrkv_core.allocation import ALLOCATORS
+    from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
     from lrkv_core.decompositions import DECOMPOSITIONS
 
-    return DECOMPOSITIONS, ALLOCATORS
+    return DECOMPOSITIONS, ALLOCATORS, DEFAULT_ALLOCATOR
 
 
-DECOMPOSITIONS, ALLOCATORS = _registries()
+DECOMPOSITIONS, ALLOCATORS, DEFAULT_ALLOCATOR = _registries()
 DATASET_FORMS = (
     "hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH | builtin:NAME:SPLIT, each optionally [A%:B%]"
 )
@@ -106,7 +106,8 @@ def convert(
         Optional[str], typer.Option(help=f"{_choices(DECOMPOSITIONS)}. {DECOMPOSITIONS.help()}")
     ] = None,
     allocator: Annotated[
-        Optional[str], typer.Option(help=f"{_choices(ALLOCATORS)}. {ALLOCATORS.help()}")
+        Optional[str],
+        typer.Option(help=f"{_choices(ALLOCATORS)} (default {DEFAULT_ALLOCATOR}). {ALLOCATORS.help()}"),
     ] = None,
     rank_multiple: Annotated[
         Optional[int], typer.Option(help="round ranks down to a multiple of this")
@@ -132,7 +133,7 @@ def convert(
             "(spreads outliers before quantization; auto: Hadamard where the rank allows, else seeded random)"
         ),
     ] = None,
-    n_samples: Annotated[Optional[int], typer.Option(help="calibration windows")] = None,
+    n_samples: Annotated[Optional[int], typer.Option(help="calibration windows (default 256)")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
     out: Annotated[
         Optional[Path],

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 from .adapters import get_adapter
 from .allocation import (
     ALLOCATORS,
+    DEFAULT_ALLOCATOR,
     FEATURES,
     Allocator,
     LayerSummary,
@@ -67,7 +68,7 @@ class CompressionConfig:
     group_size: int | None = None
     rank_multiple: int = 8
     decomposition: Decomposition | str | Mapping[str, Any] = "whitened"
-    allocator: Allocator | str | Mapping[str, Any] = "uniform"
+    allocator: Allocator | str | Mapping[str, Any] = DEFAULT_ALLOCATOR
     statistics: Sequence[Statistic | str | Mapping[str, Any]] = ()
     cache: CacheStorage | str | Mapping[str, Any] = "dense"
     rotation: str = "none"
@@ -158,7 +159,10 @@ def collect_statistics(
     ``factors`` (every layer's, in order) go to the statistics that read them (``uses_factors``)."""
     if statistics and rows is None:
         names = [s.name for s in statistics]
-        raise ValueError(f"the chosen methods need calibration statistics {names}: pass calibration rows")
+        raise ValueError(
+            f"the chosen methods need calibration statistics {names}: pass calibration rows, or convert "
+            "data-free with decomposition='plain' and allocator='uniform' or 'lorc'"
+        )
     out = {}
     for s in statistics:
         extra = {"factors": factors} if s.uses_factors else {}

@@ -51,7 +51,11 @@ def compress() -> Callable[..., tuple[PreTrainedModel, RankPlan]]:
             gen = torch.Generator().manual_seed(123)
             rows = torch.randint(3, model.config.vocab_size, (8, 24), generator=gen)
         config = CompressionConfig(
-            ratio=ratio, group_size=group_size, rank_multiple=rank_multiple, decomposition=method
+            ratio=ratio,
+            group_size=group_size,
+            rank_multiple=rank_multiple,
+            decomposition=method,
+            allocator="uniform",
         )
         stats = {"gram": grams} if grams is not None else None
         conversion = plan_conversion(model, rows, config, statistics=stats)

@@ -5,7 +5,7 @@ options, ``needs`` the features it reads) and its import below. Recipes, the CLI
 """
 
 from . import curves, eigen, fisher, lorc, uniform  # noqa: F401  (registration)
-from .base import ALLOCATORS, Allocation, Allocator
+from .base import ALLOCATORS, DEFAULT_ALLOCATOR, Allocation, Allocator
 from .eigen import relative_errors
 from .features import FEATURES, Feature, LayerSummary, register_feature, statistics_for, summarize_layer
 from .plan import RankPlan, allocate_ranks, plan_from_summaries
@@ -13,6 +13,7 @@ from .problem import KINDS, GroupSpec, RankProblem, Ranks, Spectra, fit_to_budge
 
 __all__ = [
     "ALLOCATORS",
+    "DEFAULT_ALLOCATOR",
     "FEATURES",
     "KINDS",
     "Allocation",

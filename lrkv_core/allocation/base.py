@@ -19,6 +19,10 @@ from .problem import RankProblem
 
 Allocation = tuple[list[int], dict[str, Any]]  # flat ranks in problem.groups order, details for the plan
 
+# what a conversion uses unless told otherwise: chosen by measurement on two models at three ratios
+# (docs/allocation.md); it needs calibration rows (one gradient pass), as the default decomposition does
+DEFAULT_ALLOCATOR = "kl"
+
 
 @dataclass(frozen=True)
 class Allocator(Method, ABC):

@@ -27,7 +27,7 @@ def setup(tmp_path_factory):
     model, tokenizer = load_model(MODEL)
     calib = tmp_path_factory.mktemp("lora") / "calib.parquet"
     extract_calibration(f"text:{TRAIN}", tokenizer, n_samples=32, seq_len=128, seed=0, out_path=calib)
-    model = convert(model, read_token_rows(calib), CompressionConfig(ratio=0.3))
+    model = convert(model, read_token_rows(calib), CompressionConfig(ratio=0.3, allocator="uniform"))
     return model, tokenizer
 
 

@@ -222,7 +222,9 @@ def test_save_and_load_rebuild_the_quantized_cache_and_the_rotation(tmp_path) ->
     model = tiny_model("llama", 2)
     rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
     cache = {"name": "quantized", "bits": 3, "quant_group_size": 4, "residual": 2}
-    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, cache=cache, rotation="auto")
+    config = CompressionConfig(
+        ratio=0.5, group_size=1, rank_multiple=4, allocator="uniform", cache=cache, rotation="auto"
+    )
     comp = plan_conversion(model, rows, config).apply(model)
     out = save_compressed(comp, tmp_path / "m")
     section = LrkvFormat.of(comp.config)
@@ -258,7 +260,7 @@ def test_the_quantized_storage_composes_with_the_sliding_window(compress) -> Non
 def test_a_quantization_group_that_does_not_divide_the_ranks_is_refused_early(compress) -> None:
     model = tiny_model("llama", 2)
     cache = {"name": "quantized", "bits": 4, "quant_group_size": 3}
-    bad = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, cache=cache)
+    bad = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, allocator="uniform", cache=cache)
     with pytest.raises(ValueError, match=r"quantization group size 3 does not divide .* rank multiple \(4\)"):
         bad.for_model(model.config)
     comp = _compressed(compress)

@@ -104,7 +104,9 @@ def test_a_hadamard_rotation_spreads_decaying_latents_and_cuts_quantization_erro
 def _compressed(arch: str, rotation: str, ratio: float = 0.5, rank_multiple: int = 4):
     model = tiny_model(arch, 4 if arch == "opt" else 2)
     rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
-    config = CompressionConfig(ratio=ratio, group_size=1, rank_multiple=rank_multiple, rotation=rotation)
+    config = CompressionConfig(
+        ratio=ratio, group_size=1, rank_multiple=rank_multiple, allocator="uniform", rotation=rotation
+    )
     return plan_conversion(model, rows, config).apply(model)
 
 
@@ -135,7 +137,9 @@ def test_auto_rotates_ranks_without_a_hadamard_matrix_and_hadamard_refuses_them_
         assert max_diff(auto(ids).logits, plain(ids).logits) <= 1e-4
     model = tiny_model("llama", 2)
     rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
-    config = CompressionConfig(ratio=0.75, group_size=1, rank_multiple=2, rotation="hadamard")
+    config = CompressionConfig(
+        ratio=0.75, group_size=1, rank_multiple=2, allocator="uniform", rotation="hadamard"
+    )
     conversion = plan_conversion(model, rows, config)
     with pytest.raises(ValueError, match=r"--rotation hadamard: no Hadamard matrix of order \[6\]"):
         conversion.apply(model)

@@ -161,7 +161,8 @@ def test_eval_reports_user_errors_in_one_line(tmp_path):
     from lrkv_core.convert import CompressionConfig
 
     model, _ = load_model(model_dir)
-    save_compressed(convert(model, None, CompressionConfig(ratio=0.5, decomposition="plain")), compressed)
+    data_free = CompressionConfig(ratio=0.5, decomposition="plain", allocator="uniform")
+    save_compressed(convert(model, None, data_free), compressed)
     weights = compressed / "model.safetensors"
     cases = [
         (tmp_path / "absent", "does not exist"),

@@ -5,6 +5,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from lrkv_core import load_compressed, load_model
+from lrkv_core.allocation import DEFAULT_ALLOCATOR
 from lrkv_core.data import eval_windows, read_token_rows
 from lrkv_flows.convert import convert_flow
 from lrkv_tasks.recipe import load_recipe
@@ -80,7 +81,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert m["achieved_ratio"] == 1.0 and abs(m["base_prefill_ppl"] - m["compressed_prefill_ppl"]) < 1e-3
     assert m["kl_base_compressed"] <= kl_bound and m["top1_agreement"] == 1.0  # full rank: same distributions
     assert run.data.params["fingerprint.model"] == first["model"].sha256
-    assert run.data.params["recipe.compression.allocator.name"] == "uniform"
+    assert run.data.params["recipe.compression.allocator.name"] == DEFAULT_ALLOCATOR == "kl"
     assert "version.transformers" in run.data.params
     artifacts = {a.path for a in MlflowClient(tracking_uri=mlflow_server).list_artifacts(run.info.run_id)}
     assert {"rank_plan.json", "rank_plan_heatmap.png", "eval.json", "recipe.json"} <= artifacts

@@ -1,0 +1,247 @@
+"""Rank allocation on one model: every allocator at every ratio, and what moves a plan, with what it costs.
+
+``--table allocators`` plans every allocator with ``--rows`` calibration windows for every statistic (lrkv's
+default calibration is 256); ``--table factors`` changes one thing at a time from ``--rows``: the
+calibration size of the Gram, the Fisher and the KL response (``--rows`` or all ``--n-samples``), per-row or
+per-micro-batch Fisher (Palu's), Palu's score (rms or Σ F) and leftover rule, the rank multiple, the solver
+of the curve allocators, sampled or data targets and label draws for the KL response.
+
+Protocol: ``--n-samples`` windows of ``--seq-len`` tokens drawn from ``--calibration`` (seed 0); every
+statistic is collected once per setting and timed (its seconds are what the allocator adds to a
+conversion). Each row plans, fuses the factors into a copy of the model (the deployed latent attention)
+and measures prefill perplexity on every non-overlapping ``--seq-len`` window of ``--eval``, one window at a
+time: ``rise`` is over the original on the first ``--first`` windows (issue 8's protocol), ``rise_all`` on
+all of them. ``vs_half_palu`` is a 95 % paired bootstrap interval (windows resampled) of
+``rise − ½ · rise(fisher)`` at the same ratio: below zero, the row has at most half of Palu-style Fisher's
+rise; ``vs_uniform`` the same for ``rise − rise(uniform)``.
+
+    S=../shared/data/shakespeare
+    OMP_NUM_THREADS=1 python benchmarks/allocation.py --model ../shared/models/shakespeare-llama \\
+        --calibration "text:$S/train.txt" --eval "text:$S/valid.txt[:50%]" --table allocators \\
+        --out docs/allocation/shakespeare-allocators.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from lrkv_core import evaluate
+from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
+from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.models import load_model
+from lrkv_core.statistics import STATISTICS
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row: an allocator, the Gram's rows (None: all), the statistics' options, the rank multiple."""
+
+    label: str
+    allocator: str | dict
+    gram_rows: int | None
+    statistics: dict[str, dict] = field(default_factory=dict)
+    rank_multiple: int = 8
+    reference: str | None = None  # "fisher" / "uniform": the row others are compared with
+
+
+def settings(table: str, rows: int) -> list[Setting]:
+    """The rows of a table; ``rows`` is the calibration size of every statistic unless a row changes it."""
+
+    def fisher(**options: Any) -> dict[str, dict]:
+        return {"fisher": {"n_samples": rows, **options}}
+
+    def kl(**options: Any) -> dict[str, dict]:
+        return {"kl_response": {"n_samples": rows, **options}}
+
+    if table == "allocators":
+        return [
+            Setting("uniform", "uniform", rows, reference="uniform"),
+            Setting("fisher (Palu's rule)", "fisher", rows, fisher(), reference="fisher"),
+            Setting("lorc", "lorc", rows),
+            Setting("eigen", "eigen", rows),
+            Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
+            Setting("kl", "kl", rows, kl()),
+        ]
+    water_fill = {"name": "fisher", "leftover": "water-fill"}
+    return [
+        Setting(f"fisher, {rows} rows", "fisher", rows, fisher(), reference="fisher"),
+        Setting("fisher, Gram on all rows", "fisher", None, fisher()),
+        Setting("fisher, Fisher on all rows", "fisher", rows, {"fisher": {}}),
+        Setting("fisher, per micro-batch (Palu)", "fisher", rows, fisher(per_row=False)),
+        Setting("fisher, score Σ F", {"name": "fisher", "score": "sum"}, rows, fisher()),
+        Setting("fisher, leftover water-fill", water_fill, rows, fisher()),
+        Setting("fisher, rank multiple 1", "fisher", rows, fisher(), rank_multiple=1),
+        Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
+        Setting("fisher-greedy, exact solver", {"name": "fisher-greedy", "solver": "exact"}, rows, fisher()),
+        Setting(f"kl, {rows} rows", "kl", rows, kl()),
+        Setting("kl, greedy solver", {"name": "kl", "solver": "greedy"}, rows, kl()),
+        Setting("kl, data targets", "kl", rows, kl(labels="data")),
+        Setting("kl, 4 label draws per row", "kl", rows, kl(draws=4)),
+        Setting("kl, KL response on all rows", "kl", rows, {"kl_response": {}}),
+        Setting("kl, Gram on all rows", "kl", None, kl()),
+        Setting("kl, both on all rows", "kl", None, {"kl_response": {}}),
+        Setting("kl, rank multiple 1", "kl", rows, kl(), rank_multiple=1),
+    ]
+
+
+def window_nll(model, windows: torch.Tensor) -> torch.Tensor:
+    """(N,) mean next-token NLL of each window, each in one forward pass through a fresh cache."""
+    return torch.tensor(
+        [evaluate.prefill_perplexity(model, w[None])["nll"] for w in windows], dtype=torch.float64
+    )
+
+
+def rise(nll: torch.Tensor, base: torch.Tensor) -> float:
+    return float(nll.mean().exp() - base.mean().exp())
+
+
+def paired_interval(
+    nll: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, weight: float, draws: int = 2000
+) -> list[float]:
+    """95 % bootstrap interval of ``rise(nll) − weight · rise(ref)`` over resampled windows."""
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(base), (draws, len(base)), generator=gen)
+    b = base[idx].mean(1).exp()
+    diff = (nll[idx].mean(1).exp() - b) - weight * (ref[idx].mean(1).exp() - b)
+    low, high = torch.quantile(diff, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [low, high]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--calibration", required=True, help="dataset spec the statistics are drawn from")
+    p.add_argument("--eval", required=True, help="dataset spec of held-out text")
+    p.add_argument("--table", choices=("allocators", "factors"), default="allocators")
+    p.add_argument("--n-samples", type=int, default=256, help="calibration windows drawn ('all rows')")
+    p.add_argument("--rows", type=int, default=256, help="calibration rows of every statistic unless changed")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--first", type=int, default=16, help="windows of the rise column (issue 8: 16)")
+    p.add_argument("--max-windows", type=int, default=None, help="evaluation windows (default: all)")
+    p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
+    p.add_argument("--ratios", default="0.7,0.5,0.3")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, required=True, help="JSON lines; the markdown table goes beside (.md)")
+    args = p.parse_args()
+    hf_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, tok = load_model(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        calib = f"{tmp}/calibration.parquet"
+        extract_calibration(
+            args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=0, out_path=calib
+        )
+        rows = read_token_rows(calib)
+    windows = eval_windows(args.eval, tok, seq_len=args.seq_len, max_windows=args.max_windows)
+    started = time.perf_counter()
+    base = window_nll(model, windows)
+    print(f"original: prefill PPL {float(base.mean().exp()):.4f} on {len(windows)} windows "
+          f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+
+    collected: dict[str, tuple[list, float]] = {}
+
+    def statistic(spec: dict, factors=None, key: str = "") -> tuple[list, float]:
+        """Collect (once) and time one statistic; ``key`` tells apart the factors it read."""
+        name = json.dumps(spec, sort_keys=True) + key
+        if name not in collected:
+            start = time.perf_counter()
+            stat = STATISTICS.create(spec)
+            values = collect_statistics(model, rows, [stat], batch_size=args.batch_size, factors=factors)
+            collected[name] = (values[stat.name], time.perf_counter() - start)
+            print(f"  collected {name}: {collected[name][1]:.1f} s", flush=True)
+        return collected[name]
+
+    table: list[dict[str, Any]] = []
+    reference: dict[tuple[float, str], torch.Tensor] = {}  # (ratio, "fisher"|"uniform") -> window NLLs
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for ratio in [float(r) for r in args.ratios.split(",")]:
+        for s in settings(args.table, args.rows):
+            gram_rows = s.gram_rows if s.gram_rows and s.gram_rows < len(rows) else None  # None: all
+            gram_spec = {"name": "gram"} | ({"n_samples": gram_rows} if gram_rows else {})
+            gram, seconds = statistic(gram_spec)
+            given = {"gram": gram}
+            config = CompressionConfig(
+                ratio=ratio, group_size=args.group_size, rank_multiple=s.rank_multiple, allocator=s.allocator
+            )
+            factors = None
+            if any(STATISTICS.get(n).uses_factors for n in s.statistics):  # full spectra: any ratio will do
+                plain = CompressionConfig(ratio=ratio, group_size=args.group_size)
+                factors = plan_conversion(model, rows, plain, statistics=given).factors
+            for name, options in s.statistics.items():
+                key = f" after gram {gram_rows}" if STATISTICS.get(name).uses_factors else ""
+                if options.get("n_samples", 0) >= len(rows):
+                    options = {k: v for k, v in options.items() if k != "n_samples"}  # all rows
+                given[name], spent = statistic({"name": name, **options}, factors, key)
+                seconds += spent
+            start = time.perf_counter()
+            conversion = plan_conversion(model, rows, config, statistics=given)
+            compressed = conversion.apply(copy.deepcopy(model))
+            plan_seconds = time.perf_counter() - start
+            nll = window_nll(compressed, windows)
+            del compressed
+            row = {
+                "model": args.model,
+                "table": args.table,
+                "setting": s.label,
+                "allocator": config.allocator.to_dict(),
+                "ratio": ratio,
+                "kept": conversion.plan.achieved_ratio,
+                "rise": rise(nll[: args.first], base[: args.first]),
+                "rise_all": rise(nll, base),
+                "statistics_s": seconds,
+                "plan_and_fuse_s": plan_seconds,
+                "windows": [args.first, len(windows)],
+                "ranks": conversion.plan.ranks,
+            }
+            if s.reference:
+                reference[(ratio, s.reference)] = nll
+            for ref_name, column, weight in (("fisher", "vs_half_palu", 0.5), ("uniform", "vs_uniform", 1.0)):
+                if (ratio, ref_name) in reference:
+                    ref = reference[(ratio, ref_name)]
+                    row[column] = paired_interval(
+                        nll[: args.first], ref[: args.first], base[: args.first], weight
+                    )
+            table.append(row)
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{ratio} {s.label}: rise {row['rise']:+.4f} (all {row['rise_all']:+.4f}), "
+                  f"{seconds:.1f} s of statistics", flush=True)  # fmt: skip
+    args.out.with_suffix(".md").write_text(markdown(table, base, args.first) + "\n")
+
+
+def markdown(table: list[dict[str, Any]], base: torch.Tensor, first: int) -> str:
+    """The rows as a markdown table, under the original's perplexities."""
+    lines = [
+        f"Original prefill PPL {float(base[:first].mean().exp()):.4f} on the first {first} windows, "
+        f"{float(base.mean().exp()):.4f} on all {len(base)}.",
+        "",
+        f"| ratio | setting | kept | rise ({first} windows) | rise (all) | − ½ Palu's rise (95 % CI) | "
+        "− uniform's (95 % CI) | statistics s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        cells = [
+            f"[{r[c][0]:+.3f}, {r[c][1]:+.3f}]" if c in r else "" for c in ("vs_half_palu", "vs_uniform")
+        ]
+        lines.append(
+            f"| {r['ratio']} | {r['setting']} | {r['kept']:.4f} | {r['rise']:+.4f} | {r['rise_all']:+.4f} | "
+            f"{cells[0]} | {cells[1]} | {r['statistics_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
