@@ -209,7 +209,7 @@ def main() -> None:
             if s.reference:
                 reference[(ratio, s.reference)] = nll
             for ref_name, column, weight in (("fisher", "vs_half_palu", 0.5), ("uniform", "vs_uniform", 1.0)):
-                if (ratio, ref_name) in reference:
+                if (ratio, ref_name) in reference and s.reference != ref_name:
                     ref = reference[(ratio, ref_name)]
                     row[column] = paired_interval(
                         nll[: args.first], ref[: args.first], base[: args.first], weight

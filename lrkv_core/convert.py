@@ -92,8 +92,9 @@ class CompressionConfig:
         object.__setattr__(self, "cache", CACHE_STORAGES.create(self.cache))
 
     def features(self) -> frozenset[str]:
-        """Per-group features the allocator reads besides the spectra."""
-        return self.allocator.needs
+        """Per-group features the allocator reads besides the spectra: none at ratio 1.0, where every group
+        keeps its max rank (:meth:`~lrkv_core.allocation.base.Allocator.run`)."""
+        return self.allocator.needs if self.ratio < 1 else frozenset()
 
     def needed_statistics(self) -> list[Statistic]:
         """The statistics the decomposition and the allocator's features read, configured or default."""

@@ -35,7 +35,14 @@ class Allocator(Method, ABC):
         """Flat ranks in ``problem.groups`` order (meeting the budget) and details for the plan."""
 
     def run(self, problem: RankProblem) -> Allocation:
-        """Check the inputs and feasibility, allocate, and check the budget was met."""
+        """Check the inputs and feasibility, allocate, and check the budget was met.
+
+        When every group fits at its max rank (ratio 1.0) there is nothing to choose: each keeps its max
+        rank and no feature is read, so a full-rank conversion needs no allocator statistics.
+        """
+        full = [problem.max_rank(i) for i in range(len(problem.groups))]
+        if sum(full) <= problem.budget:
+            return full, {"every_group_at_max_rank": True}
         missing = sorted(self.needs - set(problem.features))
         if missing:
             raise ValueError(

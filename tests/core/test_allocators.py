@@ -20,7 +20,7 @@ from lrkv_core.allocation import (
 )
 from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.evaluate import kv_bytes_per_token
-from lrkv_core.statistics import collect_fisher, collect_gram
+from lrkv_core.statistics import STATISTICS, collect_fisher, collect_gram
 from tests.support.spectra import (
     GROUP_SIZE,
     HEAD_DIM,
@@ -223,6 +223,18 @@ def test_allocators_that_need_fisher_say_so() -> None:
     with pytest.raises(ValueError, match="lacks ranks on the grid of rank multiple 1"):
         allocate("fisher-greedy", 0.5, 1, coarse)
     assert allocate("fisher-greedy", 0.5, 8, coarse).budget_width - allocate("fisher-greedy", 0.5, 8).kept < 8
+
+
+def test_at_full_rank_no_allocator_reads_features() -> None:
+    """Ratio 1.0 keeps every group's max rank: no statistic is needed, whatever the allocator."""
+    spectra = synthetic_inputs()["spectra"]
+    kw = dict(ratio=1.0, group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=8)
+    for name in sorted(ALLOCATORS.names()):
+        plan = allocate_ranks(spectra, allocator=name, **kw)
+        assert plan.ranks == {k: [[len(s) for s in layer[k]] for layer in spectra] for k in "kv"}, name
+        assert plan.details == {"every_group_at_max_rank": True}
+        assert CompressionConfig(ratio=1.0, allocator=name).needed_statistics() == [STATISTICS.create("gram")]
+    assert "kl_response" in {s.name for s in CompressionConfig(ratio=0.99).needed_statistics()}
 
 
 def _toy_problem(caps: list[int], multiple: int, ratio: float) -> RankProblem:

@@ -1,7 +1,8 @@
 import pytest
 from pydantic import ValidationError
 
-from lrkv_core.allocation import Allocator
+from lrkv_core.allocation import DEFAULT_ALLOCATOR, Allocator
+from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import Decomposition
 from lrkv_tasks.recipe import ConvertRecipe, flatten, load_recipe
 
@@ -14,6 +15,9 @@ def test_defaults_are_the_embedded_quickstart():
     assert isinstance(r.compression.decomposition, Decomposition) and isinstance(
         r.compression.allocator, Allocator
     )
+    # the measured defaults (docs/allocation.md), the same in a recipe and in memory
+    assert r.compression.allocator.name == CompressionConfig().allocator.name == DEFAULT_ALLOCATOR == "kl"
+    assert r.compression.allocator.solver == "exact" and r.calibration.n_samples == 256
 
 
 def test_methods_come_from_the_registries_with_strict_options():
