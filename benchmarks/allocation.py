@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from lrkv_core import evaluate
 from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
-from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.data import calibration_windows, eval_windows
 from lrkv_core.models import load_model
 from lrkv_core.statistics import STATISTICS
 
@@ -139,12 +138,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model, tok = load_model(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        calib = f"{tmp}/calibration.parquet"
-        extract_calibration(
-            args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=0, out_path=calib
-        )
-        rows = read_token_rows(calib)
+    rows = calibration_windows(args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=0)
     windows = eval_windows(args.eval, tok, seq_len=args.seq_len, max_windows=args.max_windows)
     started = time.perf_counter()
     base = window_nll(model, windows)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from transformers.utils import logging as hf_logging
 from lrkv_core import evaluate
 from lrkv_core.adapters import get_adapter
 from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
-from lrkv_core.data import extract_calibration, read_token_rows
+from lrkv_core.data import calibration_windows
 from lrkv_core.models import load_model
 from lrkv_core.statistics import STATISTICS
 
@@ -68,12 +67,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()
 
     model, tok = load_model(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        calib = f"{tmp}/calibration.parquet"
-        extract_calibration(
-            args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=0, out_path=calib
-        )
-        rows = read_token_rows(calib)
+    rows = calibration_windows(args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=0)
     measure = rows[: args.measure_rows]
     adapter = get_adapter(model.config)
     started = time.perf_counter()

@@ -37,6 +37,7 @@ from lrkv_core.refs import SPEC_FORMS, DatasetSpec, parse_dataset_spec, resolve_
 __all__ = [
     "SPEC_FORMS",
     "DatasetSpec",
+    "calibration_windows",
     "check_dataset",
     "eval_windows",
     "extract_calibration",
@@ -204,15 +205,24 @@ def extract_calibration(
     ValueError
         Too little data (the message gives what there is and what is needed).
     """
+    spec = parse_dataset_spec(spec)
+    rows = calibration_windows(spec, tokenizer, n_samples=n_samples, seq_len=seq_len, seed=seed).numpy()
+    path = write_token_rows(rows, out_path)  # rows: (n_samples, seq_len)
+    params = {"n_samples": n_samples, "seq_len": seq_len, "seed": seed}
+    fingerprint = hash_bytes(rows.astype("<i4").tobytes(), hash_json(params).encode())
+    return {"path": str(path), "fingerprint": fingerprint, **params, "source": str(spec), "tokens": rows.size}
+
+
+def calibration_windows(
+    spec: str | DatasetSpec, tokenizer: Any | None, *, n_samples: int, seq_len: int, seed: int
+) -> torch.Tensor:
+    """The (n_samples, seq_len) windows :func:`extract_calibration` draws and writes, in memory."""
     if n_samples < 1 or seq_len < 1:
         raise ValueError(f"n_samples and seq_len must be >= 1, got {n_samples}, {seq_len}")
     spec = parse_dataset_spec(spec)
     seqs = token_sequences(spec, tokenizer)
     rows = _draw_windows(seqs, spec.is_tokenized, n_samples, seq_len, np.random.default_rng(seed))
-    path = write_token_rows(rows, out_path)  # rows: (n_samples, seq_len)
-    params = {"n_samples": n_samples, "seq_len": seq_len, "seed": seed}
-    fingerprint = hash_bytes(rows.astype("<i4").tobytes(), hash_json(params).encode())
-    return {"path": str(path), "fingerprint": fingerprint, **params, "source": str(spec), "tokens": rows.size}
+    return torch.from_numpy(rows.astype(np.int64))
 
 
 def read_token_rows(path: str | Path) -> torch.Tensor:

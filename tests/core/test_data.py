@@ -14,6 +14,7 @@ from datasets import Dataset
 from lrkv_core import data
 from lrkv_core.data import (
     DatasetSpec,
+    calibration_windows,
     eval_windows,
     extract_calibration,
     load_text,
@@ -163,6 +164,7 @@ def test_extract_calibration_is_deterministic_per_seed(tmp_path: Path, tok) -> N
     c = extract_calibration(spec, tok, n_samples=6, seq_len=32, seed=1, out_path=tmp_path / "c.parquet")
     rows_a, rows_b, rows_c = (read_token_rows(r["path"]) for r in (a, b, c))
     assert rows_a.shape == (6, 32) and torch.equal(rows_a, rows_b)
+    assert torch.equal(rows_a, calibration_windows(spec, tok, n_samples=6, seq_len=32, seed=0))  # in memory
     assert a["fingerprint"] == b["fingerprint"] != c["fingerprint"]
     assert not torch.equal(rows_a, rows_c)
     assert {k: a[k] for k in ("n_samples", "seq_len", "seed", "tokens", "source")} == {

@@ -26,7 +26,9 @@ def _brute_force(problem: RankProblem, costs: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize(("caps", "multiple"), [([16, 16, 16, 16], 4), ([24, 20, 24], 8), ([12, 9, 12, 12], 3)])
+@pytest.mark.parametrize(
+    ("caps", "multiple"), [([16, 16, 16, 16], 4), ([24, 20, 24], 8), ([12, 9, 12, 12], 3)]
+)
 def test_minimize_separable_finds_the_brute_force_optimum(seed: int, caps: list[int], multiple: int) -> None:
     """Random non-monotone curves, max ranks off the grid (20 with multiple 8, 9 with 3): DP == enumeration."""
     gen = torch.Generator().manual_seed(seed)
@@ -63,13 +65,23 @@ def test_exact_beats_greedy_where_a_curve_is_flat_before_it_drops() -> None:
 
 def test_exact_solver_spends_the_leftover_of_flat_curves() -> None:
     """Equal costs at every rank: the knapsack alone keeps the least width; the shared rule fills the budget."""
-    spectra = [{"k": [torch.ones(16, dtype=torch.float64)] * 3, "v": [torch.ones(16, dtype=torch.float64)] * 3}]
-    flat = [{"k": [torch.zeros(17, dtype=torch.float64)] * 3, "v": [torch.zeros(17, dtype=torch.float64)] * 3}]
+    spectra = [
+        {"k": [torch.ones(16, dtype=torch.float64)] * 3, "v": [torch.ones(16, dtype=torch.float64)] * 3}
+    ]
+    flat = [
+        {"k": [torch.zeros(17, dtype=torch.float64)] * 3, "v": [torch.zeros(17, dtype=torch.float64)] * 3}
+    ]
     problem = RankProblem(spectra, 16, 0.5, 4, {"kl_curves": flat})
     ranks, total = minimize_separable(problem, problem.values("kl_curves"))
     assert ranks == [4] * 6 and total == 0.0
     plan = allocate_ranks(
-        spectra, ratio=0.5, group_size=1, head_dim=16, rank_multiple=4, allocator="kl", features={"kl_curves": flat}
+        spectra,
+        ratio=0.5,
+        group_size=1,
+        head_dim=16,
+        rank_multiple=4,
+        allocator="kl",
+        features={"kl_curves": flat},
     )
     assert plan.kept == plan.budget_width == 48
 
