@@ -3,8 +3,9 @@
 When an allocator prices every group on its own, ``cost_g(r)`` at each allowed rank r (a truncation error,
 an estimated KL), the best plan minimises ``Σ_g cost_g(r_g)`` subject to ``Σ_g r_g ≤ budget``. One step at a
 time (the greedy rule) is optimal only when every curve is convex on the grid: a curve that is flat for a
-while and then drops is never reached, since its next step looks worthless. Measured on SmolLM2-135M's KL
-curves, the greedy plan at ratio 0.5 has 2.1× the KL of the exact one (docs/allocation.md).
+while and then drops is never reached, since its next step looks worthless. Measured on SmolLM2-135M at
+ratio 0.7, ``kl``'s greedy plan raises held-out perplexity by +22.6 and its exact plan by +0.7
+(docs/allocation.md).
 
 Dynamic programming over the budget solves it exactly: with every allowed rank a multiple of a unit u,
 ``best[i][b]`` = the least cost of groups 0..i using ``b·u`` width, one min-plus step per group and grid
