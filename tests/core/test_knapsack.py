@@ -30,7 +30,7 @@ def _brute_force(problem: RankProblem, costs: list[torch.Tensor]) -> float:
     ("caps", "multiple"), [([16, 16, 16, 16], 4), ([24, 20, 24], 8), ([12, 9, 12, 12], 3)]
 )
 def test_minimize_separable_finds_the_brute_force_optimum(seed: int, caps: list[int], multiple: int) -> None:
-    """Random non-monotone curves, max ranks off the grid (20 with multiple 8, 9 with 3): DP == enumeration."""
+    """Random non-monotone curves, max ranks off the grid (20 with multiple 8, 9 with 3): DP = enumeration."""
     gen = torch.Generator().manual_seed(seed)
     for ratio in (0.4, 0.6, 0.85):
         problem = _problem(caps, multiple, ratio)
@@ -64,7 +64,7 @@ def test_exact_beats_greedy_where_a_curve_is_flat_before_it_drops() -> None:
 
 
 def test_exact_solver_spends_the_leftover_of_flat_curves() -> None:
-    """Equal costs at every rank: the knapsack alone keeps the least width; the shared rule fills the budget."""
+    """Equal costs at every rank: the knapsack keeps the least width; the shared rule fills the budget."""
     spectra = [
         {"k": [torch.ones(16, dtype=torch.float64)] * 3, "v": [torch.ones(16, dtype=torch.float64)] * 3}
     ]
