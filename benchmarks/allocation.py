@@ -35,7 +35,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from lrkv_core import evaluate
-from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
+from lrkv_core.convert import CompressionConfig, collect_statistics, decompose_model, plan_conversion
 from lrkv_core.data import calibration_windows, eval_windows
 from lrkv_core.models import load_model
 from lrkv_core.statistics import STATISTICS
@@ -171,9 +171,9 @@ def main() -> None:
                 ratio=ratio, group_size=args.group_size, rank_multiple=s.rank_multiple, allocator=s.allocator
             )
             factors = None
-            if any(STATISTICS.get(n).uses_factors for n in s.statistics):  # full spectra: any ratio will do
-                plain = CompressionConfig(ratio=ratio, group_size=args.group_size)
-                factors = plan_conversion(model, rows, plain, statistics=given).factors
+            if any(STATISTICS.get(n).uses_factors for n in s.statistics):  # full spectra
+                plain = CompressionConfig(group_size=args.group_size)
+                factors, _ = decompose_model(model, rows, plain, statistics=given)
             for name, options in s.statistics.items():
                 key = f" after gram {gram_rows}" if STATISTICS.get(name).uses_factors else ""
                 if options.get("n_samples", 0) >= len(rows):

@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from lrkv_core import evaluate
 from lrkv_core.adapters import get_adapter
-from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
+from lrkv_core.convert import CompressionConfig, collect_statistics, decompose_model, plan_conversion
 from lrkv_core.data import calibration_windows
 from lrkv_core.models import load_model
 from lrkv_core.statistics import STATISTICS
@@ -73,8 +73,7 @@ def main() -> None:
     started = time.perf_counter()
     wanted = [STATISTICS.create(s) for s in ("gram", "fisher")]
     stats = collect_statistics(model, rows, wanted)
-    plain = CompressionConfig(ratio=0.5, group_size=args.group_size, allocator="uniform")
-    factors = plan_conversion(model, rows, plain, statistics=stats).factors
+    factors, _ = decompose_model(model, rows, CompressionConfig(group_size=args.group_size), statistics=stats)
     stats |= collect_statistics(model, rows, [STATISTICS.create("kl_response")], factors=factors)
     print(f"statistics: {time.perf_counter() - started:.0f} s", flush=True)
     base = log_probs(model, measure)

@@ -11,7 +11,7 @@ Depends on torch / transformers / safetensors / datasets / pyarrow only (never p
 from . import hf_quantizer  # noqa: F401  (registers the "lrkv" quant method with transformers)
 from .allocation import ALLOCATORS
 from .cache import LatentCache, cache_nbytes
-from .convert import CompressionConfig, Conversion, convert, plan_conversion
+from .convert import CompressionConfig, Conversion, convert, decompose_model, plan_conversion
 from .decompositions import DECOMPOSITIONS
 from .format import LrkvFormat
 from .io import load_compressed, save_compressed
@@ -30,6 +30,7 @@ __all__ = [
     "__version__",
     "cache_nbytes",
     "convert",
+    "decompose_model",
     "load_compressed",
     "load_model",
     "plan_conversion",

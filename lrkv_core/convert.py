@@ -202,6 +202,42 @@ class Conversion:
         )
 
 
+def decompose_model(
+    model: nn.Module,
+    calibration: torch.Tensor | None = None,
+    config: CompressionConfig | None = None,
+    *,
+    statistics: Mapping[str, list[LayerValue]] | None = None,
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> tuple[list[LayerFactors], dict[str, list[LayerValue]]]:
+    """Every layer's full-spectrum factors, and the statistics by name: those given plus those the
+    decomposition reads (collected here). The allocator's statistics are not collected: a plan needs them
+    (:func:`plan_conversion`), factors alone do not.
+    """
+    config = (config or CompressionConfig()).for_model(model.config)
+    adapter = get_adapter(model.config)
+    shape = adapter.shape(model.config)
+    given = dict(statistics or {})
+    needs = config.decomposition.needs
+    todo = [s for s in config.needed_statistics() if s.name in needs and s.name not in given]
+    stats = given | collect_statistics(model, calibration, todo, batch_size=batch_size, progress=progress)
+    query = config.decomposition.uses_query(adapter.rope)
+    factors = [
+        decompose_layer(
+            layer,
+            model_layer_weights(model, layer, query=query),
+            {name: values[layer] for name, values in stats.items()},
+            n_kv_heads=shape.Hkv,
+            head_dim=shape.D,
+            group_size=config.group_size,
+            decomposition=config.decomposition,
+        )
+        for layer in range(shape.L)
+    ]
+    return factors, stats
+
+
 def plan_conversion(
     model: nn.Module,
     calibration: torch.Tensor | None = None,
@@ -219,39 +255,19 @@ def plan_conversion(
     statistics : already collected statistics by name (those given are not collected again).
     """
     config = (config or CompressionConfig()).for_model(model.config)
-    adapter = get_adapter(model.config)
-    shape = adapter.shape(model.config)
-    given = dict(statistics or {})
-    todo = [s for s in config.needed_statistics() if s.name not in given]
-    before = [s for s in todo if not s.uses_factors]
-    stats = given | collect_statistics(model, calibration, before, batch_size=batch_size, progress=progress)
-    query = config.decomposition.uses_query(adapter.rope)
-
-    def layer_stats(layer: int) -> dict[str, LayerValue]:
-        return {name: values[layer] for name, values in stats.items()}
-
-    factors = [
-        decompose_layer(
-            layer,
-            model_layer_weights(model, layer, query=query),
-            layer_stats(layer),
-            n_kv_heads=shape.Hkv,
-            head_dim=shape.D,
-            group_size=config.group_size,
-            decomposition=config.decomposition,
-        )
-        for layer in range(shape.L)
+    kw = dict(batch_size=batch_size, progress=progress)
+    factors, stats = decompose_model(model, calibration, config, statistics=statistics, **kw)
+    todo = [s for s in config.needed_statistics() if s.name not in stats]  # the allocator's
+    stats |= collect_statistics(model, calibration, todo, factors=factors, **kw)
+    summaries = [
+        summarize_layer(f, {name: values[f.layer] for name, values in stats.items()}, config.features())
+        for f in factors
     ]
-    after = [s for s in todo if s.uses_factors]  # statistics that read the factors (kl_response)
-    stats |= collect_statistics(
-        model, calibration, after, batch_size=batch_size, progress=progress, factors=factors
-    )
-    summaries = [summarize_layer(f, layer_stats(f.layer), config.features()) for f in factors]
     plan = plan_from_summaries(
         summaries,
         ratio=config.ratio,
         group_size=config.group_size,
-        head_dim=shape.D,
+        head_dim=get_adapter(model.config).shape(model.config).D,
         rank_multiple=config.rank_multiple,
         allocator=config.allocator,
     )

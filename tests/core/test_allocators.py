@@ -18,7 +18,7 @@ from lrkv_core.allocation import (
     relative_errors,
     statistics_for,
 )
-from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.convert import CompressionConfig, decompose_model, plan_conversion
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.statistics import STATISTICS, collect_fisher, collect_gram
 from tests.support.spectra import (
@@ -237,6 +237,23 @@ def test_at_full_rank_no_allocator_reads_features() -> None:
     assert "kl_response" in {s.name for s in CompressionConfig(ratio=0.99).needed_statistics()}
 
 
+def test_factors_alone_collect_only_what_the_decomposition_reads(make_tiny, one_thread) -> None:
+    """decompose_model gives plan_conversion's factors without the allocator's statistics."""
+    model = make_tiny("llama", 2)
+    rows = torch.randint(3, 61, (8, 16), generator=torch.Generator().manual_seed(0))
+    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, allocator="kl")
+    factors, stats = decompose_model(model, rows, config)
+    assert set(stats) == {"gram"}  # no kl_response: it only prices ranks
+    planned = plan_conversion(model, rows, config, statistics=stats)
+    assert "kl_response" in {s.name for s in config.needed_statistics()}  # what the plan collects
+    assert planned.plan.achieved_ratio == 0.5
+    for mine, theirs in zip(factors, planned.factors, strict=True):
+        for kind in "kv":
+            for a, b in zip(mine.groups[kind], theirs.groups[kind], strict=True):
+                assert torch.equal(a.up, b.up) and torch.equal(a.down, b.down)
+    assert decompose_model(model, None, CompressionConfig(decomposition="plain"))[1] == {}  # data-free
+
+
 def _toy_problem(caps: list[int], multiple: int, ratio: float) -> RankProblem:
     spectra = [{"k": [torch.ones(c, dtype=torch.float64) for c in caps], "v": []}]
     return RankProblem(spectra, group_width=max(caps), ratio=ratio, rank_multiple=multiple)
@@ -284,10 +301,8 @@ def test_plans_from_a_tiny_model_are_what_the_cache_holds(make_tiny, one_thread)
         )  # fp32 latents + an int32 position per layer
         with torch.no_grad():
             assert torch.isfinite(comp(windows).logits).all()
-    config = CompressionConfig(
-        ratio=0.5, group_size=1, rank_multiple=1
-    )  # uniform: summaries carry no features
-    summaries = plan_conversion(model, rows, config, statistics=stats).summaries
+    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, allocator="uniform")
+    summaries = plan_conversion(model, rows, config, statistics=stats).summaries  # uniform: no features
     with pytest.raises(ValueError, match="'fisher-greedy' needs the feature"):
         plan_from_summaries(
             summaries, ratio=0.5, group_size=1, head_dim=8, rank_multiple=1, allocator="fisher-greedy"

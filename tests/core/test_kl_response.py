@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from lrkv_core.adapters import get_adapter
-from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.convert import CompressionConfig, decompose_model, plan_conversion
 from lrkv_core.statistics import STATISTICS, KLResponse, collect_kl_response
 
 
 def _factors(model, rows, **config):
-    return plan_conversion(model, rows, CompressionConfig(ratio=0.5, **config)).factors
+    return decompose_model(model, rows, CompressionConfig(**config))[0]
 
 
 def _proj(model, layer: int, kind: str):

@@ -215,12 +215,12 @@ def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakesp
     """The second-order curves from one gradient pass against the KL measured by cutting one group in the
     real model (measured 2026-11-23 with 64 rows: within 10–25 % per point; here 8 rows, 4 label draws).
     Second order holds for small cuts: layer 0's values cut to 16 of 64 (measured KL 0.11) it puts at 0.06."""
-    from lrkv_core.convert import CompressionConfig, plan_conversion
+    from lrkv_core.convert import CompressionConfig, decompose_model
     from lrkv_core.statistics import collect_kl_response
 
     model, rows = shakespeare.model, shakespeare.windows  # 8 × 256 tokens
-    config = CompressionConfig(ratio=0.5, group_size=2, rank_multiple=8)
-    factors = plan_conversion(model, rows, config, statistics={"gram": shakespeare.grams}).factors
+    config = CompressionConfig(group_size=2)
+    factors, _ = decompose_model(model, rows, config, statistics={"gram": shakespeare.grams})
     curves, _ = collect_kl_response(model, rows, factors, batch_size=4, draws=4)
     adapter = get_adapter(model.config)
 
