@@ -17,9 +17,9 @@ from .ops_cli import register_operations
 from .options import (
     csv_list,
     flag_overrides,
-    local_path,
     parse_group_size,
     parse_set,
+    path_option,
     quantized_cache,
     store_root,
 )
@@ -88,10 +88,7 @@ def _configure_prefect(store: str | None, verbose: bool) -> None:
 @app.command()
 def convert(
     recipe: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="YAML recipe (strict: unknown keys fail)", parser=local_path("--recipe"), metavar="FILE"
-        ),
+        Optional[Path], path_option("--recipe", "YAML recipe (strict: unknown keys fail)", "FILE")
     ] = None,
     model: ModelOption = None,
     dataset: DatasetOption = None,
@@ -136,12 +133,7 @@ def convert(
     n_samples: Annotated[Optional[int], typer.Option(help="calibration windows (default 256)")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
     out: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="write the compressed model directory here",
-            parser=local_path("--out", "a local directory"),
-            metavar="DIR",
-        ),
+        Optional[Path], path_option("--out", "write the compressed model directory here", "DIR")
     ] = None,
     store: Annotated[
         Optional[str],
@@ -265,12 +257,7 @@ def _build_builtin(model_ref: str) -> None:
 @app.command()
 def ablate(
     recipe: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="YAML ablation recipe: base (a convert recipe) + grid",
-            parser=local_path("--recipe"),
-            metavar="FILE",
-        ),
+        Optional[Path], path_option("--recipe", "YAML ablation recipe: base (convert recipe) + grid", "FILE")
     ] = None,
     model: ModelOption = None,
     dataset: DatasetOption = None,
@@ -282,12 +269,7 @@ def ablate(
     allocators: Annotated[Optional[str], typer.Option(help=f"comma list of {_choices(ALLOCATORS)}")] = None,
     ratios: Annotated[Optional[str], typer.Option(help="comma list, e.g. 0.7,0.5,0.3")] = None,
     out_dir: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="write ablation.csv/.md/.png here",
-            parser=local_path("--out-dir", "a local directory"),
-            metavar="DIR",
-        ),
+        Optional[Path], path_option("--out-dir", "write ablation.csv/.md/.png here", "DIR")
     ] = None,
     set_: _set_option("base.eval.max_windows=8") = None,
     verbose: VerboseOption = False,
@@ -334,18 +316,14 @@ def eval_cmd(
     decode_windows: int = 16,
     batch_size: int = 8,
     json_out: Annotated[
-        Optional[Path],
-        typer.Option(help="write the result JSON here", parser=local_path("--json-out"), metavar="FILE"),
+        Optional[Path], path_option("--json-out", "write the result JSON here", "FILE")
     ] = None,
     base: Annotated[
         Optional[str], typer.Option(help="the original model: adds KL(base ‖ model) and top-1 agreement")
     ] = None,
     tasks: Annotated[Optional[str], typer.Option(help="lm-eval zero-shot tasks, comma list")] = None,
     tasks_path: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="directory of local lm-eval task YAMLs", parser=local_path("--tasks-path"), metavar="DIR"
-        ),
+        Optional[Path], path_option("--tasks-path", "directory of local lm-eval task YAMLs", "DIR")
     ] = None,
     limit: Annotated[Optional[int], typer.Option(help="documents per zero-shot task")] = None,
     hf_quant_cache: Annotated[

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from .options import local_path
+from .options import path_option
 from .report import console, fail
 
 MlflowUriOption = Annotated[
@@ -37,14 +37,7 @@ def pull(
     ref: Annotated[
         str, typer.Argument(help="registered model: NAME@ALIAS (lrkv-llama@champion) or NAME/VERSION")
     ],
-    out: Annotated[
-        Path,
-        typer.Option(
-            help="write the compressed model directory here",
-            parser=local_path("--out", "a local directory"),
-            metavar="DIR",
-        ),
-    ],
+    out: Annotated[Path, path_option("--out", "write the compressed model directory here", "DIR")],
     mlflow_uri: MlflowUriOption = None,
 ) -> None:
     """Download a registered lrkv model from the MLflow registry; it loads with lrkv_core.load_compressed."""
@@ -63,10 +56,7 @@ def pull(
 
 def deploy(
     recipe: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="YAML recipe the deployments default to", parser=local_path("--recipe"), metavar="FILE"
-        ),
+        Optional[Path], path_option("--recipe", "YAML recipe the deployments default to", "FILE")
     ] = None,
     nightly: Annotated[
         Optional[str], typer.Option(help="comma list of models the nightly deployment converts")

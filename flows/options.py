@@ -30,6 +30,12 @@ def local_path(flag: str, accepts: str = "a local path") -> Callable[[str], Path
     return parse
 
 
+def path_option(flag: str, help: str, metavar: str) -> typer.models.OptionInfo:
+    """A typer option taking a local path (``metavar`` FILE or DIR), refusing what looks like a URI."""
+    accepts = "a local directory" if metavar == "DIR" else "a local path"
+    return typer.Option(help=help, parser=local_path(flag, accepts), metavar=metavar)
+
+
 def store_root(value: str) -> str:
     """A typer ``parser`` for ``--store``: ``s3://bucket/prefix`` as given, else a local directory."""
     return value if is_s3(value) else str(local_path("--store", STORE_FORMS)(value))

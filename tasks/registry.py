@@ -90,10 +90,15 @@ def quality_gate(quality: dict | None, champion: dict | None, max_ppl_rise: floa
 
 
 def _alias_version(mc, name: str, alias: str):
+    return _version_or_none(mc.get_model_version_by_alias, name, alias)
+
+
+def _version_or_none(get, *args):
+    """``get(*args)``, a model version, or None when MLflow says there is no such version or alias."""
     from mlflow.exceptions import MlflowException
 
     try:
-        return mc.get_model_version_by_alias(name, alias)
+        return get(*args)
     except MlflowException as err:
         if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None
@@ -181,20 +186,8 @@ def _remove_incomplete(mc, name: str, sha256: str) -> None:
     for version in stale:
         mc.delete_model_version(name, version)  # deleting a version drops the aliases it held
     for alias, previous in restore.items():
-        if previous is not None and _exists(mc, name, previous):
+        if previous is not None and _version_or_none(mc.get_model_version, name, previous) is not None:
             mc.set_registered_model_alias(name, alias, previous)
-
-
-def _exists(mc, name: str, version: str) -> bool:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mc.get_model_version(name, version)
-        return True
-    except MlflowException as err:
-        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return False
-        raise
 
 
 def _roll_back(mc, name: str, version: str, before: dict) -> None:
