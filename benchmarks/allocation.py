@@ -51,6 +51,7 @@ class Setting:
     statistics: dict[str, dict] = field(default_factory=dict)
     rank_multiple: int = 8
     reference: str | None = None  # "fisher" / "uniform": the row others are compared with
+    refine_steps: int = 0  # Gauss–Newton steps on the measured KL after the allocator (lrkv_core.refine)
 
 
 def settings(table: str, rows: int) -> list[Setting]:
@@ -70,6 +71,7 @@ def settings(table: str, rows: int) -> list[Setting]:
             Setting("eigen", "eigen", rows),
             Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
             Setting("kl", "kl", rows, kl()),
+            Setting("kl + 3 refine steps", "kl", rows, kl(), refine_steps=3),
         ]
     water_fill = {"name": "fisher", "leftover": "water-fill"}
     return [
@@ -129,6 +131,9 @@ def main() -> None:
     p.add_argument("--max-windows", type=int, default=None, help="evaluation windows (default: all)")
     p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
     p.add_argument("--ratios", default="0.7,0.5,0.3")
+    p.add_argument(
+        "--settings", default=None, help="comma-separated labels of the rows to run (default: all)"
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, required=True, help="JSON lines; the markdown table goes beside (.md)")
@@ -163,12 +168,18 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ratio in [float(r) for r in args.ratios.split(",")]:
         for s in settings(args.table, args.rows):
+            if args.settings and s.label not in args.settings.split(","):
+                continue
             gram_rows = s.gram_rows if s.gram_rows and s.gram_rows < len(rows) else None  # None: all
             gram_spec = {"name": "gram"} | ({"n_samples": gram_rows} if gram_rows else {})
             gram, seconds = statistic(gram_spec)
             given = {"gram": gram}
             config = CompressionConfig(
-                ratio=ratio, group_size=args.group_size, rank_multiple=s.rank_multiple, allocator=s.allocator
+                ratio=ratio,
+                group_size=args.group_size,
+                rank_multiple=s.rank_multiple,
+                allocator=s.allocator,
+                refine_steps=s.refine_steps,
             )
             factors = None
             if any(STATISTICS.get(n).uses_factors for n in s.statistics):  # full spectra
@@ -199,6 +210,7 @@ def main() -> None:
                 "plan_and_fuse_s": plan_seconds,
                 "windows": [args.first, len(windows)],
                 "ranks": conversion.plan.ranks,
+                "refine": conversion.plan.details.get("refine"),
             }
             if s.reference:
                 reference[(ratio, s.reference)] = nll

@@ -109,6 +109,12 @@ def convert(
     rank_multiple: Annotated[
         Optional[int], typer.Option(help="round ranks down to a multiple of this")
     ] = None,
+    refine_steps: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Gauss–Newton steps refining the plan on the measured KL (0: the allocator's plan)"
+        ),
+    ] = None,
     bits: Annotated[
         Optional[int],
         typer.Option(
@@ -169,6 +175,7 @@ def convert(
         "compression.decomposition": decomposition,
         "compression.allocator": allocator,
         "compression.rank_multiple": rank_multiple,
+        "compression.refine_steps": refine_steps,
         "compression.cache": quantized_cache(bits, quant_group_size, residual_length),
         "compression.rotation": rotation,
         "calibration.n_samples": n_samples,

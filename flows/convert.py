@@ -132,6 +132,22 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
             model, summaries, comp.ratio, comp.group_size, comp.rank_multiple, comp.allocator.to_dict(), store
         ),
     )
+    if comp.refine_steps and comp.ratio < 1:  # the plan the model is built with: the refined one
+        plan = _record(
+            timings,
+            "refine_plan",
+            stored(t.refine_plan).submit(
+                model,
+                calib,
+                layers,
+                plan,
+                comp.refine_steps,
+                comp.refine_rows,
+                recipe.dtype,
+                cal.batch_size,
+                store,
+            ),
+        )
     built = _record(
         timings,
         "build_model",

@@ -35,6 +35,7 @@ from .cache import CACHE_STORAGES, CacheStorage
 from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
 from .fuse import compress_model
 from .linalg import group_slices
+from .refine import refine_plan
 from .rotation import ROTATIONS
 from .statistics import STATISTICS, LayerValue, Statistic
 
@@ -62,6 +63,8 @@ class CompressionConfig:
     rotation : ``none``, ``hadamard`` or ``auto``: the orthogonal rotation fused into each group's factors
         (:mod:`lrkv_core.rotation`) to spread latents before quantization; ``rotation_seed`` seeds the
         random orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists.
+    refine_steps, refine_rows : Gauss–Newton steps refining the allocator's plan on the measured KL over the
+        first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's plan.
     """
 
     ratio: float = 0.5
@@ -73,8 +76,14 @@ class CompressionConfig:
     cache: CacheStorage | str | Mapping[str, Any] = "dense"
     rotation: str = "none"
     rotation_seed: int = 0
+    refine_steps: int = 0
+    refine_rows: int = 16
 
     def __post_init__(self) -> None:
+        if self.refine_steps < 0 or self.refine_rows < 1:
+            raise ValueError(
+                f"refine steps must be ≥ 0 and refine rows ≥ 1, got {self.refine_steps}, {self.refine_rows}"
+            )
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
         if self.rank_multiple < 1:
@@ -271,6 +280,11 @@ def plan_conversion(
         rank_multiple=config.rank_multiple,
         allocator=config.allocator,
     )
+    if config.refine_steps and config.ratio < 1:
+        if calibration is None:
+            raise ValueError("refine_steps measures the KL on calibration rows: pass calibration rows")
+        rows = calibration[: config.refine_rows]
+        plan = refine_plan(model, factors, plan, rows, steps=config.refine_steps, batch_size=batch_size)
     return Conversion(config, factors, summaries, plan)
 
 

@@ -29,6 +29,7 @@ from .fuse import compress_model
 from .hf_quantized_cache import HfQuantizedCacheSpec
 from .io import model_card, save_compressed
 from .models import load_model, load_tokenizer, read_tensors
+from .refine import refine_plan
 from .statistics import STATISTICS, load_statistic, save_statistic
 
 Progress = Callable[[int, int], None] | None
@@ -140,6 +141,40 @@ def plan_file(
     )
     plan.save(out_path)
     return {"target_ratio": plan.target_ratio, "achieved_ratio": plan.achieved_ratio, "kept": plan.kept}
+
+
+def refine_file(
+    model_dir: str,
+    calib_path: str,
+    factor_paths: list[str],
+    plan_path: str,
+    out_path: str,
+    *,
+    steps: int,
+    rows: int,
+    dtype: str = "float32",
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> dict:
+    """Refine a plan on the measured KL over the first ``rows`` calibration rows (:mod:`lrkv_core.refine`)."""
+    model, _ = load_model(model_dir, dtype=dtype)
+    plan = refine_plan(
+        model,
+        [load_layer_factors(p) for p in factor_paths],
+        RankPlan.load(plan_path),
+        read_token_rows(calib_path)[:rows],
+        steps=steps,
+        batch_size=batch_size,
+        progress=progress,
+    )
+    plan.save(out_path)
+    kept = [s["kl"] for s in plan.details.get("refine", {}).get("steps", []) if s.get("kept", True)]
+    return {
+        "target_ratio": plan.target_ratio,
+        "achieved_ratio": plan.achieved_ratio,
+        "kept": plan.kept,
+        "kl": kept,
+    }
 
 
 def build_file(

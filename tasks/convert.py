@@ -187,10 +187,6 @@ def plan_ranks(
     store: str,
 ) -> ArtifactRef:
     """Allocate ranks for the target ratio; the plan is a JSON artifact plus a heatmap PNG."""
-    from lrkv_core.allocation import RankPlan
-
-    from .plots import plot_rank_heatmap
-
     plan = _stored(
         store,
         "plan",
@@ -207,12 +203,56 @@ def plan_ranks(
         ),
     )
 
+    return _with_heatmap(plan, store)
+
+
+def _with_heatmap(plan: ArtifactRef, store: str) -> ArtifactRef:
+    """The plan's reference with its rank heatmap (a PNG in the store) in its metadata."""
+    from lrkv_core.allocation import RankPlan
+
+    from .plots import plot_rank_heatmap
+
     def draw(out: str) -> dict:
         plot_rank_heatmap(RankPlan.load(_local(plan)), out)
         return {"plan": plan.sha256}
 
     heatmap = _stored(store, "figure", "plans", ".png", draw)
     return plan.model_copy(update={"meta": plan.meta | {"heatmap": heatmap.uri}})
+
+
+@task(name="refine_plan", cache_key_fn=TASK_KEY, **CACHED)
+def refine_plan(
+    model: ArtifactRef,
+    calib: ArtifactRef,
+    layers: list[ArtifactRef],
+    plan: ArtifactRef,
+    steps: int,
+    rows: int,
+    dtype: str,
+    batch_size: int,
+    store: str,
+) -> ArtifactRef:
+    """Refine the allocator's plan on the measured KL over calibration rows (Gauss–Newton steps)."""
+    with step("refine plan") as advance:
+        refined = _stored(
+            store,
+            "plan",
+            "plans",
+            ".json",
+            lambda out: pipeline.refine_file(
+                _local(model),
+                _local(calib),
+                [_local(f) for f in layers],
+                _local(plan),
+                out,
+                steps=steps,
+                rows=rows,
+                dtype=dtype,
+                batch_size=batch_size,
+                progress=advance,
+            ),
+        )
+    return _with_heatmap(refined, store)
 
 
 @task(name="build_model", cache_key_fn=TASK_KEY, **CACHED)

@@ -63,6 +63,13 @@ class PaluRecipe(Strict):
         "latents before quantization): hadamard, or auto (Hadamard where the rank allows, else random)",
     )
     rotation_seed: int = 0
+    refine_steps: int = Field(
+        0,
+        ge=0,
+        description="Gauss–Newton steps refining the allocator's plan on the measured KL to the original "
+        "over calibration rows (each kept only if it lowers that KL); 0 keeps the allocator's plan",
+    )
+    refine_rows: int = Field(16, ge=1, description="calibration rows the refinement measures the KL on")
 
     @model_validator(mode="after")
     def _positive_group(self) -> PaluRecipe:
@@ -82,6 +89,8 @@ class PaluRecipe(Strict):
             cache=self.cache,
             rotation=self.rotation,
             rotation_seed=self.rotation_seed,
+            refine_steps=self.refine_steps,
+            refine_rows=self.refine_rows,
         )
 
 

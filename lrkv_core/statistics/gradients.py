@@ -19,7 +19,8 @@ from torch import nn
 from ..adapters import get_adapter
 
 Visit = Callable[[int, str, torch.Tensor, torch.Tensor], None]  # (layer, "k"|"v", x (B,T,d), g (B,T,out))
-# (rows (B, T), logits (B, T − 1, V) at positions 0..T−2) -> the tokens (B, T − 1) the loss scores there
+# (rows (B, T), logits (B, T − 1, V) at positions 0..T−2) -> what the loss scores there: tokens (B, T − 1),
+# or probabilities (B, T − 1, V) (the cross-entropy against a distribution, e.g. another model's predictions)
 Targets = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -35,8 +36,9 @@ def kv_gradient_passes(
     """Call ``visit(layer, kind, x, g)`` for every k/v projection of every micro-batch of ``rows`` (N, T).
 
     ``targets`` picks what the loss scores: by default the rows' own next tokens (the empirical Fisher);
-    e.g. tokens sampled from the model's own predictions give the true Fisher's gradients. The loss is the
-    mean over the batch's B·(T − 1) scored tokens either way.
+    e.g. tokens sampled from the model's own predictions give the true Fisher's gradients, and the original
+    model's probabilities the gradient of the KL to it. The loss is the mean over the batch's B·(T − 1) scored
+    positions either way.
 
     Returns ``(rows seen, micro-batches)``.
     """
@@ -82,7 +84,8 @@ def kv_gradient_passes(
                 else:
                     logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
                     wanted = targets(batch, logits.detach()).to(device)
-                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted.flatten())
+                    wanted = wanted.flatten(0, 1) if wanted.is_floating_point() else wanted.flatten()
+                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted)
                 grads = torch.autograd.grad(loss, [out for *_, out in seen], allow_unused=True)
                 for (i, kind, x, _), g in zip(seen, grads):
                     if g is not None:

@@ -79,6 +79,15 @@ class KLResponse(Statistic):
         return curves, {"n_rows": n, "labels": self.labels, "draws": self.draws}
 
 
+def latent_products(g: torch.Tensor, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """(B, m) float64 ``c_bj = Σ_t (Bᵀ g_bt)_j (A x_bt)_j``: latent j's share of row b's ``∇ℓ · (W x)``.
+
+    g : (B, T, s·D) the gradient at the group's slice of the projection's output; x : (B, T, d) its input;
+    up, down : the group's factors ``B`` (s·D, m) and ``A`` (m, d), on x's device and dtype.
+    """
+    return ((g @ up) * (x @ down.T)).sum(1).double().cpu()
+
+
 def collect_kl_response(
     model: nn.Module,
     rows: torch.Tensor,
@@ -128,7 +137,7 @@ def collect_kl_response(
         x = x.float()
         w = width[key]
         for j, (up, down) in enumerate(cast[key]):
-            c = ((g[..., j * w : (j + 1) * w] @ up) * (x @ down.T)).sum(1).double().cpu()  # (B, m)
+            c = latent_products(g[..., j * w : (j + 1) * w], x, up, down)  # (B, m)
             tail = c.flip(-1).cumsum(-1).flip(-1)  # Σ_{j≥r} c_j for r = 0..m−1; r = m is 0
             sums[key][j, :-1] += tail.square().sum(0)
 

@@ -121,6 +121,22 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert "collect_statistic[fisher]" not in states and states["plan_ranks"] == "Completed"
     assert measured["plan"].meta["achieved_ratio"] == 0.5
 
+    # refining the plan on the measured KL: a task after the cached plan, and the model is built from it
+    refined = convert_flow(
+        recipe.model_copy(update={"compression": comp.model_copy(update={"refine_steps": 2})})
+    )
+    states = {row["task"]: row["state"] for row in refined["timings"]}
+    assert states["plan_ranks"] == "Cached" and states["refine_plan"] == "Completed"
+    assert states["build_model"] == "Completed"
+    assert refined["plan"].meta["kl"][0] > 0 and refined["plan"].meta["heatmap"]
+    assert refined["plan"].meta["achieved_ratio"] <= 0.5
+    run = MlflowClient(mlflow_server).get_run(refined["mlflow"]["run_id"])
+    assert (
+        run.data.metrics["refine_kl_after"]
+        <= run.data.metrics["refine_kl_before"]
+        == refined["plan"].meta["kl"][0]
+    )
+
 
 def test_convert_flow_on_stories260k_is_exact_at_full_rank(prefect_api, tmp_path):
     model_dir = SHARED / "models" / "stories260k"

@@ -1,0 +1,216 @@
+"""Refine a rank plan on the model's measured KL: Gauss–Newton steps with the other groups already cut.
+
+Every allocator prices each group alone, as if every other group kept its full rank. Once many groups are
+cut (low ratios) they interact: a layer's cut changes the inputs of later layers and how much later errors
+matter. Refinement starts from a plan P (any allocator's) and minimises the measured KL of the model cut to
+P from the original's next-token distribution, ``J(P) = mean_t KL(p_t ‖ q_t)``, on some calibration rows.
+
+One step: with every group cut to P (dense truncated weights ``B_{:r} A_{:r}``, the same outputs as the fused
+latent model), for each group and each rank r near its current r_P, to second order
+
+    J(P with this group at r) − J(P) ≈ ∇J · Δ(r) + ½ Δ(r)ᵀ F Δ(r),   Δ(r) = (W_r − W_{r_P}) x
+
+where ∇J is the gradient of the cross-entropy against the original's probabilities (one backward pass) and F
+the Fisher of the cut model (a second pass, targets sampled from its own predictions, as
+:mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :func:`latent_products`, so two passes
+price every (group, rank). The new plan minimises the summed prices within the budget (the exact knapsack),
+each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower, otherwise the
+radius halves. Cost per step: about two gradient passes and two forward passes over the rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .adapters import get_adapter
+from .allocation import RankPlan
+from .allocation.knapsack import minimize_separable
+from .allocation.problem import KINDS, RankProblem, Ranks
+from .statistics.gradients import kv_gradient_passes
+from .statistics.response import latent_products
+
+if TYPE_CHECKING:
+    from .decompositions import LayerFactors
+
+Key = tuple[int, str]  # (layer, "k"|"v")
+
+
+class PlanWeights:
+    """The model's k/v projection weights: the original's, and those of a plan (truncated factors)."""
+
+    def __init__(self, model: nn.Module, factors: Sequence[LayerFactors]):
+        adapter = get_adapter(model.config)
+        self.factors = {(f.layer, kind): f.groups[kind] for f in factors for kind in KINDS}
+        self.proj = {
+            key: getattr(adapter.attention(model, key[0]), getattr(adapter, f"{key[1]}_name"))
+            for key in self.factors
+        }
+        self.original = {key: p.weight.detach().clone() for key, p in self.proj.items()}
+
+    @torch.no_grad()
+    def cut(self, ranks: Ranks) -> None:
+        """Set every k/v weight to its groups' first r latents, ``B_{:r} A_{:r}`` stacked over groups."""
+        for (layer, kind), groups in self.factors.items():
+            rs = ranks[kind][layer]
+            weight = torch.cat([g.up[:, :r].double() @ g.down[:r].double() for g, r in zip(groups, rs)])
+            p = self.proj[(layer, kind)].weight
+            p.copy_(weight.to(p.device, p.dtype))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for key, p in self.proj.items():
+            p.weight.copy_(self.original[key])
+
+
+@torch.no_grad()
+def _log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
+
+
+def measured_kl(
+    model: nn.Module, weights: PlanWeights, ranks: Ranks, rows: torch.Tensor, batch_size: int
+) -> float:
+    """Mean per-token ``KL(original ‖ cut to ranks)`` over ``rows`` (N, T), nats."""
+    total, n = 0.0, 0
+    device = next(model.parameters()).device
+    for start in range(0, rows.shape[0], batch_size):
+        batch = rows[start : start + batch_size].to(device)
+        weights.restore()
+        p = _log_probs(model, batch)
+        weights.cut(ranks)
+        q = _log_probs(model, batch)
+        total += float((p.exp() * (p - q)).sum(-1).sum())
+        n += p.shape[0] * p.shape[1]
+    return total / n
+
+
+def step_costs(
+    model: nn.Module,
+    weights: PlanWeights,
+    ranks: Ranks,
+    rows: torch.Tensor,
+    *,
+    batch_size: int,
+    generator: torch.Generator,
+) -> dict[Key, torch.Tensor]:
+    """Per (layer, kind): (G, m + 1) float64, the estimated change of J when that group alone goes from its
+    rank in ``ranks`` to each rank r (0 at its own rank), every other group staying cut."""
+    lin = {key: torch.zeros(len(g), g[0].max_rank, dtype=torch.float64) for key, g in weights.factors.items()}
+    quad = {
+        key: torch.zeros(len(g), g[0].max_rank + 1, dtype=torch.float64) for key, g in weights.factors.items()
+    }
+    cast: dict[Key, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def products(key: Key, x: torch.Tensor, g: torch.Tensor):
+        if key not in cast:
+            cast[key] = [
+                (f.up.to(x.device, torch.float32), f.down.to(x.device, torch.float32))
+                for f in weights.factors[key]
+            ]
+        width = cast[key][0][0].shape[0]
+        g = g.float() * x.shape[0]  # ∂(row b's mean loss)
+        for j, (up, down) in enumerate(cast[key]):
+            yield j, latent_products(g[..., j * width : (j + 1) * width], x.float(), up, down)
+
+    def visit_gradient(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
+        for j, c in products((layer, kind), x, g):
+            lin[(layer, kind)][j] += c.sum(0)
+
+    def visit_curvature(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
+        for j, c in products((layer, kind), x, g):
+            prefix = torch.cat([torch.zeros(c.shape[0], 1, dtype=torch.float64), c.cumsum(-1)], dim=-1)
+            r = ranks[kind][layer][j]
+            quad[(layer, kind)][j] += (prefix - prefix[:, r : r + 1]).square().sum(0)
+
+    def sampled(_batch: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float(), dim=-1).flatten(0, 1).cpu()
+        return torch.multinomial(probs, 1, generator=generator).view(logits.shape[:2])
+
+    device = next(model.parameters()).device
+    for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's probabilities
+        batch = rows[start : start + batch_size]
+        weights.restore()
+        p = _log_probs(model, batch.to(device)).exp()
+        weights.cut(ranks)
+        kv_gradient_passes(model, batch, visit_gradient, batch_size=batch_size, targets=lambda _b, _l, p=p: p)
+    n, _ = kv_gradient_passes(model, rows, visit_curvature, batch_size=batch_size, targets=sampled)
+    scale = (rows.shape[1] - 1) / (2 * n)
+    costs = {}
+    for key, groups in weights.factors.items():
+        layer, kind = key
+        prefix = torch.cat(
+            [torch.zeros(len(groups), 1, dtype=torch.float64), (lin[key] / n).cumsum(-1)], dim=-1
+        )
+        at = torch.tensor(ranks[kind][layer])[:, None]
+        costs[key] = prefix - prefix.gather(1, at) + scale * quad[key]
+    return costs
+
+
+def refine_plan(
+    model: nn.Module,
+    factors: Sequence[LayerFactors],
+    plan: RankPlan,
+    rows: torch.Tensor,
+    *,
+    steps: int,
+    radius: int = 4,
+    batch_size: int = 8,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> RankPlan:
+    """The plan after up to ``steps`` accepted-or-rejected Gauss–Newton steps on the measured KL over
+    ``rows`` (N, T) (see the module doc); the model is left as it was. Its details gain ``refine``: the
+    measured KL before and after each step and whether it was kept. Never above the plan's budget, never a
+    higher measured KL on ``rows`` than the plan's."""
+    if steps < 0 or radius < 1:
+        raise ValueError(f"refine needs steps ≥ 0 and radius ≥ 1, got {steps}, {radius}")
+    if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] < 2:
+        raise ValueError(f"refine needs (N, T) calibration rows with T ≥ 2, got {tuple(rows.shape)}")
+    spectra = [f.spectra() for f in factors]
+    problem = RankProblem(spectra, plan.group_width, plan.target_ratio, plan.rank_multiple)
+    ranks = plan.ranks
+    if steps == 0 or all(r == s.max_rank for r, s in zip(_flat(problem, ranks), problem.groups)):
+        return plan
+    weights = PlanWeights(model, factors)
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        kl = measured_kl(model, weights, ranks, rows, batch_size)
+        history = [{"kl": kl}]
+        for step in range(steps):
+            costs = step_costs(model, weights, ranks, rows, batch_size=batch_size, generator=generator)
+            current = _flat(problem, ranks)
+            bounded = []
+            for spec, r in zip(problem.groups, current):
+                cost = costs[(spec.layer, spec.kind)][spec.index].clone()
+                cost[(torch.arange(cost.numel()) - r).abs() > radius * problem.rank_multiple] = math.inf
+                bounded.append(cost)
+            flat, estimate = minimize_separable(problem, bounded)
+            candidate = problem.nest(flat)
+            new_kl = measured_kl(model, weights, candidate, rows, batch_size)
+            kept = new_kl < kl
+            moved = sum(abs(a - b) for a, b in zip(flat, current))
+            history.append(
+                {"kl": new_kl, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
+            )
+            if kept:
+                ranks, kl = candidate, new_kl
+            elif moved == 0 or radius == 1:
+                break
+            else:
+                radius //= 2
+            if progress:
+                progress(step + 1, steps)
+    finally:
+        weights.restore()
+    details = plan.details | {"refine": {"rows": rows.shape[0], "steps": history}}
+    return replace(plan, ranks=ranks, details=details)
+
+
+def _flat(problem: RankProblem, ranks: Ranks) -> list[int]:
+    return [ranks[s.kind][s.layer][s.index] for s in problem.groups]
