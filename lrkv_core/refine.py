@@ -32,7 +32,7 @@ from .adapters import get_adapter
 from .allocation import RankPlan
 from .allocation.knapsack import minimize_separable
 from .allocation.problem import KINDS, RankProblem, Ranks
-from .statistics.gradients import kv_gradient_passes
+from .statistics.gradients import kv_gradient_passes, sampled_targets
 from .statistics.response import latent_products
 
 if TYPE_CHECKING:
@@ -128,10 +128,6 @@ def step_costs(
             r = ranks[kind][layer][j]
             quad[(layer, kind)][j] += (prefix - prefix[:, r : r + 1]).square().sum(0)
 
-    def sampled(_batch: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(logits.float(), dim=-1).flatten(0, 1).cpu()
-        return torch.multinomial(probs, 1, generator=generator).view(logits.shape[:2])
-
     device = next(model.parameters()).device
     for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's probabilities
         batch = rows[start : start + batch_size]
@@ -139,7 +135,9 @@ def step_costs(
         p = _log_probs(model, batch.to(device)).exp()
         weights.cut(ranks)
         kv_gradient_passes(model, batch, visit_gradient, batch_size=batch_size, targets=lambda _b, _l, p=p: p)
-    n, _ = kv_gradient_passes(model, rows, visit_curvature, batch_size=batch_size, targets=sampled)
+    n, _ = kv_gradient_passes(
+        model, rows, visit_curvature, batch_size=batch_size, targets=sampled_targets(generator)
+    )
     scale = (rows.shape[1] - 1) / (2 * n)
     costs = {}
     for key, groups in weights.factors.items():

@@ -24,6 +24,16 @@ Visit = Callable[[int, str, torch.Tensor, torch.Tensor], None]  # (layer, "k"|"v
 Targets = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def sampled_targets(generator: torch.Generator) -> Targets:
+    """Targets drawn from the model's own predictions (the true Fisher's gradients), seeded."""
+
+    def sample(_rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float(), dim=-1).flatten(0, 1).cpu()
+        return torch.multinomial(probs, 1, generator=generator).view(logits.shape[:2])
+
+    return sample
+
+
 def kv_gradient_passes(
     model: nn.Module,
     rows: torch.Tensor,

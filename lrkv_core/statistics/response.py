@@ -26,7 +26,7 @@ from torch import nn
 
 from ..adapters import get_adapter
 from .base import STATISTICS, LayerValue, Progress, Statistic
-from .gradients import kv_gradient_passes
+from .gradients import kv_gradient_passes, sampled_targets
 
 if TYPE_CHECKING:
     from ..decompositions import LayerFactors
@@ -123,10 +123,6 @@ def collect_kl_response(
     cast: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
     gen = torch.Generator().manual_seed(seed)
 
-    def sample(_rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(logits.float(), dim=-1).flatten(0, 1).cpu()
-        return torch.multinomial(probs, 1, generator=gen).view(logits.shape[:2])
-
     def visit(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
         key = (layer, kind)
         if key not in cast:  # the factors once on the projection's device, in float32
@@ -142,7 +138,12 @@ def collect_kl_response(
             sums[key][j, :-1] += tail.square().sum(0)
 
     n, _ = kv_gradient_passes(
-        model, rows, visit, batch_size=batch_size, progress=progress, targets=sample if sampled else None
+        model,
+        rows,
+        visit,
+        batch_size=batch_size,
+        progress=progress,
+        targets=sampled_targets(gen) if sampled else None,
     )
     scale = scored / (2 * n)
     return [{kind: sums[(i, kind)] * scale for kind in KINDS} for i in range(shape.L)], n
