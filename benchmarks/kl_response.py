@@ -120,7 +120,9 @@ def main() -> None:
     plans = []
     for ratio in [float(r) for r in args.ratios.split(",")]:
         for allocator in ALLOCATORS:
-            config = CompressionConfig(ratio=ratio, group_size=args.group_size, allocator=allocator)
+            config = CompressionConfig(  # the allocators' own plans: the estimate is what they minimise
+                ratio=ratio, group_size=args.group_size, allocator=allocator, refine_steps=0
+            )
             planned = plan_conversion(model, rows, config, statistics=stats)
             estimate = sum(
                 float(stats["kl_response"][layer][kind][g, r])

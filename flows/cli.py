@@ -112,7 +112,8 @@ def convert(
     refine_steps: Annotated[
         Optional[int],
         typer.Option(
-            help="Gauss–Newton steps refining the plan on the measured KL (0: the allocator's plan)"
+            help="Gauss–Newton steps refining the plan on the measured KL (0: the allocator's plan; "
+            "default: kl 3, the others 0)"
         ),
     ] = None,
     bits: Annotated[

@@ -64,7 +64,8 @@ class CompressionConfig:
         (:mod:`lrkv_core.rotation`) to spread latents before quantization; ``rotation_seed`` seeds the
         random orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists.
     refine_steps, refine_rows : Gauss–Newton steps refining the allocator's plan on the measured KL over the
-        first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's plan.
+        first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's plan, None
+        (the default) takes the allocator's own default (``kl``: 3, the others: 0).
     """
 
     ratio: float = 0.5
@@ -76,14 +77,10 @@ class CompressionConfig:
     cache: CacheStorage | str | Mapping[str, Any] = "dense"
     rotation: str = "none"
     rotation_seed: int = 0
-    refine_steps: int = 0
+    refine_steps: int | None = None
     refine_rows: int = 16
 
     def __post_init__(self) -> None:
-        if self.refine_steps < 0 or self.refine_rows < 1:
-            raise ValueError(
-                f"refine steps must be ≥ 0 and refine rows ≥ 1, got {self.refine_steps}, {self.refine_rows}"
-            )
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
         if self.rank_multiple < 1:
@@ -94,6 +91,12 @@ class CompressionConfig:
             raise ValueError(f"unknown rotation {self.rotation!r}; choose from {', '.join(ROTATIONS)}")
         object.__setattr__(self, "decomposition", DECOMPOSITIONS.create(self.decomposition))
         object.__setattr__(self, "allocator", ALLOCATORS.create(self.allocator))
+        if self.refine_steps is None:
+            object.__setattr__(self, "refine_steps", self.allocator.refine_steps)
+        if self.refine_steps < 0 or self.refine_rows < 1:
+            raise ValueError(
+                f"refine steps must be ≥ 0 and refine rows ≥ 1, got {self.refine_steps}, {self.refine_rows}"
+            )
         stats = tuple(STATISTICS.create(s) for s in self.statistics)
         if len({s.name for s in stats}) != len(stats):
             raise ValueError("each statistic may be configured once")

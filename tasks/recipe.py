@@ -63,11 +63,12 @@ class PaluRecipe(Strict):
         "latents before quantization): hadamard, or auto (Hadamard where the rank allows, else random)",
     )
     rotation_seed: int = 0
-    refine_steps: int = Field(
-        0,
+    refine_steps: int | None = Field(
+        None,
         ge=0,
         description="Gauss–Newton steps refining the allocator's plan on the measured KL to the original "
-        "over calibration rows (each kept only if it lowers that KL); 0 keeps the allocator's plan",
+        "over calibration rows (each kept only if it lowers that KL); 0: the allocator's plan; null: the "
+        "allocator's default (kl: 3, the others: 0)",
     )
     refine_rows: int = Field(16, ge=1, description="calibration rows the refinement measures the KL on")
 

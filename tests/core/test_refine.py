@@ -55,6 +55,10 @@ def test_refine_inputs_are_checked_and_no_steps_keep_the_plan(make_tiny) -> None
         refine_plan(model, conv.factors, conv.plan, rows[:, :1], steps=1)
     with pytest.raises(ValueError, match="refine steps must be ≥ 0"):
         CompressionConfig(refine_steps=-1)
+    assert CompressionConfig().refine_steps == 3  # kl's default
+    assert CompressionConfig(allocator="uniform").refine_steps == 0  # the others keep their plans
+    assert CompressionConfig(allocator="uniform", refine_steps=2).refine_steps == 2
+    assert CompressionConfig(refine_steps=0).refine_steps == 0
     with pytest.raises(ValueError, match="pass calibration rows"):
         plan_conversion(
             model, None, CompressionConfig(decomposition="plain", allocator="uniform", refine_steps=1)
