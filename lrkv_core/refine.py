@@ -15,7 +15,8 @@ the Fisher of the cut model (a second pass, targets sampled from its own predict
 :mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :func:`latent_products`, so two passes
 price every (group, rank). The new plan minimises the summed prices within the budget (the exact knapsack),
 each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower, otherwise the
-radius halves. Cost per step: about two gradient passes and two forward passes over the rows.
+radius halves. Cost per step: two gradient passes and about four forward passes over the rows. The KL is
+that of the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not see.
 """
 
 from __future__ import annotations
