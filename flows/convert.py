@@ -132,7 +132,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
             model, summaries, comp.ratio, comp.group_size, comp.rank_multiple, comp.allocator.to_dict(), store
         ),
     )
-    if config.refine_steps and comp.ratio < 1:  # the plan the model is built with: the refined one
+    if config.refines:  # the plan the model is built with: the refined one
         plan = _record(
             timings,
             "refine_plan",

@@ -103,6 +103,11 @@ class CompressionConfig:
         object.__setattr__(self, "statistics", stats)
         object.__setattr__(self, "cache", CACHE_STORAGES.create(self.cache))
 
+    @property
+    def refines(self) -> bool:
+        """Whether a conversion refines the allocator's plan: refine steps asked for and something to cut."""
+        return self.refine_steps > 0 and self.ratio < 1
+
     def features(self) -> frozenset[str]:
         """Per-group features the allocator reads besides the spectra: none at ratio 1.0, where every group
         keeps its max rank (:meth:`~lrkv_core.allocation.base.Allocator.run`)."""
@@ -283,7 +288,7 @@ def plan_conversion(
         rank_multiple=config.rank_multiple,
         allocator=config.allocator,
     )
-    if config.refine_steps and config.ratio < 1:
+    if config.refines:
         if calibration is None:
             raise ValueError("refine_steps measures the KL on calibration rows: pass calibration rows")
         rows = calibration[: config.refine_rows]

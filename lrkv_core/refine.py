@@ -53,15 +53,23 @@ class PlanWeights:
             for key in self.factors
         }
         self.original = {key: p.weight.detach().clone() for key, p in self.proj.items()}
+        self._last: tuple[Ranks, dict[Key, torch.Tensor]] | None = None  # the last plan's weights
 
     @torch.no_grad()
     def cut(self, ranks: Ranks) -> None:
         """Set every k/v weight to its groups' first r latents, ``B_{:r} A_{:r}`` stacked over groups."""
-        for (layer, kind), groups in self.factors.items():
-            rs = ranks[kind][layer]
-            weight = torch.cat([g.up[:, :r].double() @ g.down[:r].double() for g, r in zip(groups, rs)])
-            p = self.proj[(layer, kind)].weight
-            p.copy_(weight.to(p.device, p.dtype))
+        if self._last is None or self._last[0] != ranks:  # built once per plan, not once per batch
+            built = {}
+            for (layer, kind), groups in self.factors.items():
+                rs = ranks[kind][layer]
+                weight = torch.cat([g.up[:, :r].double() @ g.down[:r].double() for g, r in zip(groups, rs)])
+                built[(layer, kind)] = weight.to(self.original[(layer, kind)].dtype)
+            self._last = (
+                {kind: [list(layer) for layer in rs] for kind, rs in ranks.items()},
+                built,
+            )  # a copy
+        for key, weight in self._last[1].items():
+            self.proj[key].weight.copy_(weight)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -190,16 +198,18 @@ def refine_plan(
                 cost[(torch.arange(cost.numel()) - r).abs() > radius * problem.rank_multiple] = math.inf
                 bounded.append(cost)
             flat, estimate = minimize_separable(problem, bounded)
+            moved = sum(abs(a - b) for a, b in zip(flat, current))
+            if moved == 0:  # no move is estimated to help: a smaller radius offers none either
+                break
             candidate = problem.nest(flat)
             new_kl = measured_kl(model, weights, candidate, rows, batch_size)
             kept = new_kl < kl
-            moved = sum(abs(a - b) for a, b in zip(flat, current))
             history.append(
                 {"kl": new_kl, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
             )
             if kept:
                 ranks, kl = candidate, new_kl
-            elif moved == 0 or radius == 1:
+            elif radius == 1:
                 break
             else:
                 radius //= 2
