@@ -1,14 +1,14 @@
 """Does the ``kl`` allocator's estimate predict the KL really measured? Single groups, then whole plans.
 
 1. Every group cut alone to ``--rank``: the KL divergence from the original measured by cutting it in the
-   model (a forward hook subtracts the truncated part ``(W − B_r A_r) x`` from the projection's output,
-   which is what the fused model computes) against the second-order estimate ``kl_response`` gives for it;
+   model (its weight set to the truncated ``B_r A_r``, whose outputs are the fused model's:
+   :class:`lrkv_core.refine.PlanWeights`) against the second-order estimate ``kl_response`` gives for it;
    also the Fisher-weighted truncation error ``fisher-greedy`` reads, for comparison. Spearman ρ over groups.
 2. Every allocator's plan at each ratio, fused into a copy of the model: the sum of its groups' estimates
    (what ``kl`` minimises) against the KL measured through the compressed model.
 
 Estimates come from ``--n-samples`` calibration windows; the KL is measured on the first ``--measure-rows``
-of them (nats per token, every position of a window, through the cache), so this checks the approximation
+of them (nats per token; whole plans through the compressed model's cache), so this checks the approximation
 (second order, groups adding up), not how a plan carries over to other text (benchmarks/allocation.py).
 
     W=../shared/data/wikitext-2/valid.txt
@@ -28,28 +28,19 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from lrkv_core import evaluate
-from lrkv_core.adapters import get_adapter
 from lrkv_core.convert import CompressionConfig, collect_statistics, decompose_model, plan_conversion
 from lrkv_core.data import calibration_windows
 from lrkv_core.models import load_model
+from lrkv_core.refine import PlanWeights, measured_kl, single_cut
 from lrkv_core.statistics import STATISTICS
 
 ALLOCATORS = ["uniform", "fisher", "eigen", "fisher-greedy", {"name": "kl", "solver": "greedy"}, "kl"]
-
-
-@torch.no_grad()
-def log_probs(model, rows: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(model(rows, use_cache=False).logits.float(), -1)  # (N, T, V)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (no ties expected among measured floats)."""
     ra, rb = (torch.tensor(x, dtype=torch.float64).argsort().argsort().double() for x in (a, b))
     return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
-
-
-def kl(base: torch.Tensor, other: torch.Tensor) -> float:
-    return float((base.exp() * (base - other)).sum(-1).mean())
 
 
 def main() -> None:
@@ -69,35 +60,24 @@ def main() -> None:
     model, tok = load_model(args.model)
     rows = calibration_windows(args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=0)
     measure = rows[: args.measure_rows]
-    adapter = get_adapter(model.config)
     started = time.perf_counter()
     wanted = [STATISTICS.create(s) for s in ("gram", "fisher")]
     stats = collect_statistics(model, rows, wanted)
     factors, _ = decompose_model(model, rows, CompressionConfig(group_size=args.group_size), statistics=stats)
     stats |= collect_statistics(model, rows, [STATISTICS.create("kl_response")], factors=factors)
     print(f"statistics: {time.perf_counter() - started:.0f} s", flush=True)
-    base = log_probs(model, measure)
 
     groups = []
+    weights = PlanWeights(model, factors)
     for f in factors:
         for kind in "kv":
-            proj = getattr(
-                adapter.attention(model, f.layer), adapter.k_name if kind == "k" else adapter.v_name
-            )
             for g, group in enumerate(f.groups[kind]):
-                r, width = min(args.rank, group.max_rank), group.up.shape[0]
-                tail = (group.up[:, r:].double() @ group.down[r:].double()).float().T  # (d, s·D)
-
-                def hook(_m, inputs, out, tail=tail, g=g, width=width):
-                    out = out.clone()
-                    out[..., g * width : (g + 1) * width] -= inputs[0] @ tail
-                    return out
-
-                handle = proj.register_forward_hook(hook)
+                r = min(args.rank, group.sigma.numel())
                 try:
-                    measured = kl(base, log_probs(model, measure))
+                    ranks = single_cut(factors, f.layer, kind, g, r)
+                    measured = measured_kl(model, weights, ranks, measure, batch_size=8)
                 finally:
-                    handle.remove()
+                    weights.restore()
                 fisher_error = _error_curve(f, stats, kind, g, r)
                 groups.append(
                     {

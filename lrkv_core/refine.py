@@ -77,6 +77,13 @@ class PlanWeights:
             p.weight.copy_(self.original[key])
 
 
+def single_cut(factors: Sequence[LayerFactors], layer: int, kind: str, group: int, rank: int) -> Ranks:
+    """The plan that keeps every group at full rank but one, cut to ``rank``."""
+    ranks = {k: [[g.sigma.numel() for g in f.groups[k]] for f in factors] for k in KINDS}
+    ranks[kind][layer][group] = rank
+    return ranks
+
+
 @torch.no_grad()
 def _log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)

@@ -216,31 +216,22 @@ def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakesp
     real model (measured 2026-11-23 with 64 rows: within 10–25 % per point; here 8 rows, 4 label draws).
     Second order holds for small cuts: layer 0's values cut to 16 of 64 (measured KL 0.11) it puts at 0.06."""
     from lrkv_core.convert import CompressionConfig, decompose_model
+    from lrkv_core.refine import PlanWeights, measured_kl, single_cut
     from lrkv_core.statistics import collect_kl_response
 
     model, rows = shakespeare.model, shakespeare.windows  # 8 × 256 tokens
     config = CompressionConfig(group_size=2)
     factors, _ = decompose_model(model, rows, config, statistics={"gram": shakespeare.grams})
     curves, _ = collect_kl_response(model, rows, factors, batch_size=4, draws=4)
-    adapter = get_adapter(model.config)
-
-    @torch.no_grad()
-    def logp() -> torch.Tensor:
-        return torch.log_softmax(model(rows, use_cache=False).logits[:, :-1].float(), -1)
-
-    base = logp()
+    weights = PlanWeights(model, factors)
     estimated, measured = [], []
-    for layer, kind, r in [(0, "v", 48), (0, "v", 32), (1, "v", 16), (2, "k", 16), (3, "v", 16)]:
-        group = factors[layer].groups[kind][0]
-        tail = (group.up[:, r:].float() @ group.down[r:].float()).T  # (d, s·D): W − B_r A_r, transposed
-        proj = getattr(adapter.attention(model, layer), adapter.k_name if kind == "k" else adapter.v_name)
-        handle = proj.register_forward_hook(lambda _m, args, out, tail=tail: out - args[0] @ tail)
-        try:
-            cut = logp()
-        finally:
-            handle.remove()
-        measured.append(float((base.exp() * (base - cut)).sum(-1).mean()))
-        estimated.append(float(curves[layer][kind][0, r]))
+    try:
+        for layer, kind, r in [(0, "v", 48), (0, "v", 32), (1, "v", 16), (2, "k", 16), (3, "v", 16)]:
+            ranks = single_cut(factors, layer, kind, 0, r)
+            measured.append(measured_kl(model, weights, ranks, rows, batch_size=8))
+            estimated.append(float(curves[layer][kind][0, r]))
+    finally:
+        weights.restore()
     for est, got in zip(estimated, measured):
         assert 0.5 < est / got < 2, (estimated, measured)
     assert 0.8 < sum(estimated) / sum(measured) < 1.25, (estimated, measured)
