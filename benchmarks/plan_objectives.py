@@ -1,0 +1,119 @@
+"""Which objective orders rank plans as held-out perplexity does? Each plan of an allocation run, measured.
+
+For every plan (the ``ranks`` of each row of a ``benchmarks/allocation.py`` JSON-lines file, optionally only
+some ``--ratios``), the model is cut to it (:class:`lrkv_core.refine.PlanWeights`: the fused latent model's
+logits) and measured on calibration rows and on each ``--eval`` split:
+
+- ``kl``: mean per-token KL(original ‖ cut), nats, what ``kl`` and the refinement minimise;
+- ``rise``: prefill perplexity over the original's on the text's own next tokens.
+
+Per ratio it prints Spearman's ρ of each objective against the rise on each split, so one sees whether the
+calibration KL, the calibration perplexity or the KL on held-out text orders plans as held-out perplexity
+does. The statistics are recomputed here only for the decomposition (the Gram, ``--rows`` windows, seed 0,
+whitened), as ``benchmarks/allocation.py`` does.
+
+    S=../shared/data/shakespeare
+    OMP_NUM_THREADS=1 python benchmarks/plan_objectives.py --model ../shared/models/shakespeare-llama \\
+        --calibration "text:$S/train.txt" --plans docs/allocation/shakespeare-allocators.jsonl \\
+        --eval "test=text:$S/valid.txt[:50%]" --eval "dev=text:$S/valid.txt[50%:]" --first 0 --group-size 2 \\
+        --out docs/allocation/shakespeare-objectives.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from lrkv_core.convert import CompressionConfig, decompose_model
+from lrkv_core.data import calibration_windows, eval_windows
+from lrkv_core.models import load_model
+from lrkv_core.refine import PlanWeights, measured_kl
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch_size: int) -> float:
+    """Perplexity of the windows' own next tokens (every position, one pass per batch, no cache)."""
+    nll, n = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start : start + batch_size]
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        nll += float(
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        )
+        n += batch[:, 1:].numel()
+    return float(torch.tensor(nll / n).exp())
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = (torch.tensor(x, dtype=torch.float64).argsort().argsort().double() for x in (a, b))
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--calibration", required=True, help="dataset spec of the calibration windows")
+    p.add_argument("--plans", type=Path, required=True, help="JSON lines of benchmarks/allocation.py")
+    p.add_argument("--eval", action="append", required=True, help="NAME=SPEC of a held-out split (repeat)")
+    p.add_argument("--ratios", default=None, help="comma-separated ratios to keep (default: all)")
+    p.add_argument("--rows", type=int, default=256, help="calibration windows (the Gram's, seed 0)")
+    p.add_argument("--measure-rows", type=int, default=64, help="calibration rows the objectives use")
+    p.add_argument("--first", type=int, default=16, help="windows of each split (issue 8: 16; 0: all)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    hf_logging.set_verbosity_error()
+
+    model, tok = load_model(args.model)
+    rows = calibration_windows(args.calibration, tok, n_samples=args.rows, seq_len=args.seq_len, seed=0)
+    splits = {"calibration": rows[: args.measure_rows]}
+    for item in args.eval:
+        name, _, spec = item.partition("=")
+        if not spec:
+            raise SystemExit(f"--eval takes NAME=SPEC, got {item!r}")
+        windows = eval_windows(spec, tok, seq_len=args.seq_len)
+        splits[name] = windows[: args.first] if args.first else windows
+    ratios = {float(r) for r in args.ratios.split(",")} if args.ratios else None
+    plans = [json.loads(line) for line in args.plans.read_text().splitlines() if line.strip()]
+    plans = [r for r in plans if ratios is None or r["ratio"] in ratios]
+    if not plans:
+        raise SystemExit(f"no plans in {args.plans} at ratios {sorted(ratios or [])}")
+
+    factors, _ = decompose_model(model, rows, CompressionConfig(group_size=args.group_size))
+    weights = PlanWeights(model, factors)
+    base = {name: perplexity(model, w, args.batch_size) for name, w in splits.items()}
+    print("original perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()), flush=True)
+    table = []
+    try:
+        for plan in plans:
+            row = {"setting": plan["setting"], "ratio": plan["ratio"], "ranks": plan["ranks"]}
+            for name, windows in splits.items():
+                row[f"kl_{name}"] = measured_kl(model, weights, plan["ranks"], windows, args.batch_size)
+                weights.cut(plan["ranks"])
+                row[f"rise_{name}"] = perplexity(model, windows, args.batch_size) - base[name]
+            weights.restore()
+            table.append(row)
+            print(f"{row['ratio']} {row['setting']}: " + ", ".join(
+                f"{name} kl {row[f'kl_{name}']:.4f} rise {row[f'rise_{name}']:+.3f}" for name in splits
+            ), flush=True)  # fmt: skip
+    finally:
+        weights.restore()
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in table))
+    for ratio in sorted({r["ratio"] for r in table}, reverse=True):
+        at = [r for r in table if r["ratio"] == ratio]
+        for target in (n for n in splits if n != "calibration"):
+            held_out = [r[f"rise_{target}"] for r in at]
+            print(f"{ratio}: ρ with the {target} rise ({len(at)} plans): " + ", ".join(
+                f"{obj} {spearman([r[obj] for r in at], held_out):+.2f}"
+                for obj in (f"{m}_{n}" for n in splits for m in ("kl", "rise")) if obj != f"rise_{target}"
+            ))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
