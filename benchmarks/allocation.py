@@ -135,13 +135,17 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
     p.add_argument("--ratios", default="0.7,0.5,0.3")
     p.add_argument(
-        "--settings", default=None, help="comma-separated labels of the rows to run (default: all)"
+        "--settings", default=None, help="labels of the rows to run, separated by ; (default: all)"
     )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, required=True, help="JSON lines; the markdown table goes beside (.md)")
     args = p.parse_args()
     hf_logging.set_verbosity_error()
+    labels = [s.label for s in settings(args.table, args.rows)]
+    unknown = [x for x in (args.settings.split(";") if args.settings else []) if x not in labels]
+    if unknown:
+        raise SystemExit(f"unknown --settings {unknown}; the {args.table} table has: {'; '.join(labels)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -171,7 +175,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ratio in [float(r) for r in args.ratios.split(",")]:
         for s in settings(args.table, args.rows):
-            if args.settings and s.label not in args.settings.split(","):
+            if args.settings and s.label not in args.settings.split(";"):
                 continue
             gram_rows = s.gram_rows if s.gram_rows and s.gram_rows < len(rows) else None  # None: all
             gram_spec = {"name": "gram"} | ({"n_samples": gram_rows} if gram_rows else {})
