@@ -52,7 +52,7 @@ class Setting:
     rank_multiple: int = 8
     reference: str | None = None  # "fisher" / "uniform": the row others are compared with
     refine_steps: int = 0  # Gauss–Newton steps on the measured KL after the allocator (lrkv_core.refine)
-    refine_rows: int = 16  # calibration rows the refinement measures the KL on
+    refine_rows: int = 32  # calibration rows the refinement measures the KL on (lrkv's default)
 
 
 def settings(table: str, rows: int) -> list[Setting]:
@@ -72,8 +72,8 @@ def settings(table: str, rows: int) -> list[Setting]:
             Setting("eigen", "eigen", rows),
             Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
             Setting("kl", "kl", rows, kl()),
-            Setting("kl + 3 refine steps", "kl", rows, kl(), refine_steps=3),
-            Setting("kl + 3 refine steps on 32 rows", "kl", rows, kl(), refine_steps=3, refine_rows=32),
+            Setting("kl + 3 refine steps on 16 rows", "kl", rows, kl(), refine_steps=3, refine_rows=16),
+            Setting("kl + 3 refine steps on 32 rows", "kl", rows, kl(), refine_steps=3),  # the default
             Setting("kl + 3 refine steps on 64 rows", "kl", rows, kl(), refine_steps=3, refine_rows=64),
         ]
     water_fill = {"name": "fisher", "leftover": "water-fill"}

@@ -78,7 +78,7 @@ class CompressionConfig:
     rotation: str = "none"
     rotation_seed: int = 0
     refine_steps: int | None = None
-    refine_rows: int = 16
+    refine_rows: int = 32
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:

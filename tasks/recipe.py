@@ -70,7 +70,7 @@ class PaluRecipe(Strict):
         "over calibration rows (each kept only if it lowers that KL); 0: the allocator's plan; null: the "
         "allocator's default (kl: 3, the others: 0)",
     )
-    refine_rows: int = Field(16, ge=1, description="calibration rows the refinement measures the KL on")
+    refine_rows: int = Field(32, ge=1, description="calibration rows the refinement measures the KL on")
 
     @model_validator(mode="after")
     def _positive_group(self) -> PaluRecipe:
