@@ -72,7 +72,7 @@ def main() -> None:
     for f in factors:
         for kind in "kv":
             for g, group in enumerate(f.groups[kind]):
-                r = min(args.rank, group.sigma.numel())
+                r = min(args.rank, group.max_rank)
                 try:
                     ranks = single_cut(factors, f.layer, kind, g, r)
                     measured = measured_kl(model, weights, ranks, measure, batch_size=8)

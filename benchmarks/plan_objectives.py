@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 import torch
+from kl_response import spearman  # benchmarks/, the script's own directory
 from transformers.utils import logging as hf_logging
 
 from lrkv_core.convert import CompressionConfig, decompose_model
@@ -46,11 +47,6 @@ def perplexity(model, windows: torch.Tensor, batch_size: int) -> float:
         )
         n += batch[:, 1:].numel()
     return float(torch.tensor(nll / n).exp())
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    ra, rb = (torch.tensor(x, dtype=torch.float64).argsort().argsort().double() for x in (a, b))
-    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ latent model), for each group and each rank r near its current r_P, to second or
 
 where ∇J is the gradient of the cross-entropy against the original's probabilities (one backward pass) and F
 the Fisher of the cut model (a second pass, targets sampled from its own predictions, as
-:mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :func:`latent_products`, so two passes
+:mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :class:`LatentProducts`, so two passes
 price every (group, rank). The new plan minimises the summed prices within the budget (the exact knapsack),
 each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower, otherwise the
 radius halves. Cost per step: two gradient passes and about four forward passes over the rows. The KL is
@@ -34,7 +34,7 @@ from .allocation import RankPlan
 from .allocation.knapsack import minimize_separable
 from .allocation.problem import KINDS, RankProblem, Ranks
 from .statistics.gradients import kv_gradient_passes, sampled_targets
-from .statistics.response import latent_products
+from .statistics.response import LatentProducts
 
 if TYPE_CHECKING:
     from .decompositions import LayerFactors
@@ -79,7 +79,7 @@ class PlanWeights:
 
 def single_cut(factors: Sequence[LayerFactors], layer: int, kind: str, group: int, rank: int) -> Ranks:
     """The plan that keeps every group at full rank but one, cut to ``rank``."""
-    ranks = {k: [[g.sigma.numel() for g in f.groups[k]] for f in factors] for k in KINDS}
+    ranks = {k: [[g.max_rank for g in f.groups[k]] for f in factors] for k in KINDS}
     ranks[kind][layer][group] = rank
     return ranks
 
@@ -121,25 +121,14 @@ def step_costs(
     quad = {
         key: torch.zeros(len(g), g[0].max_rank + 1, dtype=torch.float64) for key, g in weights.factors.items()
     }
-    cast: dict[Key, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def products(key: Key, x: torch.Tensor, g: torch.Tensor):
-        if key not in cast:
-            cast[key] = [
-                (f.up.to(x.device, torch.float32), f.down.to(x.device, torch.float32))
-                for f in weights.factors[key]
-            ]
-        width = cast[key][0][0].shape[0]
-        g = g.float() * x.shape[0]  # ∂(row b's mean loss)
-        for j, (up, down) in enumerate(cast[key]):
-            yield j, latent_products(g[..., j * width : (j + 1) * width], x.float(), up, down)
+    products = LatentProducts(weights.factors)
 
     def visit_gradient(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
-        for j, c in products((layer, kind), x, g):
+        for j, c in enumerate(products((layer, kind), x, g)):
             lin[(layer, kind)][j] += c.sum(0)
 
     def visit_curvature(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
-        for j, c in products((layer, kind), x, g):
+        for j, c in enumerate(products((layer, kind), x, g)):
             prefix = torch.cat([torch.zeros(c.shape[0], 1, dtype=torch.float64), c.cumsum(-1)], dim=-1)
             r = ranks[kind][layer][j]
             quad[(layer, kind)][j] += (prefix - prefix[:, r : r + 1]).square().sum(0)

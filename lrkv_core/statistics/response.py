@@ -17,7 +17,7 @@ empirical Fisher, as Palu's weight Fisher does).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,6 +30,7 @@ from .gradients import kv_gradient_passes, sampled_targets
 
 if TYPE_CHECKING:
     from ..decompositions import LayerFactors
+    from ..linalg import GroupFactors
 
 KINDS = ("k", "v")
 LABELS = ("sampled", "data")
@@ -79,13 +80,32 @@ class KLResponse(Statistic):
         return curves, {"n_rows": n, "labels": self.labels, "draws": self.draws}
 
 
-def latent_products(g: torch.Tensor, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """(B, m) float64 ``c_bj = Σ_t (Bᵀ g_bt)_j (A x_bt)_j``: latent j's share of row b's ``∇ℓ · (W x)``.
+class LatentProducts:
+    """Each group's latent products from one k/v projection's input and output gradient.
 
-    g : (B, T, s·D) the gradient at the group's slice of the projection's output; x : (B, T, d) its input;
-    up, down : the group's factors ``B`` (s·D, m) and ``A`` (m, d), on x's device and dtype.
+    ``products(key, x, g)`` for ``key`` = (layer, kind), x (B, T, d) the projection's input and g (B, T, out)
+    the gradient of the batch's mean loss at its output: one (B, m) float64 tensor per group of that key,
+    ``c_bj = Σ_t (Bᵀ g_bt)_j (A x_bt)_j``, latent j's share of ``∇ℓ_b · (W x_b)`` for row b's own mean loss.
+    Each group's factors are cast once to the projection's device, in float32.
     """
-    return ((g @ up) * (x @ down.T)).sum(1).double().cpu()
+
+    def __init__(self, groups: Mapping[tuple[int, str], Sequence[GroupFactors]]):
+        self.groups = groups
+        self._cast: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def __call__(self, key: tuple[int, str], x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+        if key not in self._cast:
+            self._cast[key] = [
+                (f.up.to(x.device, torch.float32), f.down.to(x.device, torch.float32))
+                for f in self.groups[key]
+            ]
+        g = g.float() * x.shape[0]  # ∂(row b's mean loss) = B · ∂(batch mean loss)
+        x = x.float()
+        out = []
+        for j, (up, down) in enumerate(self._cast[key]):
+            w = up.shape[0]
+            out.append(((g[..., j * w : (j + 1) * w] @ up) * (x @ down.T)).sum(1).double().cpu())
+        return out
 
 
 def collect_kl_response(
@@ -118,24 +138,14 @@ def collect_kl_response(
     rows = rows.repeat_interleave(draws, dim=0) if sampled else rows
     scored = rows.shape[1] - 1
     groups = {(f.layer, kind): f.groups[kind] for f in factors for kind in KINDS}
-    width = {key: g[0].up.shape[0] for key, g in groups.items()}
     sums = {key: torch.zeros(len(g), g[0].max_rank + 1, dtype=torch.float64) for key, g in groups.items()}
-    cast: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    products = LatentProducts(groups)
     gen = torch.Generator().manual_seed(seed)
 
     def visit(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
-        key = (layer, kind)
-        if key not in cast:  # the factors once on the projection's device, in float32
-            cast[key] = [
-                (f.up.to(x.device, torch.float32), f.down.to(x.device, torch.float32)) for f in groups[key]
-            ]
-        g = g.float() * x.shape[0]  # ∂(row b's mean loss) = B · ∂(batch mean loss)
-        x = x.float()
-        w = width[key]
-        for j, (up, down) in enumerate(cast[key]):
-            c = latent_products(g[..., j * w : (j + 1) * w], x, up, down)  # (B, m)
+        for j, c in enumerate(products((layer, kind), x, g)):  # c: (B, m)
             tail = c.flip(-1).cumsum(-1).flip(-1)  # Σ_{j≥r} c_j for r = 0..m−1; r = m is 0
-            sums[key][j, :-1] += tail.square().sum(0)
+            sums[(layer, kind)][j, :-1] += tail.square().sum(0)
 
     n, _ = kv_gradient_passes(
         model,
