@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from lrkv_kernels.latent_rope import apply_rope, reconstruct_rope_keys
 
 from .adapters import ArchAdapter, AttnShape
-from .cache import LatentCache, LatentView
+from .cache import LatentCache, LatentView, pop_cache
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,13 @@ class LatentAttentionBase(nn.Module):
         h_v: torch.Tensor,
         position_ids: torch.Tensor | None,
         past_key_values: LatentCache | None,
+        cache: LatentCache | None = None,
     ) -> LatentView:
         """Store this step's latents h_k (B, T, R_k), h_v (B, T, R_v) in the cache; the per-group view of
-        every latent attention reads, (B, S, r_g) per group, and positions (B, S)."""
+        every latent attention reads, (B, S, r_g) per group, and positions (B, S). The decoder layer passes
+        the cache as ``past_key_values`` (transformers < 5.24) or as ``cache`` (from 5.24)."""
         layout = self.layout
+        past_key_values = pop_cache({"past_key_values": past_key_values, "cache": cache})
         if past_key_values is None:
             B, T = h_k.shape[:2]
             pos = None if position_ids is None else position_ids.expand(B, T)
@@ -148,6 +151,7 @@ class LatentAttention(LatentAttentionBase):
         attention_mask: torch.Tensor | None = None,
         past_key_values: LatentCache | None = None,
         position_ids: torch.LongTensor | None = None,
+        cache: LatentCache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
@@ -159,7 +163,7 @@ class LatentAttention(LatentAttentionBase):
             raise ValueError("LatentAttention needs position_ids (the decoder layer passes them)")
         h_k = self.k_down(hidden_states)  # (B, T, R_k)
         h_v = self.v_down(hidden_states)  # (B, T, R_v)
-        view = self.cached_latents(h_k, h_v, position_ids, past_key_values)
+        view = self.cached_latents(h_k, h_v, position_ids, past_key_values, cache)
         cos_k, sin_k = self.rotary_emb(view.keys[0], view.positions.long())  # (B, S, D); keys[0]: dtype only
         outs, nq = [], self.q_heads_per_group
         for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):

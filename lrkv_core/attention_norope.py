@@ -37,6 +37,7 @@ class NoRopeLatentAttention(LatentAttentionBase):
         attention_mask: torch.Tensor | None = None,
         past_key_values: LatentCache | None = None,
         position_ids: torch.LongTensor | None = None,  # absolute positions are already in hidden_states
+        cache: LatentCache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
@@ -44,7 +45,7 @@ class NoRopeLatentAttention(LatentAttentionBase):
         q = self.q_proj(hidden_states)  # (B, T, Σ_g s·n_rep·r_g)
         h_k = self.k_down(hidden_states)  # (B, T, R_k)
         h_v = self.v_down(hidden_states)  # (B, T, R_v)
-        view = self.cached_latents(h_k, h_v, None, past_key_values)  # per group (B, S, r_g)
+        view = self.cached_latents(h_k, h_v, None, past_key_values, cache)  # per group (B, S, r_g)
         q_groups = torch.split(q, [nq * r for r in self.layout.ranks_k], dim=-1)  # (B, T, s·n_rep·r_g)
         outs = []
         for q_g, hk_g, hv_g in zip(q_groups, view.keys, view.values, strict=True):

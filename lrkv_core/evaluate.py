@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from lrkv_core.adapters import get_adapter
-from lrkv_core.cache import cache_nbytes
+from lrkv_core.cache import cache_kwargs, cache_nbytes
 
 Progress = Callable[[int, int], None] | None
 CacheFactory = Callable[[], Cache] | None
@@ -42,7 +42,7 @@ CacheFactory = Callable[[], Cache] | None
 
 def _with_cache(cache_factory: CacheFactory) -> dict[str, Any]:
     """Forward kwargs that run through a fresh cache: the model's default one, or ``cache_factory()``."""
-    return {"use_cache": True} | ({} if cache_factory is None else {"past_key_values": cache_factory()})
+    return {"use_cache": True} | ({} if cache_factory is None else cache_kwargs(cache_factory()))
 
 
 @contextmanager
@@ -166,7 +166,7 @@ def decode_perplexity(
             cache_class = type(cache).__name__
             for pos in range(prefix_len, t):  # target position
                 if pos > prefix_len:
-                    out = model(ids[:, pos - 1 : pos], past_key_values=cache, use_cache=True)
+                    out = model(ids[:, pos - 1 : pos], **cache_kwargs(cache), use_cache=True)
                     cache = out.past_key_values
                 total += _token_nll(out.logits[:, -1:], ids[:, pos : pos + 1]).item()  # logits (B, 1, V)
                 done += 1

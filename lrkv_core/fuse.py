@@ -25,7 +25,7 @@ from .adapters import ArchAdapter, AttnShape, get_adapter
 from .allocation import RankPlan
 from .attention import LatentAttention, LatentAttentionBase, LatentLayout
 from .attention_norope import NoRopeLatentAttention
-from .cache import CACHE_STORAGES, LatentCache
+from .cache import CACHE_ARG, CACHE_STORAGES, LatentCache, pop_cache
 from .decompositions import LayerFactors
 from .format import LrkvFormat
 from .linalg import GroupFactors, truncate
@@ -235,21 +235,23 @@ def build_latent_skeleton(model: nn.Module) -> nn.Module:
 
 
 def _latent_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Give the decoder stack a LatentCache whenever it would otherwise make (or got) an empty default one."""
-    past = kwargs.get("past_key_values")
+    """Give the decoder stack a LatentCache whenever it would otherwise make (or got) an empty default one,
+    under the installed transformers' cache keyword (:data:`CACHE_ARG`), whichever name the caller used."""
+    past = pop_cache(kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(module.config, "use_cache", True)
     if past is None:
         if use_cache:
-            kwargs["past_key_values"] = LatentCache.from_config(module.config)
-    elif not isinstance(past, LatentCache):
-        if past.get_seq_length() != 0:
-            raise TypeError(
-                f"an lrkv-compressed model cannot continue from a filled {type(past).__name__}; "
-                "use a LatentCache"
-            )
-        kwargs["past_key_values"] = LatentCache.from_config(module.config)
+            kwargs[CACHE_ARG] = LatentCache.from_config(module.config)
+    elif isinstance(past, LatentCache):
+        kwargs[CACHE_ARG] = past
+    elif past.get_seq_length() != 0:
+        raise TypeError(
+            f"an lrkv-compressed model cannot continue from a filled {type(past).__name__}; use a LatentCache"
+        )
+    else:
+        kwargs[CACHE_ARG] = LatentCache.from_config(module.config)
     return args, kwargs
 
 

@@ -6,7 +6,8 @@
 - :mod:`.dense`, :mod:`.quantized`: the registered storage strategies;
 - :mod:`.layer`: :class:`LatentLayer`, one store × one window behind transformers' cache-layer API;
 - :mod:`.latent_cache`: :class:`LatentCache` (``from_config`` reads ranks and storage from ``config.lrkv``)
-  and :func:`cache_nbytes`.
+  and :func:`cache_nbytes`;
+- :mod:`.argument`: :data:`CACHE_ARG`, the forward keyword of the cache (``past_key_values`` / ``cache``).
 
 A new storage strategy is one module beside :mod:`.dense` (a ``LatentStore`` subclass with ``encode`` and
 ``decode``, and a ``@CACHE_STORAGES.register``-ed ``CacheStorage`` making it) plus its import line below.
@@ -14,6 +15,7 @@ A new storage strategy is one module beside :mod:`.dense` (a ``LatentStore`` sub
 
 # storage strategies: importing a strategy's module registers it
 from . import dense, quantized  # noqa: F401
+from .argument import CACHE_ARG, cache_kwargs, pop_cache
 from .dense import DenseStorage, DenseStore
 from .latent_cache import LatentCache, cache_nbytes
 from .layer import LatentLayer
@@ -22,6 +24,7 @@ from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView, spli
 from .window import FullWindow, SlidingWindow
 
 __all__ = [
+    "CACHE_ARG",
     "CACHE_STORAGES",
     "CacheStorage",
     "DenseStorage",
@@ -34,6 +37,8 @@ __all__ = [
     "QuantizedStorage",
     "QuantizedStore",
     "SlidingWindow",
+    "cache_kwargs",
     "cache_nbytes",
+    "pop_cache",
     "split_groups",
 ]

@@ -14,7 +14,7 @@ import torch
 
 from lrkv_core.adapters import UnsupportedModelError, get_adapter
 from lrkv_core.allocation import allocate_ranks
-from lrkv_core.cache import SlidingWindow
+from lrkv_core.cache import SlidingWindow, cache_kwargs
 from lrkv_core.fuse import compress_model
 from tests.support.inputs import greedy, ids_for, max_diff
 from tests.support.models import SLIDING_WINDOW, tiny_model
@@ -73,8 +73,8 @@ def test_sliding_window_latent_cache_is_capped_and_exact_over_a_long_decode(comp
         out, base = comp(ids[:, :2], use_cache=True), model(ids[:, :2], use_cache=True)
         steps, base_steps = [out.logits], [base.logits]
         for t in range(2, n):
-            out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
-            base = model(ids[:, t : t + 1], past_key_values=base.past_key_values, use_cache=True)
+            out = comp(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
+            base = model(ids[:, t : t + 1], **cache_kwargs(base.past_key_values), use_cache=True)
             steps.append(out.logits)
             base_steps.append(base.logits)
             sizes.append({len(layer.store) for layer in out.past_key_values.layers})

@@ -17,7 +17,16 @@ import torch
 from transformers import DynamicCache
 
 from lrkv_core.adapters import get_adapter
-from lrkv_core.cache import CACHE_STORAGES, CacheStorage, LatentCache, LatentStore, cache_nbytes, split_groups
+from lrkv_core.cache import (
+    CACHE_STORAGES,
+    CacheStorage,
+    LatentCache,
+    LatentStore,
+    cache_kwargs,
+    cache_nbytes,
+    pop_cache,
+    split_groups,
+)
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.fuse import _latent_cache_pre_hook, enable_latent_cache
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff, positions_for
@@ -93,7 +102,7 @@ def test_a_registered_storage_is_chosen_by_the_lrkv_section_and_used_end_to_end(
         out = comp(ids, use_cache=True)
         steps = [comp(ids[:, :5], use_cache=True)]
         for t in range(5, 12):
-            steps.append(comp(ids[:, t : t + 1], past_key_values=steps[-1].past_key_values, use_cache=True))
+            steps.append(comp(ids[:, t : t + 1], **cache_kwargs(steps[-1].past_key_values), use_cache=True))
     cache = out.past_key_values
     assert cache.storage == CastStorage() and all(type(layer.store) is CastStore for layer in cache.layers)
     assert all(t.dtype == torch.float16 for layer in cache.layers for t in layer.store.parts.values())
@@ -133,7 +142,7 @@ def test_a_storage_composes_with_the_sliding_window(compress) -> None:
         out = comp(ids[:, :2], use_cache=True)
         steps = [out.logits]
         for t in range(2, ids.shape[1]):
-            out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = comp(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
             steps.append(out.logits)
             for layer in out.past_key_values.layers:  # window − 1 tokens: float64 latents, int32 positions
                 kept = min(t + 1, SLIDING_WINDOW - 1)
@@ -168,7 +177,7 @@ def _continue(comp, cache, ids, mask, pos, rows: torch.Tensor) -> torch.Tensor:
     """Feed tokens 10..12 of ``rows`` through ``cache`` (holding tokens 0..9 of those rows)."""
     with torch.no_grad():
         return comp(
-            ids[rows, 10:], attention_mask=mask[rows], position_ids=pos[rows, 10:], past_key_values=cache
+            ids[rows, 10:], attention_mask=mask[rows], position_ids=pos[rows, 10:], **cache_kwargs(cache)
         ).logits
 
 
@@ -216,7 +225,7 @@ def test_reset_empties_the_cache_for_a_new_prompt(compress) -> None:
     cache.reset()
     assert cache.get_seq_length() == 0 and cache_nbytes(cache) == 0
     with torch.no_grad():
-        again = comp(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
+        again = comp(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache)).logits
     assert max_diff(again, ref) <= 1e-5 and cache.get_seq_length() == 13
 
 
@@ -230,7 +239,7 @@ def test_filled_dynamic_cache_is_refused(compress) -> None:
         filled = model(ids_for(1, 5), use_cache=True).past_key_values
         assert type(filled) is DynamicCache and filled.get_seq_length() == 5
         with pytest.raises(TypeError, match="LatentCache"):
-            comp(ids_for(1, 1), past_key_values=filled, use_cache=True)
+            comp(ids_for(1, 1), **cache_kwargs(filled), use_cache=True)
 
 
 @pytest.mark.parametrize(
@@ -242,11 +251,35 @@ def test_empty_or_missing_cache_becomes_a_latent_cache(compress, empty) -> None:
     comp, _ = compress(tiny_model("llama", 2), 1)
     ids = ids_for(2, 6)
     with torch.no_grad():
-        out = comp(ids, past_key_values=empty(), use_cache=True)
+        out = comp(ids, **cache_kwargs(empty()), use_cache=True)
         no_cache = comp(ids, use_cache=False)
     assert isinstance(out.past_key_values, LatentCache) and out.past_key_values.get_seq_length() == 6
     assert no_cache.past_key_values is None
     assert torch.equal(out.logits, no_cache.logits)
+
+
+@pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
+def test_the_cache_is_used_under_either_keyword_on_the_installed_transformers(compress, keyword) -> None:
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` (dropping the old name when both
+    are set): a compressed model decodes through the cache it gets under either name, on any release."""
+    comp, _ = compress(tiny_model("llama", 2), 1)
+    ids = ids_for(2, 9)
+    with torch.no_grad():
+        full = comp(ids, use_cache=False).logits
+        cache = comp(ids[:, :6], use_cache=True).past_key_values
+        for t in range(6, 9):
+            step = comp(ids[:, t : t + 1], **{keyword: cache}, use_cache=True)
+            assert step.past_key_values is cache and cache.get_seq_length() == t + 1
+            assert max_diff(step.logits[:, -1], full[:, t]) <= 1e-5
+
+
+def test_pop_cache_takes_either_name_and_refuses_two_caches() -> None:
+    one, other = LatentCache(2), LatentCache(2)
+    for kwargs in ({"cache": one}, {"past_key_values": one}, {"cache": one, "past_key_values": one}):
+        assert pop_cache(kwargs) is one and kwargs == {}
+    assert pop_cache({"use_cache": True}) is None
+    with pytest.raises(TypeError, match="two caches"):
+        pop_cache({"cache": one, "past_key_values": other})
 
 
 def test_unknown_storage_in_the_lrkv_section_is_named(compress) -> None:

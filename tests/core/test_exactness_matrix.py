@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from lrkv_core.adapters import get_adapter
 from lrkv_core.attention import LatentAttention
 from lrkv_core.attention_norope import NoRopeLatentAttention
-from lrkv_core.cache import LatentCache, LatentLayer
+from lrkv_core.cache import LatentCache, LatentLayer, cache_kwargs
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.io import load_compressed, save_compressed
 from tests.support.inputs import decode_left_padded, greedy, ids_for, left_padded, max_diff, positions_for
@@ -138,7 +138,7 @@ def test_decode_through_the_cache_equals_one_full_forward(compress, arch, hkv, g
         out = comp(ids[:, :4], use_cache=True)
         steps = [out.logits]
         for t in range(4, T):
-            out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = comp(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
             steps.append(out.logits)
         ref = model(ids).logits
     decoded = torch.cat(steps, dim=1)

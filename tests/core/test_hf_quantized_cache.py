@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core.cache import cache_nbytes
+from lrkv_core.cache import cache_kwargs, cache_nbytes
 from lrkv_core.evaluate import decode_perplexity, kv_bytes_per_token, prefill_perplexity
 from lrkv_core.hf_quantized_cache import HfQuantizedCacheSpec
 from tests.support.inputs import ids_for
@@ -43,7 +43,7 @@ def test_hqq_anchor_is_evaluated_and_its_bytes_are_its_codes_scales_and_zeros() 
     spec = HfQuantizedCacheSpec("hqq", 2, q_group_size=4)
     ids = ids_for(2, 16)
     with torch.no_grad():
-        cache = model(ids, past_key_values=spec.make(model.config), use_cache=True).past_key_values
+        cache = model(ids, **cache_kwargs(spec.make(model.config)), use_cache=True).past_key_values
     expected = 0
     for layer in cache.layers:
         for codes, meta in (layer._quantized_keys, layer._quantized_values):
@@ -75,7 +75,7 @@ def test_quanto_packed_codes_are_counted_as_packed() -> None:
     with torch.no_grad():
         cache = model(
             ids_for(2, 16),
-            past_key_values=HfQuantizedCacheSpec("quanto", 4).make(model.config),
+            **cache_kwargs(HfQuantizedCacheSpec("quanto", 4).make(model.config)),
             use_cache=True,
         ).past_key_values
     codes = cache.layers[0]._quantized_keys._data  # quanto's PackedTensor: (B·Hkv·T, D) codes, two a byte

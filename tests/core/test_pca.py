@@ -11,7 +11,7 @@ import torch
 
 from lrkv_core import load_compressed, save_compressed
 from lrkv_core.adapters import get_adapter
-from lrkv_core.cache import LatentCache
+from lrkv_core.cache import LatentCache, cache_kwargs
 from lrkv_core.decompositions import LayerWeights, decompose_layer, load_layer_factors, save_layer_factors
 from lrkv_core.linalg import GroupFactors, fit_shared_basis, group_slices, truncate, truncation_error
 
@@ -261,7 +261,7 @@ def test_truncated_model_runs_generates_and_roundtrips(
         out = comp(ids[:, :5], use_cache=True)
         steps = [out.logits]
         for t in range(5, 12):
-            out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = comp(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
             steps.append(out.logits)
         ref = model(ids).logits
     assert isinstance(out.past_key_values, LatentCache)

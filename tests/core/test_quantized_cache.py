@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from lrkv_core import load_compressed, save_compressed
 from lrkv_core.adapters import get_adapter
-from lrkv_core.cache import QuantizedStorage, QuantizedStore, cache_nbytes
+from lrkv_core.cache import QuantizedStorage, QuantizedStore, cache_kwargs, cache_nbytes
 from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.format import LrkvFormat
@@ -81,7 +81,7 @@ def _stepwise(model, ids: torch.Tensor, prefix: int) -> tuple[torch.Tensor, obje
         out = model(ids[:, :prefix], use_cache=True)
         steps = [out.logits]
         for t in range(prefix, ids.shape[1]):
-            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = model(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
             steps.append(out.logits)
     return torch.cat(steps, dim=1), out.past_key_values
 
@@ -139,7 +139,7 @@ def test_the_residual_window_keeps_the_newest_tokens_exact_at_every_step(compres
                 assert torch.equal(torch.cat(got, dim=-1), expected)
             assert store.recent["k"].shape[1] == min(residual, t) and len(store) == t
             if t < 10:
-                out = comp(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+                out = comp(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
     for handle in handles:
         handle.remove()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lrkv_core.cache import cache_kwargs
+
 PAD = 0
 
 
@@ -51,7 +53,7 @@ def decode_left_padded(model, ids: torch.Tensor, mask: torch.Tensor, prefix: int
         steps = [out.logits]
         for t in range(prefix, ids.shape[1]):
             kw = dict(attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], use_cache=True)
-            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, **kw)
+            out = model(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), **kw)
             steps.append(out.logits)
     return full, torch.cat(steps, 1), out.past_key_values
 
