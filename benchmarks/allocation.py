@@ -75,6 +75,7 @@ def settings(table: str, rows: int) -> list[Setting]:
             Setting("kl + 3 refine steps on 16 rows", "kl", rows, kl(), refine_steps=3, refine_rows=16),
             Setting("kl + 3 refine steps on 32 rows", "kl", rows, kl(), refine_steps=3),  # the default
             Setting("kl + 3 refine steps on 64 rows", "kl", rows, kl(), refine_steps=3, refine_rows=64),
+            Setting("kl + 6 refine steps on 32 rows", "kl", rows, kl(), refine_steps=6),
         ]
     water_fill = {"name": "fisher", "leftover": "water-fill"}
     return [
