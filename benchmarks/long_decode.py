@@ -20,7 +20,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lrkv_core.cache import LatentLayer, cache_kwargs, cache_nbytes
+from lrkv_core.cache import LatentLayer, cache_kwargs, cache_nbytes, output_cache
 from lrkv_core.convert import CompressionConfig, convert
 from lrkv_core.evaluate import kv_bytes_per_token
 
@@ -41,11 +41,11 @@ def decode(model, prompt: torch.Tensor, tokens: int, every: int):
     """Greedy decode of ``tokens`` tokens after ``prompt`` (B, P); yields (tokens in cache, cache) every
     ``every`` tokens."""
     out = model(prompt, use_cache=True)
-    cache, length = out.past_key_values, prompt.shape[1]
+    cache, length = output_cache(out), prompt.shape[1]
     for step in range(tokens):
         nxt = out.logits[:, -1:].argmax(-1)  # (B, 1)
         out = model(nxt, **cache_kwargs(cache), use_cache=True)
-        cache, length = out.past_key_values, length + 1
+        cache, length = output_cache(out), length + 1
         if (step + 1) % every == 0:
             yield length, cache
 

@@ -9,7 +9,7 @@ Prefill scores each window in one forward pass through a fresh cache (``use_cach
 model prefills a prompt: an lrkv model's attention then reads every latent back from its cache storage, so
 a quantized latent cache shows its cost here too (Palu's protocol, every token quantized); for the original
 model and a dense latent cache the logits are those of a cache-free pass. Decode prefills a prefix, then
-feeds the remaining tokens one by one through ``past_key_values`` (teacher forcing): lazy or token-adaptive
+feeds the remaining tokens one by one through the returned cache (teacher forcing): lazy or token-adaptive
 caches, and caches that keep a prompt in full precision (transformers' ``QuantizedCache``), only show their
 cost there. ``cache_factory`` (a callable returning an empty ``Cache``) evaluates a model with a cache of
 the caller's choosing, e.g. transformers' ``QuantizedCache`` for the original model
@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from lrkv_core.adapters import get_adapter
-from lrkv_core.cache import cache_kwargs, cache_nbytes
+from lrkv_core.cache import cache_kwargs, cache_nbytes, output_cache
 
 Progress = Callable[[int, int], None] | None
 CacheFactory = Callable[[], Cache] | None
@@ -136,7 +136,7 @@ def decode_perplexity(
     """Next-token NLL of targets ``prefix_len..T-1`` decoded one token at a time through the cache.
 
     The first ``prefix_len`` tokens are prefilled with ``use_cache=True``; its last position predicts
-    target ``prefix_len``. Each later token is then fed alone with the returned ``past_key_values``
+    target ``prefix_len``. Each later token is then fed alone with the returned cache
     (teacher forcing), and its logits predict the next target. Without compression this equals
     ``prefill_perplexity(..., score_from=prefix_len)`` up to float rounding.
 
@@ -162,12 +162,12 @@ def decode_perplexity(
         for start in range(0, n, batch_size):
             ids = windows[start : start + batch_size].to(device)  # (B, T)
             out = model(ids[:, :prefix_len], **_with_cache(cache_factory))
-            cache = out.past_key_values
+            cache = output_cache(out)
             cache_class = type(cache).__name__
             for pos in range(prefix_len, t):  # target position
                 if pos > prefix_len:
                     out = model(ids[:, pos - 1 : pos], **cache_kwargs(cache), use_cache=True)
-                    cache = out.past_key_values
+                    cache = output_cache(out)
                 total += _token_nll(out.logits[:, -1:], ids[:, pos : pos + 1]).item()  # logits (B, 1, V)
                 done += 1
                 if progress is not None:
@@ -200,7 +200,7 @@ def kv_bytes_per_token(
 ) -> dict[str, Any]:
     """KV-cache bytes per token, measured from the tensors the cache holds after a prefill.
 
-    Runs ``model(windows[:n_rows], use_cache=True)`` and sums every tensor of ``out.past_key_values``
+    Runs ``model(windows[:n_rows], use_cache=True)`` and sums every tensor of the returned cache
     (keys, values, latents, positions, packed codes, scales, zero-points, full-precision windows, ...), never
     a formula. Per token means per prefilled token: a sliding-window layer holds at most ``window − 1`` of
     them, so for windowed models the figure falls as ``seq_len`` grows past the window (for the original
@@ -216,7 +216,7 @@ def kv_bytes_per_token(
     rows = windows[:n_rows]
     n, t = _check_windows(rows, min_len=1)
     with _inference(model) as device:
-        cache = model(rows.to(device), **_with_cache(cache_factory)).past_key_values
+        cache = output_cache(model(rows.to(device), **_with_cache(cache_factory)))
     total = cache_nbytes(cache)
     dense = dense_kv_bytes(model.config, n, t, next(model.parameters()).dtype)
     return {

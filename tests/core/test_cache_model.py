@@ -24,6 +24,7 @@ from lrkv_core.cache import (
     LatentStore,
     cache_kwargs,
     cache_nbytes,
+    output_cache,
     pop_cache,
     split_groups,
 )
@@ -269,7 +270,7 @@ def test_the_cache_is_used_under_either_keyword_on_the_installed_transformers(co
         cache = comp(ids[:, :6], use_cache=True).past_key_values
         for t in range(6, 9):
             step = comp(ids[:, t : t + 1], **{keyword: cache}, use_cache=True)
-            assert step.past_key_values is cache and cache.get_seq_length() == t + 1
+            assert output_cache(step) is cache and cache.get_seq_length() == t + 1
             assert max_diff(step.logits[:, -1], full[:, t]) <= 1e-5
 
 
