@@ -144,7 +144,8 @@ def main() -> None:
     args = p.parse_args()
     hf_logging.set_verbosity_error()
     labels = [s.label for s in settings(args.table, args.rows)]
-    unknown = [x for x in (args.settings.split(";") if args.settings else []) if x not in labels]
+    chosen = args.settings.split(";") if args.settings else labels
+    unknown = [x for x in chosen if x not in labels]
     if unknown:
         raise SystemExit(f"unknown --settings {unknown}; the {args.table} table has: {'; '.join(labels)}")
     if args.threads:
@@ -176,7 +177,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ratio in [float(r) for r in args.ratios.split(",")]:
         for s in settings(args.table, args.rows):
-            if args.settings and s.label not in args.settings.split(";"):
+            if s.label not in chosen:
                 continue
             gram_rows = s.gram_rows if s.gram_rows and s.gram_rows < len(rows) else None  # None: all
             gram_spec = {"name": "gram"} | ({"n_samples": gram_rows} if gram_rows else {})

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from lrkv_kernels.latent_rope import apply_rope, reconstruct_rope_keys
 
 from .adapters import ArchAdapter, AttnShape
-from .cache import LatentCache, LatentView, pop_cache
+from .cache import LatentCache, LatentView, either_cache
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class LatentAttentionBase(nn.Module):
         every latent attention reads, (B, S, r_g) per group, and positions (B, S). The decoder layer passes
         the cache as ``past_key_values`` (transformers < 5.24) or as ``cache`` (from 5.24)."""
         layout = self.layout
-        past_key_values = pop_cache({"past_key_values": past_key_values, "cache": cache})
+        past_key_values = either_cache(cache, past_key_values)
         if past_key_values is None:
             B, T = h_k.shape[:2]
             pos = None if position_ids is None else position_ids.expand(B, T)

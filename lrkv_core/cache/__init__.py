@@ -15,7 +15,7 @@ A new storage strategy is one module beside :mod:`.dense` (a ``LatentStore`` sub
 
 # storage strategies: importing a strategy's module registers it
 from . import dense, quantized  # noqa: F401
-from .argument import CACHE_ARG, cache_kwargs, output_cache, pop_cache
+from .argument import CACHE_ARG, cache_kwargs, either_cache, output_cache, pop_cache
 from .dense import DenseStorage, DenseStore
 from .latent_cache import LatentCache, cache_nbytes
 from .layer import LatentLayer
@@ -39,6 +39,7 @@ __all__ = [
     "SlidingWindow",
     "cache_kwargs",
     "cache_nbytes",
+    "either_cache",
     "output_cache",
     "pop_cache",
     "split_groups",

@@ -27,9 +27,13 @@ def output_cache(output: Any) -> Any:
     return getattr(output, CACHE_ARG)
 
 
+def either_cache(cache: Any, past_key_values: Any) -> Any:
+    """The one cache given as ``cache`` or as ``past_key_values`` (None if neither; two different: error)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise TypeError("got two caches, as `cache` and as `past_key_values`: pass one")
+    return cache if cache is not None else past_key_values
+
+
 def pop_cache(kwargs: dict[str, Any]) -> Any:
     """Remove the cache from forward ``kwargs`` under either name and return it (None when absent)."""
-    new, old = kwargs.pop("cache", None), kwargs.pop(LEGACY_CACHE_ARG, None)
-    if new is not None and old is not None and new is not old:
-        raise TypeError("got two caches, as `cache` and as `past_key_values`: pass one")
-    return new if new is not None else old
+    return either_cache(kwargs.pop("cache", None), kwargs.pop(LEGACY_CACHE_ARG, None))
