@@ -143,6 +143,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
                 plan,
                 config.refine_steps,
                 comp.refine_rows,
+                comp.refine_radius,
                 recipe.dtype,
                 cal.batch_size,
                 store,

@@ -35,7 +35,7 @@ from .cache import CACHE_STORAGES, CacheStorage
 from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
 from .fuse import compress_model
 from .linalg import group_slices
-from .refine import refine_plan
+from .refine import REFINE_RADIUS, refine_plan
 from .rotation import ROTATIONS
 from .statistics import STATISTICS, LayerValue, Statistic
 
@@ -65,7 +65,8 @@ class CompressionConfig:
         random orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists.
     refine_steps, refine_rows : Gauss–Newton steps refining the allocator's plan on the measured KL over the
         first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's plan, None
-        (the default) takes the allocator's own default (``kl``: 3, the others: 0).
+        (the default) takes the allocator's own default (``kl``: 3, the others: 0). ``refine_radius``: the
+        rank steps (of ``rank_multiple``) one step may move each group, halved after a rejected step.
     """
 
     ratio: float = 0.5
@@ -79,6 +80,7 @@ class CompressionConfig:
     rotation_seed: int = 0
     refine_steps: int | None = None
     refine_rows: int = 32
+    refine_radius: int = REFINE_RADIUS
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
@@ -93,9 +95,10 @@ class CompressionConfig:
         object.__setattr__(self, "allocator", ALLOCATORS.create(self.allocator))
         if self.refine_steps is None:
             object.__setattr__(self, "refine_steps", self.allocator.refine_steps)
-        if self.refine_steps < 0 or self.refine_rows < 1:
+        if self.refine_steps < 0 or self.refine_rows < 1 or self.refine_radius < 1:
             raise ValueError(
-                f"refine steps must be ≥ 0 and refine rows ≥ 1, got {self.refine_steps}, {self.refine_rows}"
+                "refine steps must be ≥ 0, refine rows and radius ≥ 1, got "
+                f"{self.refine_steps}, {self.refine_rows}, {self.refine_radius}"
             )
         stats = tuple(STATISTICS.create(s) for s in self.statistics)
         if len({s.name for s in stats}) != len(stats):
@@ -292,7 +295,15 @@ def plan_conversion(
         if calibration is None:
             raise ValueError("refine_steps measures the KL on calibration rows: pass calibration rows")
         rows = calibration[: config.refine_rows]
-        plan = refine_plan(model, factors, plan, rows, steps=config.refine_steps, batch_size=batch_size)
+        plan = refine_plan(
+            model,
+            factors,
+            plan,
+            rows,
+            steps=config.refine_steps,
+            radius=config.refine_radius,
+            batch_size=batch_size,
+        )
     return Conversion(config, factors, summaries, plan)
 
 

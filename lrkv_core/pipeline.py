@@ -29,7 +29,7 @@ from .fuse import compress_model
 from .hf_quantized_cache import HfQuantizedCacheSpec
 from .io import model_card, save_compressed
 from .models import load_model, load_tokenizer, read_tensors
-from .refine import refine_plan
+from .refine import REFINE_RADIUS, refine_plan
 from .statistics import STATISTICS, load_statistic, save_statistic
 
 Progress = Callable[[int, int], None] | None
@@ -152,6 +152,7 @@ def refine_file(
     *,
     steps: int,
     rows: int,
+    radius: int = REFINE_RADIUS,
     dtype: str = "float32",
     batch_size: int = 8,
     progress: Progress = None,
@@ -164,6 +165,7 @@ def refine_file(
         RankPlan.load(plan_path),
         read_token_rows(calib_path)[:rows],
         steps=steps,
+        radius=radius,
         batch_size=batch_size,
         progress=progress,
     )

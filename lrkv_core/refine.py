@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .decompositions import LayerFactors
 
 Key = tuple[int, str]  # (layer, "k"|"v")
+REFINE_RADIUS = 8  # rank steps a group may move in one step (docs/allocation.md: radius)
 
 
 class PlanWeights:
@@ -162,7 +163,7 @@ def refine_plan(
     rows: torch.Tensor,
     *,
     steps: int,
-    radius: int = 4,
+    radius: int = REFINE_RADIUS,
     batch_size: int = 8,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,

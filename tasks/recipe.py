@@ -17,6 +17,7 @@ from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
 from lrkv_core.lora import RecoveryConfig
+from lrkv_core.refine import REFINE_RADIUS
 from lrkv_core.statistics import STATISTICS
 
 from .refs import STORE_FORMS, is_s3, local_dir
@@ -71,6 +72,12 @@ class PaluRecipe(Strict):
         "allocator's default (kl: 3, the others: 0)",
     )
     refine_rows: int = Field(32, ge=1, description="calibration rows the refinement measures the KL on")
+    refine_radius: int = Field(
+        REFINE_RADIUS,
+        ge=1,
+        description="rank steps (of rank_multiple) one refinement step may move each group; halved after a "
+        "step that does not lower the KL",
+    )
 
     @model_validator(mode="after")
     def _positive_group(self) -> PaluRecipe:
@@ -92,6 +99,7 @@ class PaluRecipe(Strict):
             rotation_seed=self.rotation_seed,
             refine_steps=self.refine_steps,
             refine_rows=self.refine_rows,
+            refine_radius=self.refine_radius,
         )
 
 

@@ -12,7 +12,7 @@ import torch
 from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.data import calibration_windows
 from lrkv_core.models import load_model
-from lrkv_core.refine import PlanWeights, measured_kl, refine_plan, step_costs
+from lrkv_core.refine import REFINE_RADIUS, PlanWeights, measured_kl, refine_plan, step_costs
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
@@ -53,8 +53,9 @@ def test_refine_inputs_are_checked_and_no_steps_keep_the_plan(make_tiny) -> None
             refine_plan(model, conv.factors, conv.plan, rows, **bad)
     with pytest.raises(ValueError, match="T ≥ 2"):
         refine_plan(model, conv.factors, conv.plan, rows[:, :1], steps=1)
-    with pytest.raises(ValueError, match="refine steps must be ≥ 0"):
-        CompressionConfig(refine_steps=-1)
+    for bad in ({"refine_steps": -1}, {"refine_rows": 0}, {"refine_radius": 0}):
+        with pytest.raises(ValueError, match="refine steps must be ≥ 0, refine rows and radius ≥ 1"):
+            CompressionConfig(**bad)
     assert CompressionConfig().refine_steps == 3  # kl's default
     assert CompressionConfig(allocator="uniform").refine_steps == 0  # the others keep their plans
     assert CompressionConfig(allocator="uniform", refine_steps=2).refine_steps == 2
@@ -127,3 +128,18 @@ def test_refining_uniforms_plan_lowers_the_kl_on_its_rows_and_on_others(shakespe
         )
     finally:
         weights.restore()
+
+
+def test_the_radius_bounds_each_groups_move(shakespeare) -> None:
+    """From uniform's plan (rank 32 of 64 everywhere), one step may move a group by at most ``radius`` rank
+    steps of 8: radius 1 moves groups by one step at most; the default's step moves some farther."""
+    model, rows, conv = shakespeare
+    start = [r for kind in ("k", "v") for layer in conv.plan.ranks[kind] for r in layer]
+    moves = {}
+    for radius in (1, REFINE_RADIUS):
+        refined = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=1, radius=radius)
+        step = refined.details["refine"]["steps"][1]
+        assert step["radius"] == radius and step["kept"]
+        after = [r for kind in ("k", "v") for layer in refined.ranks[kind] for r in layer]
+        moves[radius] = [abs(a - b) for a, b in zip(after, start)]
+    assert max(moves[1]) == 8 and max(moves[REFINE_RADIUS]) > 8, moves
