@@ -53,7 +53,7 @@ class Setting:
     reference: str | None = None  # "fisher" / "uniform": the row others are compared with
     refine_steps: int = 0  # Gauss–Newton steps on the measured KL after the allocator (lrkv_core.refine)
     refine_rows: int = 32  # calibration rows the refinement measures the KL on (lrkv's default)
-    refine_radius: int = 4  # rank steps one refinement step may move a group (lrkv's default: 8)
+    refine_radius: int = 4  # rank steps one refinement step may move a group (lrkv's default)
 
 
 def settings(table: str, rows: int) -> list[Setting]:
@@ -74,10 +74,10 @@ def settings(table: str, rows: int) -> list[Setting]:
             Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
             Setting("kl", "kl", rows, kl()),
             Setting("kl + 3 refine steps on 16 rows", "kl", rows, kl(), refine_steps=3, refine_rows=16),
-            Setting("kl + 3 refine steps on 32 rows", "kl", rows, kl(), refine_steps=3),  # radius 4
+            Setting("kl + 3 refine steps on 32 rows", "kl", rows, kl(), refine_steps=3),  # the default
             Setting("kl + 3 refine steps on 64 rows", "kl", rows, kl(), refine_steps=3, refine_rows=64),
             Setting("kl + 6 refine steps on 32 rows", "kl", rows, kl(), refine_steps=6),
-            Setting(  # lrkv's default
+            Setting(  # a wider radius (docs/allocation.md: radius)
                 "kl + 3 refine steps on 32 rows, radius 8", "kl", rows, kl(), refine_steps=3, refine_radius=8
             ),
         ]

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .decompositions import LayerFactors
 
 Key = tuple[int, str]  # (layer, "k"|"v")
-REFINE_RADIUS = 8  # rank steps a group may move in one step (docs/allocation.md: radius)
+REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md: radius)
 
 
 class PlanWeights:
