@@ -53,7 +53,7 @@ class Setting:
     reference: str | None = None  # "fisher" / "uniform": the row others are compared with
     refine_steps: int = 0  # Gauss–Newton steps on the measured KL after the allocator (lrkv_core.refine)
     refine_rows: int = 32  # calibration rows the refinement measures the KL on (lrkv's default)
-    refine_radius: int = 4  # rank steps one refinement step may move a group (lrkv's default)
+    refine_radius: int = 4  # rank steps a refine step may move a group: the documented rows' (lrkv's default)
 
 
 def settings(table: str, rows: int) -> list[Setting]:
