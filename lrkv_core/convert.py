@@ -66,8 +66,7 @@ class CompressionConfig:
     refine_steps, refine_rows : Gauss–Newton steps refining the allocator's plan on the measured KL over the
         first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's plan, None
         (the default) takes the allocator's own default (``kl``: 3, the others: 0). ``refine_radius``: the
-        rank steps (of ``rank_multiple``) one step may move each group; a rejected candidate is re-solved
-        at half the radius.
+        rank steps (of ``rank_multiple``) one step may move each group, halved after a rejected step.
     """
 
     ratio: float = 0.5

@@ -15,11 +15,10 @@ the Fisher of the cut model (a second pass, targets sampled from its own predict
 :mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :class:`LatentProducts`, so two passes
 price every (group, rank). The new plan minimises the summed prices within the budget (the exact knapsack),
 each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower. Otherwise the
-radius halves (to below the rejected candidate's largest move, which a radius it fits in would give again)
-and the same prices are solved again (a trust region: the second-order prices are only good near P), until
-a candidate is kept or radius 1 fails, which ends the refinement. Cost per step: two gradient passes, and
-two forward passes over the rows per candidate measured. The KL is that of the cut weights: a quantized
-latent cache adds its rounding on top, which the refinement does not see.
+radius halves and the same prices are solved again (a trust region: the second-order prices are only good
+near P), until a candidate is kept or radius 1 fails, which ends the refinement. Cost per step: two
+gradient passes, and two forward passes over the rows per candidate measured. The KL is
+that of the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not see.
 """
 
 from __future__ import annotations
@@ -206,11 +205,9 @@ def refine_plan(
                 if kept:
                     ranks, kl = candidate, new_kl
                     break
-                # a radius the rejected candidate fits in would give it again: go below its largest move
-                reach = -(-max(abs(a - b) for a, b in zip(flat, current)) // problem.rank_multiple)
-                radius = min(radius // 2, reach - 1)
-                if radius < 1:
+                if radius == 1:
                     break
+                radius //= 2
             if progress:
                 progress(step + 1, steps)
             if not kept:  # nothing moved, or even radius 1 was rejected: the prices see nothing better

@@ -75,8 +75,8 @@ class PaluRecipe(Strict):
     refine_radius: int = Field(
         REFINE_RADIUS,
         ge=1,
-        description="rank steps (of rank_multiple) one refinement step may move each group; a candidate that "
-        "does not lower the KL is re-solved at half the radius",
+        description="rank steps (of rank_multiple) one refinement step may move each group; halved after a "
+        "step that does not lower the KL",
     )
 
     @model_validator(mode="after")
