@@ -14,10 +14,8 @@ where ∇J is the gradient of the cross-entropy against the original's probabili
 the Fisher of the cut model (a second pass, targets sampled from its own predictions, as
 :mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :class:`LatentProducts`, so two passes
 price every (group, rank). The new plan minimises the summed prices within the budget (the exact knapsack),
-each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower. Otherwise the
-radius halves and the same prices are solved again (a trust region: the second-order prices are only good
-near P), until a candidate is kept or radius 1 fails, which ends the refinement. Cost per step: two
-gradient passes, and two forward passes over the rows per candidate measured. The KL is
+each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower, otherwise the
+radius halves. Cost per step: two gradient passes and about four forward passes over the rows. The KL is
 that of the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not see.
 """
 
@@ -170,10 +168,10 @@ def refine_plan(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> RankPlan:
-    """The plan after up to ``steps`` Gauss–Newton steps (each pricing the groups once) on the measured KL
-    over ``rows`` (N, T) (see the module doc); the model is left as it was. Its details gain ``refine``: the
-    measured KL of the plan and of every candidate, with its radius and whether it was kept. Never above the
-    plan's budget, never a higher measured KL on ``rows`` than the plan's."""
+    """The plan after up to ``steps`` accepted-or-rejected Gauss–Newton steps on the measured KL over
+    ``rows`` (N, T) (see the module doc); the model is left as it was. Its details gain ``refine``: the
+    measured KL before and after each step and whether it was kept. Never above the plan's budget, never a
+    higher measured KL on ``rows`` than the plan's."""
     if steps < 0 or radius < 1:
         raise ValueError(f"refine needs steps ≥ 0 and radius ≥ 1, got {steps}, {radius}")
     if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] < 2:
@@ -190,44 +188,34 @@ def refine_plan(
         history = [{"kl": kl}]
         for step in range(steps):
             costs = step_costs(model, weights, ranks, rows, batch_size=batch_size, generator=generator)
-            current, kept = _flat(problem, ranks), False
-            while True:  # the same prices, a smaller radius after each rejected candidate
-                flat, estimate = minimize_separable(problem, _within(problem, costs, current, radius))
-                moved = sum(abs(a - b) for a, b in zip(flat, current))
-                if moved == 0:  # no move is estimated to help: a smaller radius offers none either
-                    break
-                candidate = problem.nest(flat)
-                new_kl = measured_kl(model, weights, candidate, rows, batch_size)
-                kept = new_kl < kl
-                history.append(
-                    {"kl": new_kl, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
-                )
-                if kept:
-                    ranks, kl = candidate, new_kl
-                    break
-                if radius == 1:
-                    break
+            current = _flat(problem, ranks)
+            bounded = []
+            for spec, r in zip(problem.groups, current):
+                cost = costs[(spec.layer, spec.kind)][spec.index].clone()
+                cost[(torch.arange(cost.numel()) - r).abs() > radius * problem.rank_multiple] = math.inf
+                bounded.append(cost)
+            flat, estimate = minimize_separable(problem, bounded)
+            moved = sum(abs(a - b) for a, b in zip(flat, current))
+            if moved == 0:  # no move is estimated to help: a smaller radius offers none either
+                break
+            candidate = problem.nest(flat)
+            new_kl = measured_kl(model, weights, candidate, rows, batch_size)
+            kept = new_kl < kl
+            history.append(
+                {"kl": new_kl, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
+            )
+            if kept:
+                ranks, kl = candidate, new_kl
+            elif radius == 1:
+                break
+            else:
                 radius //= 2
             if progress:
                 progress(step + 1, steps)
-            if not kept:  # nothing moved, or even radius 1 was rejected: the prices see nothing better
-                break
     finally:
         weights.restore()
     details = plan.details | {"refine": {"rows": rows.shape[0], "steps": history}}
     return replace(plan, ranks=ranks, details=details)
-
-
-def _within(
-    problem: RankProblem, costs: dict[Key, torch.Tensor], current: list[int], radius: int
-) -> list[torch.Tensor]:
-    """Each group's prices with every rank more than ``radius`` rank steps from its current one ruled out."""
-    bounded = []
-    for spec, r in zip(problem.groups, current):
-        cost = costs[(spec.layer, spec.kind)][spec.index].clone()
-        cost[(torch.arange(cost.numel()) - r).abs() > radius * problem.rank_multiple] = math.inf
-        bounded.append(cost)
-    return bounded
 
 
 def _flat(problem: RankProblem, ranks: Ranks) -> list[int]:

@@ -4,7 +4,6 @@ estimates predict measured moves, and refining a poor plan lowers the KL on its 
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import pytest
@@ -144,38 +143,3 @@ def test_the_radius_bounds_each_groups_move(shakespeare) -> None:
         after = [r for kind in ("k", "v") for layer in refined.ranks[kind] for r in layer]
         moves[radius] = [abs(a - b) for a, b in zip(after, start)]
     assert max(moves[1]) == 8 and max(moves[REFINE_RADIUS]) > 8, moves
-
-
-def test_a_rejected_candidate_is_retried_at_half_the_radius(shakespeare, monkeypatch) -> None:
-    """A candidate whose measured KL is not lower is re-solved at half the radius without pricing again; when
-    even radius 1 is rejected the refinement ends, whatever steps are left."""
-    import lrkv_core.refine as refine
-
-    model, rows, conv = shakespeare
-    real_kl, real_costs = refine.measured_kl, refine.step_costs
-    priced = []
-    monkeypatch.setattr(refine, "step_costs", lambda *a, **k: priced.append(1) or real_costs(*a, **k))
-
-    def rejecting(first_n):  # the first ``first_n`` candidates measure worse than the plan
-        calls = []
-
-        def kl(*args):
-            calls.append(1)
-            return math.inf if 1 < len(calls) <= first_n + 1 else real_kl(*args)
-
-        return kl
-
-    monkeypatch.setattr(refine, "measured_kl", rejecting(1))
-    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=1, radius=4)
-    history = plan.details["refine"]["steps"]
-    assert [(s["radius"], s["kept"]) for s in history[1:]] == [(4, False), (2, True)] and len(priced) == 1
-    start = [r for kind in ("k", "v") for layer in conv.plan.ranks[kind] for r in layer]
-    after = [r for kind in ("k", "v") for layer in plan.ranks[kind] for r in layer]
-    assert plan.ranks != conv.plan.ranks and max(abs(a - b) for a, b in zip(after, start)) <= 2 * 8
-
-    priced.clear()
-    monkeypatch.setattr(refine, "measured_kl", rejecting(10))
-    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=3, radius=4)
-    history = plan.details["refine"]["steps"]
-    assert [(s["radius"], s["kept"]) for s in history[1:]] == [(4, False), (2, False), (1, False)]
-    assert len(priced) == 1 and plan.ranks == conv.plan.ranks
