@@ -54,6 +54,7 @@ class Setting:
     refine_steps: int = 0  # Gauss–Newton steps on the measured KL after the allocator (lrkv_core.refine)
     refine_rows: int = 32  # calibration rows the refinement measures the KL on (lrkv's default)
     refine_radius: int = 4  # rank steps a refine step may move a group: the documented rows' (lrkv's default)
+    refine_objective: str = "kl"  # what the refinement lowers: the documented rows' (lrkv_core.refine)
 
 
 def settings(table: str, rows: int) -> list[Setting]:
@@ -79,6 +80,14 @@ def settings(table: str, rows: int) -> list[Setting]:
             Setting("kl + 6 refine steps on 32 rows", "kl", rows, kl(), refine_steps=6),
             Setting(  # a wider radius (docs/allocation.md: radius)
                 "kl + 3 refine steps on 32 rows, radius 8", "kl", rows, kl(), refine_steps=3, refine_radius=8
+            ),
+            Setting(  # the rows' own next-token loss (docs/allocation.md: objective)
+                "kl + 3 refine steps on 32 rows, nll",
+                "kl",
+                rows,
+                kl(),
+                refine_steps=3,
+                refine_objective="nll",
             ),
         ]
     water_fill = {"name": "fisher", "leftover": "water-fill"}
@@ -195,6 +204,7 @@ def main() -> None:
                 refine_steps=s.refine_steps,
                 refine_rows=s.refine_rows,
                 refine_radius=s.refine_radius,
+                refine_objective=s.refine_objective,
             )
             factors = None
             if any(STATISTICS.get(n).uses_factors for n in s.statistics):  # full spectra

@@ -144,6 +144,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
                 config.refine_steps,
                 comp.refine_rows,
                 comp.refine_radius,
+                comp.refine_objective,
                 recipe.dtype,
                 cal.batch_size,
                 store,

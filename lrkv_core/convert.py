@@ -35,7 +35,7 @@ from .cache import CACHE_STORAGES, CacheStorage
 from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
 from .fuse import compress_model
 from .linalg import group_slices
-from .refine import REFINE_RADIUS, refine_plan
+from .refine import OBJECTIVES, REFINE_OBJECTIVE, REFINE_RADIUS, refine_plan
 from .rotation import ROTATIONS
 from .statistics import STATISTICS, LayerValue, Statistic
 
@@ -67,6 +67,8 @@ class CompressionConfig:
         first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's plan, None
         (the default) takes the allocator's own default (``kl``: 3, the others: 0). ``refine_radius``: the
         rank steps (of ``rank_multiple``) one step may move each group, halved after a rejected step.
+        ``refine_objective``: what the refinement lowers on those rows, ``kl`` (the KL to the original's
+        next-token distribution) or ``nll`` (the loss of the rows' own next tokens).
     """
 
     ratio: float = 0.5
@@ -81,6 +83,7 @@ class CompressionConfig:
     refine_steps: int | None = None
     refine_rows: int = 32
     refine_radius: int = REFINE_RADIUS
+    refine_objective: str = REFINE_OBJECTIVE
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
@@ -99,6 +102,10 @@ class CompressionConfig:
             raise ValueError(
                 "refine steps must be ≥ 0, refine rows and radius ≥ 1, got "
                 f"{self.refine_steps}, {self.refine_rows}, {self.refine_radius}"
+            )
+        if self.refine_objective not in OBJECTIVES:
+            raise ValueError(
+                f"unknown refine objective {self.refine_objective!r}; choose from {', '.join(OBJECTIVES)}"
             )
         stats = tuple(STATISTICS.create(s) for s in self.statistics)
         if len({s.name for s in stats}) != len(stats):
@@ -302,6 +309,7 @@ def plan_conversion(
             rows,
             steps=config.refine_steps,
             radius=config.refine_radius,
+            objective=config.refine_objective,
             batch_size=batch_size,
         )
     return Conversion(config, factors, summaries, plan)

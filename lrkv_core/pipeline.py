@@ -29,7 +29,7 @@ from .fuse import compress_model
 from .hf_quantized_cache import HfQuantizedCacheSpec
 from .io import model_card, save_compressed
 from .models import load_model, load_tokenizer, read_tensors
-from .refine import REFINE_RADIUS, refine_plan
+from .refine import REFINE_OBJECTIVE, REFINE_RADIUS, refine_plan
 from .statistics import STATISTICS, load_statistic, save_statistic
 
 Progress = Callable[[int, int], None] | None
@@ -153,11 +153,13 @@ def refine_file(
     steps: int,
     rows: int,
     radius: int = REFINE_RADIUS,
+    objective: str = REFINE_OBJECTIVE,
     dtype: str = "float32",
     batch_size: int = 8,
     progress: Progress = None,
 ) -> dict:
-    """Refine a plan on the measured KL over the first ``rows`` calibration rows (:mod:`lrkv_core.refine`)."""
+    """Refine a plan on the measured KL (or ``objective``) over the first ``rows`` calibration rows
+    (:mod:`lrkv_core.refine`); the summary lists the objective of each kept plan under its name."""
     model, _ = load_model(model_dir, dtype=dtype)
     plan = refine_plan(
         model,
@@ -166,16 +168,18 @@ def refine_file(
         read_token_rows(calib_path)[:rows],
         steps=steps,
         radius=radius,
+        objective=objective,
         batch_size=batch_size,
         progress=progress,
     )
     plan.save(out_path)
-    kept = [s["kl"] for s in plan.details.get("refine", {}).get("steps", []) if s.get("kept", True)]
+    kept = [s[objective] for s in plan.details.get("refine", {}).get("steps", []) if s.get("kept", True)]
     return {
         "target_ratio": plan.target_ratio,
         "achieved_ratio": plan.achieved_ratio,
         "kept": plan.kept,
-        "kl": kept,
+        "objective": objective,
+        objective: kept,
     }
 
 

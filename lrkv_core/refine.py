@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 Key = tuple[int, str]  # (layer, "k"|"v")
 REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md: radius)
+REFINE_OBJECTIVE = "kl"  # what the refinement lowers on its rows: "kl" or "nll" (docs/allocation.md)
 
 
 class PlanWeights:
@@ -90,6 +91,21 @@ def _log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
 
 
+def measured_nll(
+    model: nn.Module, weights: PlanWeights, ranks: Ranks, rows: torch.Tensor, batch_size: int
+) -> float:
+    """Mean per-token negative log-likelihood of ``rows``' own next tokens, the model cut to ranks, nats."""
+    total, n = 0.0, 0
+    device = next(model.parameters()).device
+    for start in range(0, rows.shape[0], batch_size):
+        batch = rows[start : start + batch_size].to(device)
+        weights.cut(ranks)
+        q = _log_probs(model, batch)
+        total -= float(q.gather(-1, batch[:, 1:, None]).sum())
+        n += q.shape[0] * q.shape[1]
+    return total / n
+
+
 def measured_kl(
     model: nn.Module, weights: PlanWeights, ranks: Ranks, rows: torch.Tensor, batch_size: int
 ) -> float:
@@ -115,9 +131,11 @@ def step_costs(
     *,
     batch_size: int,
     generator: torch.Generator,
+    objective: str = "kl",
 ) -> dict[Key, torch.Tensor]:
     """Per (layer, kind): (G, m + 1) float64, the estimated change of J when that group alone goes from its
-    rank in ``ranks`` to each rank r (0 at its own rank), every other group staying cut."""
+    rank in ``ranks`` to each rank r (0 at its own rank), every other group staying cut. J is the KL to the
+    original (``objective="kl"``) or the rows' own next-token loss (``"nll"``)."""
     lin = {key: torch.zeros(len(g), g[0].max_rank, dtype=torch.float64) for key, g in weights.factors.items()}
     quad = {
         key: torch.zeros(len(g), g[0].max_rank + 1, dtype=torch.float64) for key, g in weights.factors.items()
@@ -135,12 +153,18 @@ def step_costs(
             quad[(layer, kind)][j] += (prefix - prefix[:, r : r + 1]).square().sum(0)
 
     device = next(model.parameters()).device
-    for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's probabilities
-        batch = rows[start : start + batch_size]
-        weights.restore()
-        p = _log_probs(model, batch.to(device)).exp()
+    if objective == "nll":  # the rows' own next tokens
         weights.cut(ranks)
-        kv_gradient_passes(model, batch, visit_gradient, batch_size=batch_size, targets=lambda _b, _l, p=p: p)
+        kv_gradient_passes(model, rows, visit_gradient, batch_size=batch_size)
+    else:
+        for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's probabilities
+            batch = rows[start : start + batch_size]
+            weights.restore()
+            p = _log_probs(model, batch.to(device)).exp()
+            weights.cut(ranks)
+            kv_gradient_passes(
+                model, batch, visit_gradient, batch_size=batch_size, targets=lambda _b, _l, p=p: p
+            )
     n, _ = kv_gradient_passes(
         model, rows, visit_curvature, batch_size=batch_size, targets=sampled_targets(generator)
     )
@@ -164,6 +188,7 @@ def refine_plan(
     *,
     steps: int,
     radius: int = REFINE_RADIUS,
+    objective: str = REFINE_OBJECTIVE,
     batch_size: int = 8,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
@@ -174,6 +199,9 @@ def refine_plan(
     higher measured KL on ``rows`` than the plan's."""
     if steps < 0 or radius < 1:
         raise ValueError(f"refine needs steps ≥ 0 and radius ≥ 1, got {steps}, {radius}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"refine objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    measure = OBJECTIVES[objective]
     if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] < 2:
         raise ValueError(f"refine needs (N, T) calibration rows with T ≥ 2, got {tuple(rows.shape)}")
     spectra = [f.spectra() for f in factors]
@@ -184,10 +212,12 @@ def refine_plan(
     weights = PlanWeights(model, factors)
     generator = torch.Generator().manual_seed(seed)
     try:
-        kl = measured_kl(model, weights, ranks, rows, batch_size)
-        history = [{"kl": kl}]
+        kl = measure(model, weights, ranks, rows, batch_size)
+        history = [{objective: kl}]
         for step in range(steps):
-            costs = step_costs(model, weights, ranks, rows, batch_size=batch_size, generator=generator)
+            costs = step_costs(
+                model, weights, ranks, rows, batch_size=batch_size, generator=generator, objective=objective
+            )
             current = _flat(problem, ranks)
             bounded = []
             for spec, r in zip(problem.groups, current):
@@ -199,10 +229,10 @@ def refine_plan(
             if moved == 0:  # no move is estimated to help: a smaller radius offers none either
                 break
             candidate = problem.nest(flat)
-            new_kl = measured_kl(model, weights, candidate, rows, batch_size)
+            new_kl = measure(model, weights, candidate, rows, batch_size)
             kept = new_kl < kl
             history.append(
-                {"kl": new_kl, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
+                {objective: new_kl, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
             )
             if kept:
                 ranks, kl = candidate, new_kl
@@ -214,8 +244,11 @@ def refine_plan(
                 progress(step + 1, steps)
     finally:
         weights.restore()
-    details = plan.details | {"refine": {"rows": rows.shape[0], "steps": history}}
+    details = plan.details | {"refine": {"rows": rows.shape[0], "objective": objective, "steps": history}}
     return replace(plan, ranks=ranks, details=details)
+
+
+OBJECTIVES = {"kl": measured_kl, "nll": measured_nll}  # what a refinement lowers (module doc)
 
 
 def _flat(problem: RankProblem, ranks: Ranks) -> list[int]:

@@ -229,11 +229,13 @@ def refine_plan(
     steps: int,
     rows: int,
     radius: int,
+    objective: str,
     dtype: str,
     batch_size: int,
     store: str,
 ) -> ArtifactRef:
-    """Refine the allocator's plan on the measured KL over calibration rows (Gauss–Newton steps)."""
+    """Refine the allocator's plan on the measured KL (or ``objective``) over calibration rows
+    (Gauss–Newton steps)."""
     with step("refine plan") as advance:
         refined = _stored(
             store,
@@ -249,6 +251,7 @@ def refine_plan(
                 steps=steps,
                 rows=rows,
                 radius=radius,
+                objective=objective,
                 dtype=dtype,
                 batch_size=batch_size,
                 progress=advance,

@@ -26,8 +26,10 @@ def conversion_metrics(
     """The MLflow metrics of one conversion: ratios, perplexities, bytes, KL, zero-shot scores (with LoRA
     recovery, ``compressed_*`` are the recovered model's and ``before_lora_*`` the model's before it)."""
     metrics = {"target_ratio": plan.meta["target_ratio"], "achieved_ratio": plan.meta["achieved_ratio"]}
-    if "kl" in plan.meta:  # a refined plan: the calibration KL it started from and ended at
-        metrics["refine_kl_before"], metrics["refine_kl_after"] = plan.meta["kl"][0], min(plan.meta["kl"])
+    objective = plan.meta.get("objective")
+    if objective in plan.meta:  # a refined plan: the calibration KL (or NLL) it started from and ended at
+        kept = plan.meta[objective]
+        metrics[f"refine_{objective}_before"], metrics[f"refine_{objective}_after"] = kept[0], min(kept)
     for label, ev in (("base", base_eval), ("compressed", eval_), ("before_lora", before_lora)):
         if ev is None:
             continue

@@ -17,7 +17,7 @@ from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
 from lrkv_core.lora import RecoveryConfig
-from lrkv_core.refine import REFINE_RADIUS
+from lrkv_core.refine import REFINE_OBJECTIVE, REFINE_RADIUS
 from lrkv_core.statistics import STATISTICS
 
 from .refs import STORE_FORMS, is_s3, local_dir
@@ -78,6 +78,11 @@ class PaluRecipe(Strict):
         description="rank steps (of rank_multiple) one refinement step may move each group; halved after a "
         "step that does not lower the KL",
     )
+    refine_objective: Literal["kl", "nll"] = Field(
+        REFINE_OBJECTIVE,
+        description="what the refinement lowers on its rows: kl, the KL to the original's next-token "
+        "distribution; nll, the loss of the rows' own next tokens",
+    )
 
     @model_validator(mode="after")
     def _positive_group(self) -> PaluRecipe:
@@ -100,6 +105,7 @@ class PaluRecipe(Strict):
             refine_steps=self.refine_steps,
             refine_rows=self.refine_rows,
             refine_radius=self.refine_radius,
+            refine_objective=self.refine_objective,
         )
 
 

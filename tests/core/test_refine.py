@@ -12,7 +12,7 @@ import torch
 from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.data import calibration_windows
 from lrkv_core.models import load_model
-from lrkv_core.refine import REFINE_RADIUS, PlanWeights, measured_kl, refine_plan, step_costs
+from lrkv_core.refine import REFINE_RADIUS, PlanWeights, measured_kl, measured_nll, refine_plan, step_costs
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
@@ -56,6 +56,10 @@ def test_refine_inputs_are_checked_and_no_steps_keep_the_plan(make_tiny) -> None
     for bad in ({"refine_steps": -1}, {"refine_rows": 0}, {"refine_radius": 0}):
         with pytest.raises(ValueError, match="refine steps must be ≥ 0, refine rows and radius ≥ 1"):
             CompressionConfig(**bad)
+    with pytest.raises(ValueError, match="refine objective must be one of kl, nll, got 'ppl'"):
+        refine_plan(model, conv.factors, conv.plan, rows, steps=1, objective="ppl")
+    with pytest.raises(ValueError, match="unknown refine objective 'ppl'; choose from kl, nll"):
+        CompressionConfig(refine_objective="ppl")
     assert CompressionConfig().refine_steps == 3  # kl's default
     assert CompressionConfig(allocator="uniform").refine_steps == 0  # the others keep their plans
     assert CompressionConfig(allocator="uniform", refine_steps=2).refine_steps == 2
@@ -83,15 +87,24 @@ def shakespeare(one_thread):
     return model, rows, conv
 
 
-def test_step_estimates_predict_the_measured_kl_of_moving_one_group(shakespeare) -> None:
-    """From uniform's plan, each group one rank step down or up: the estimate vs the KL really measured."""
+@pytest.mark.parametrize("objective", ["kl", "nll"])
+def test_step_estimates_predict_the_measured_objective_of_moving_one_group(shakespeare, objective) -> None:
+    """From uniform's plan, each group one rank step down or up: the estimate vs the change really measured
+    (the KL to the original, or the loss of the rows' own next tokens)."""
     model, rows, conv = shakespeare
     ranks, rows = conv.plan.ranks, rows[:16]
+    measure = {"kl": measured_kl, "nll": measured_nll}[objective]
     weights = PlanWeights(model, conv.factors)
     try:
-        base = measured_kl(model, weights, ranks, rows, 8)
+        base = measure(model, weights, ranks, rows, 8)
         costs = step_costs(
-            model, weights, ranks, rows, batch_size=8, generator=torch.Generator().manual_seed(0)
+            model,
+            weights,
+            ranks,
+            rows,
+            batch_size=8,
+            generator=torch.Generator().manual_seed(0),
+            objective=objective,
         )
         estimated, measured = [], []
         for (layer, kind), cost in costs.items():
@@ -103,12 +116,12 @@ def test_step_estimates_predict_the_measured_kl_of_moving_one_group(shakespeare)
                         other = copy.deepcopy(ranks)
                         other[kind][layer][g] = moved
                         estimated.append(float(row[moved]))
-                        measured.append(measured_kl(model, weights, other, rows, 8) - base)
+                        measured.append(measure(model, weights, other, rows, 8) - base)
     finally:
         weights.restore()
     assert len(measured) == 16
     corr = torch.corrcoef(torch.tensor([estimated, measured]))[0, 1]
-    assert corr > 0.95, (estimated, measured)
+    assert corr > {"kl": 0.95, "nll": 0.9}[objective], (estimated, measured)  # measured: 0.99, 0.94
 
 
 def test_refining_uniforms_plan_lowers_the_kl_on_its_rows_and_on_others(shakespeare) -> None:
@@ -143,3 +156,23 @@ def test_the_radius_bounds_each_groups_move(shakespeare) -> None:
         after = [r for kind in ("k", "v") for layer in refined.ranks[kind] for r in layer]
         moves[radius] = [abs(a - b) for a, b in zip(after, start)]
     assert max(moves[1]) == 8 and max(moves[REFINE_RADIUS]) > 8, moves
+
+
+def test_refining_on_the_rows_own_tokens_lowers_their_loss(shakespeare) -> None:
+    """``objective="nll"``: the kept plans' measured loss of the rows' own next tokens falls step by step,
+    and the refined plan has the lower loss on rows it never saw too."""
+    model, rows, conv = shakespeare
+    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=2, objective="nll")
+    refine = plan.details["refine"]
+    kept = [refine["steps"][0]["nll"]] + [s["nll"] for s in refine["steps"][1:] if s["kept"]]
+    assert refine["objective"] == "nll" and len(kept) > 1 and kept == sorted(kept, reverse=True)
+    assert plan.kept <= plan.budget_width
+    weights = PlanWeights(model, conv.factors)
+    try:
+        assert measured_nll(model, weights, conv.plan.ranks, rows[:16], 8) == pytest.approx(kept[0], rel=1e-6)
+        other = rows[16:48]
+        assert measured_nll(model, weights, plan.ranks, other, 8) < measured_nll(
+            model, weights, conv.plan.ranks, other, 8
+        )
+    finally:
+        weights.restore()

@@ -20,6 +20,7 @@ def test_defaults_are_the_embedded_quickstart():
     assert r.compression.allocator.solver == "exact" and r.calibration.n_samples == 256
     config = r.compression.to_config()
     assert (config.refine_steps, config.refine_rows, config.refine_radius) == (3, 32, 4)
+    assert config.refine_objective == CompressionConfig().refine_objective == "kl"
 
 
 def test_methods_come_from_the_registries_with_strict_options():
@@ -62,8 +63,9 @@ def test_the_quantized_cache_and_the_rotation_are_recipe_fields():
 def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("model: some/model\ncompression:\n  ratio: 0.7\n  group_size: 2\n")
-    r = load_recipe(p, {"compression.ratio": 0.3, "eval.max_windows": 4, "compression.refine_radius": 2})
-    assert r.compression.to_config().refine_radius == 2
+    over = {"compression.ratio": 0.3, "eval.max_windows": 4, "compression.refine_radius": 2}
+    r = load_recipe(p, over | {"compression.refine_objective": "nll"})
+    assert (r.compression.to_config().refine_radius, r.compression.to_config().refine_objective) == (2, "nll")
     assert (r.model, r.compression.ratio, r.compression.group_size, r.eval.max_windows) == (
         "some/model",
         0.3,
@@ -82,6 +84,7 @@ def test_yaml_and_overrides(tmp_path):
         "compression:\n  decomposition: {name: plain, rank: 3}\n",  # an option plain does not take
         "compression:\n  ratio: 1.5\n",  # out of range
         "compression:\n  refine_radius: 0\n",  # a refinement step that may move nothing
+        "compression:\n  refine_objective: ppl\n",  # not an objective the refinement has
         "eval:\n  seq_len: 64\n  decode_prefix: 64\n",  # prefix outside the window
     ],
 )
