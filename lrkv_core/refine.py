@@ -1,22 +1,29 @@
-"""Refine a rank plan on the model's measured KL: Gauss–Newton steps with the other groups already cut.
+"""Refine a rank plan on the model's measured loss: Gauss–Newton steps with the other groups already cut.
 
 Every allocator prices each group alone, as if every other group kept its full rank. Once many groups are
 cut (low ratios) they interact: a layer's cut changes the inputs of later layers and how much later errors
-matter. Refinement starts from a plan P (any allocator's) and minimises the measured KL of the model cut to
-P from the original's next-token distribution, ``J(P) = mean_t KL(p_t ‖ q_t)``, on some calibration rows.
+matter. Refinement starts from a plan P (any allocator's) and minimises J(P), measured with the model cut to
+P on some calibration rows. Two objectives:
+
+- ``nll``: the loss of the rows' own next tokens, ``J(P) = −mean_t log q_t(x_{t+1})``, what perplexity
+  measures. On SmolLM2 it tracks the held-out rise of close plans better than the KL (docs/allocation.md:
+  objective); it fits the plan to the calibration text's domain.
+- ``kl``: the KL from the original's next-token distribution, ``J(P) = mean_t KL(p_t ‖ q_t)``, the
+  allocator ``kl``'s own objective: it keeps the model close to the original on any text.
 
 One step: with every group cut to P (dense truncated weights ``B_{:r} A_{:r}``, the same outputs as the fused
 latent model), for each group and each rank r near its current r_P, to second order
 
     J(P with this group at r) − J(P) ≈ ∇J · Δ(r) + ½ Δ(r)ᵀ F Δ(r),   Δ(r) = (W_r − W_{r_P}) x
 
-where ∇J is the gradient of the cross-entropy against the original's probabilities (one backward pass) and F
-the Fisher of the cut model (a second pass, targets sampled from its own predictions, as
-:mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :class:`LatentProducts`, so two passes
-price every (group, rank). The new plan minimises the summed prices within the budget (the exact knapsack),
-each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower, otherwise the
-radius halves. Cost per step: two gradient passes and about four forward passes over the rows. The KL is
-that of the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not see.
+where ∇J is the gradient of the cross-entropy against the rows' tokens or the original's probabilities (one
+backward pass) and F the Fisher of the cut model (a second pass, targets sampled from its own predictions,
+as :mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :class:`LatentProducts`, so two
+passes price every (group, rank). The new plan minimises the summed prices within the budget (the exact
+knapsack), each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower,
+otherwise the radius halves. Cost per step: two gradient passes and two to four forward passes over the
+rows (the KL also needs the original's). J is that of the cut weights: a quantized latent cache adds its
+rounding on top, which the refinement does not see.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
 
 Key = tuple[int, str]  # (layer, "k"|"v")
 REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md: radius)
-REFINE_OBJECTIVE = "kl"  # what the refinement lowers on its rows: "kl" or "nll" (docs/allocation.md)
+REFINE_OBJECTIVE = "nll"  # what the refinement lowers on its rows, "nll" or "kl" (docs/allocation.md)
 
 
 class PlanWeights:
@@ -193,10 +200,11 @@ def refine_plan(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> RankPlan:
-    """The plan after up to ``steps`` accepted-or-rejected Gauss–Newton steps on the measured KL over
-    ``rows`` (N, T) (see the module doc); the model is left as it was. Its details gain ``refine``: the
-    measured KL before and after each step and whether it was kept. Never above the plan's budget, never a
-    higher measured KL on ``rows`` than the plan's."""
+    """The plan after up to ``steps`` accepted-or-rejected Gauss–Newton steps on the measured ``objective``
+    (``nll`` or ``kl``) over ``rows`` (N, T) (see the module doc); the model is left as it was. Its details
+    gain ``refine``: the objective, and its measured value before and after each step (under its name) and
+    whether it was kept. Never above the plan's budget, never a higher measured objective on ``rows`` than
+    the plan's."""
     if steps < 0 or radius < 1:
         raise ValueError(f"refine needs steps ≥ 0 and radius ≥ 1, got {steps}, {radius}")
     if objective not in OBJECTIVES:

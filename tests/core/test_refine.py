@@ -72,7 +72,7 @@ def test_refine_inputs_are_checked_and_no_steps_keep_the_plan(make_tiny) -> None
         model, rows, CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, refine_steps=1)
     )
     steps = refined.plan.details["refine"]["steps"]
-    assert refined.plan.details["refine"]["rows"] == 4 and steps[0]["kl"] > 0
+    assert refined.plan.details["refine"]["rows"] == 4 and steps[0]["nll"] > 0  # the default objective
     assert refined.plan.kept <= refined.plan.budget_width
 
 
@@ -127,7 +127,7 @@ def test_step_estimates_predict_the_measured_objective_of_moving_one_group(shake
 def test_refining_uniforms_plan_lowers_the_kl_on_its_rows_and_on_others(shakespeare) -> None:
     model, rows, conv = shakespeare
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=3)
+    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=3, objective="kl")
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # left as it was
     history = plan.details["refine"]["steps"]
     kept = [history[0]["kl"]] + [s["kl"] for s in history[1:] if s["kept"]]

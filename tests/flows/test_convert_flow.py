@@ -121,11 +121,14 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert states["collect_statistic[kl_response]"] == "Completed"
     assert "collect_statistic[fisher]" not in states and states["plan_ranks"] == "Completed"
     assert states["refine_plan"] == "Completed" and states["build_model"] == "Completed"
-    kl = measured["plan"].meta["kl"]  # the measured KL of each kept plan, the allocator's first
-    assert kl == sorted(kl, reverse=True) and kl[0] > 0 and measured["plan"].meta["heatmap"]
+    objective = measured["plan"].meta["objective"]  # the default: the loss of the rows' own next tokens
+    kept = measured["plan"].meta[objective]  # its measured value for each kept plan, the allocator's first
+    assert objective == "nll" and kept == sorted(kept, reverse=True) and kept[0] > 0
+    assert measured["plan"].meta["heatmap"]
     assert 0.5 - 8 / 64 < measured["plan"].meta["achieved_ratio"] <= 0.5
     run = MlflowClient(mlflow_server).get_run(measured["mlflow"]["run_id"])
-    assert run.data.metrics["refine_kl_before"] == kl[0] and run.data.metrics["refine_kl_after"] == kl[-1]
+    metrics = run.data.metrics
+    assert (metrics["refine_nll_before"], metrics["refine_nll_after"]) == (kept[0], kept[-1])
 
     # refine_steps 0: the allocator's plan, from cache
     unrefined = convert_flow(

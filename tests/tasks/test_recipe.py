@@ -20,7 +20,7 @@ def test_defaults_are_the_embedded_quickstart():
     assert r.compression.allocator.solver == "exact" and r.calibration.n_samples == 256
     config = r.compression.to_config()
     assert (config.refine_steps, config.refine_rows, config.refine_radius) == (3, 32, 4)
-    assert config.refine_objective == CompressionConfig().refine_objective == "kl"
+    assert config.refine_objective == CompressionConfig().refine_objective == "nll"
 
 
 def test_methods_come_from_the_registries_with_strict_options():
@@ -64,8 +64,8 @@ def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("model: some/model\ncompression:\n  ratio: 0.7\n  group_size: 2\n")
     over = {"compression.ratio": 0.3, "eval.max_windows": 4, "compression.refine_radius": 2}
-    r = load_recipe(p, over | {"compression.refine_objective": "nll"})
-    assert (r.compression.to_config().refine_radius, r.compression.to_config().refine_objective) == (2, "nll")
+    r = load_recipe(p, over | {"compression.refine_objective": "kl"})
+    assert (r.compression.to_config().refine_radius, r.compression.to_config().refine_objective) == (2, "kl")
     assert (r.model, r.compression.ratio, r.compression.group_size, r.eval.max_windows) == (
         "some/model",
         0.3,
