@@ -63,12 +63,13 @@ class CompressionConfig:
     rotation : ``none``, ``hadamard`` or ``auto``: the orthogonal rotation fused into each group's factors
         (:mod:`lrkv_core.rotation`) to spread latents before quantization; ``rotation_seed`` seeds the
         random orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists.
-    refine_steps, refine_rows : Gauss–Newton steps refining the allocator's plan on the measured KL over the
-        first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's plan, None
-        (the default) takes the allocator's own default (``kl``: 3, the others: 0). ``refine_radius``: the
-        rank steps (of ``rank_multiple``) one step may move each group, halved after a rejected step.
-        ``refine_objective``: what the refinement lowers on those rows, ``kl`` (the KL to the original's
-        next-token distribution) or ``nll`` (the loss of the rows' own next tokens).
+    refine_steps, refine_rows : Gauss–Newton steps refining the allocator's plan on the measured objective
+        over the first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's
+        plan, None (the default) takes the allocator's own default (``kl``: 3, the others: 0).
+        ``refine_radius``: the rank steps (of ``rank_multiple``) one step may move each group, halved
+        after a rejected step.
+        ``refine_objective``: what the refinement lowers on those rows, ``nll`` (the loss of the rows' own
+        next tokens, the default) or ``kl`` (the KL to the original's next-token distribution).
     """
 
     ratio: float = 0.5
@@ -300,7 +301,7 @@ def plan_conversion(
     )
     if config.refines:
         if calibration is None:
-            raise ValueError("refine_steps measures the KL on calibration rows: pass calibration rows")
+            raise ValueError("refine_steps measures the plan on calibration rows: pass calibration rows")
         rows = calibration[: config.refine_rows]
         plan = refine_plan(
             model,

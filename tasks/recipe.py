@@ -67,11 +67,11 @@ class PaluRecipe(Strict):
     refine_steps: int | None = Field(
         None,
         ge=0,
-        description="Gauss–Newton steps refining the allocator's plan on the measured KL to the original "
-        "over calibration rows (each kept only if it lowers that KL); 0: the allocator's plan; null: the "
+        description="Gauss–Newton steps refining the allocator's plan on the measured refine_objective "
+        "over calibration rows (each kept only if it lowers it); 0: the allocator's plan; null: the "
         "allocator's default (kl: 3, the others: 0)",
     )
-    refine_rows: int = Field(32, ge=1, description="calibration rows the refinement measures the KL on")
+    refine_rows: int = Field(32, ge=1, description="calibration rows the refinement measures on")
     refine_radius: int = Field(
         REFINE_RADIUS,
         ge=1,
