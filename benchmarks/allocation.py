@@ -51,8 +51,8 @@ class Setting:
     statistics: dict[str, dict] = field(default_factory=dict)
     rank_multiple: int = 8
     reference: str | None = None  # "fisher" / "uniform": the row others are compared with
-    refine_steps: int = 0  # Gauss–Newton steps on the measured KL after the allocator (lrkv_core.refine)
-    refine_rows: int = 32  # calibration rows the refinement measures the KL on (lrkv's default)
+    refine_steps: int = 0  # refinement steps after the allocator (lrkv_core.refine)
+    refine_rows: int = 32  # calibration rows the refinement measures on (lrkv's default)
     refine_radius: int = 4  # rank steps a refine step may move a group: the documented rows' (lrkv's default)
     refine_objective: str = "kl"  # what the refinement lowers: the documented rows' (lrkv_core.refine)
 

@@ -158,8 +158,8 @@ def refine_file(
     batch_size: int = 8,
     progress: Progress = None,
 ) -> dict:
-    """Refine a plan on the measured KL (or ``objective``) over the first ``rows`` calibration rows
-    (:mod:`lrkv_core.refine`); the summary lists the objective of each kept plan under its name."""
+    """Refine a plan on the measured ``objective`` over the first ``rows`` calibration rows
+    (:mod:`lrkv_core.refine`); the summary lists the objective's value for each kept plan under its name."""
     model, _ = load_model(model_dir, dtype=dtype)
     plan = refine_plan(
         model,

@@ -104,9 +104,9 @@ def measured_nll(
     """Mean per-token negative log-likelihood of ``rows``' own next tokens, the model cut to ranks, nats."""
     total, n = 0.0, 0
     device = next(model.parameters()).device
+    weights.cut(ranks)
     for start in range(0, rows.shape[0], batch_size):
         batch = rows[start : start + batch_size].to(device)
-        weights.cut(ranks)
         q = _log_probs(model, batch)
         total -= float(q.gather(-1, batch[:, 1:, None]).sum())
         n += q.shape[0] * q.shape[1]
@@ -143,6 +143,7 @@ def step_costs(
     """Per (layer, kind): (G, m + 1) float64, the estimated change of J when that group alone goes from its
     rank in ``ranks`` to each rank r (0 at its own rank), every other group staying cut. J is the KL to the
     original (``objective="kl"``) or the rows' own next-token loss (``"nll"``)."""
+    _check(objective)
     lin = {key: torch.zeros(len(g), g[0].max_rank, dtype=torch.float64) for key, g in weights.factors.items()}
     quad = {
         key: torch.zeros(len(g), g[0].max_rank + 1, dtype=torch.float64) for key, g in weights.factors.items()
@@ -207,9 +208,7 @@ def refine_plan(
     the plan's."""
     if steps < 0 or radius < 1:
         raise ValueError(f"refine needs steps ≥ 0 and radius ≥ 1, got {steps}, {radius}")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"refine objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    measure = OBJECTIVES[objective]
+    measure = OBJECTIVES[_check(objective)]
     if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] < 2:
         raise ValueError(f"refine needs (N, T) calibration rows with T ≥ 2, got {tuple(rows.shape)}")
     spectra = [f.spectra() for f in factors]
@@ -220,8 +219,8 @@ def refine_plan(
     weights = PlanWeights(model, factors)
     generator = torch.Generator().manual_seed(seed)
     try:
-        kl = measure(model, weights, ranks, rows, batch_size)
-        history = [{objective: kl}]
+        value = measure(model, weights, ranks, rows, batch_size)
+        history = [{objective: value}]
         for step in range(steps):
             costs = step_costs(
                 model, weights, ranks, rows, batch_size=batch_size, generator=generator, objective=objective
@@ -237,13 +236,13 @@ def refine_plan(
             if moved == 0:  # no move is estimated to help: a smaller radius offers none either
                 break
             candidate = problem.nest(flat)
-            new_kl = measure(model, weights, candidate, rows, batch_size)
-            kept = new_kl < kl
+            new_value = measure(model, weights, candidate, rows, batch_size)
+            kept = new_value < value
             history.append(
-                {objective: new_kl, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
+                {objective: new_value, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
             )
             if kept:
-                ranks, kl = candidate, new_kl
+                ranks, value = candidate, new_value
             elif radius == 1:
                 break
             else:
@@ -257,6 +256,12 @@ def refine_plan(
 
 
 OBJECTIVES = {"kl": measured_kl, "nll": measured_nll}  # what a refinement lowers (module doc)
+
+
+def _check(objective: str) -> str:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"refine objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    return objective
 
 
 def _flat(problem: RankProblem, ranks: Ranks) -> list[int]:

@@ -234,8 +234,8 @@ def refine_plan(
     batch_size: int,
     store: str,
 ) -> ArtifactRef:
-    """Refine the allocator's plan on the measured KL (or ``objective``) over calibration rows
-    (Gauss–Newton steps)."""
+    """Refine the allocator's plan on the measured ``objective`` over calibration rows (Gauss–Newton
+    steps)."""
     with step("refine plan") as advance:
         refined = _stored(
             store,
