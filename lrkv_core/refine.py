@@ -231,7 +231,7 @@ def refine_plan(
                 cost = costs[(spec.layer, spec.kind)][spec.index].clone()
                 cost[(torch.arange(cost.numel()) - r).abs() > radius * problem.rank_multiple] = math.inf
                 bounded.append(cost)
-            flat, estimate = minimize_separable(problem, bounded)
+            flat, estimate = minimize_separable(problem, bounded, at_least=sum(current))  # never narrower
             moved = sum(abs(a - b) for a, b in zip(flat, current))
             if moved == 0:  # no move is estimated to help: a smaller radius offers none either
                 break

@@ -22,13 +22,17 @@ import torch
 from .problem import RankProblem
 
 
-def minimize_separable(problem: RankProblem, costs: Sequence[torch.Tensor]) -> tuple[list[int], float]:
-    """Ranks on the grid minimising ``Σ_g costs[g][r_g]`` with ``Σ_g r_g ≤ budget``.
+def minimize_separable(
+    problem: RankProblem, costs: Sequence[torch.Tensor], at_least: int = 0
+) -> tuple[list[int], float]:
+    """Ranks on the grid minimising ``Σ_g costs[g][r_g]`` with ``at_least ≤ Σ_g r_g ≤ budget``.
 
     Parameters
     ----------
     problem : the rank problem (grid, budget, groups).
     costs : per group, (max_rank + 1,) finite costs at least on the group's grid ranks.
+    at_least : the least total width a plan may keep (where costs can fall as ranks are cut, e.g. a
+        loss that a cut lowers, this keeps a plan from spending less than the budget it was given).
 
     Returns
     -------
@@ -56,9 +60,10 @@ def minimize_separable(problem: RankProblem, costs: Sequence[torch.Tensor]) -> t
             pick = torch.where(better, torch.tensor(k, dtype=torch.int32), pick)
         best = nxt
         choices.append(pick)
-    if not math.isfinite(float(best.min())):
+    low = -(-at_least // unit)  # the least width in units
+    if low > n_units or not math.isfinite(float(best[low:].min())):
         raise ValueError("no plan meets the budget with one allowed rank per group")
-    b = int(torch.argmin(best))  # the first minimum: the least width among plans of equal cost
+    b = low + int(torch.argmin(best[low:]))  # the first minimum: the least width among plans of equal cost
     total = float(best[b])
     ranks = []
     for grid, pick in zip(reversed(grids), reversed(choices)):

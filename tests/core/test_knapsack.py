@@ -16,12 +16,12 @@ def _problem(caps: list[int], multiple: int, ratio: float) -> RankProblem:
     return RankProblem(spectra, group_width=max(caps), ratio=ratio, rank_multiple=multiple)
 
 
-def _brute_force(problem: RankProblem, costs: list[torch.Tensor]) -> float:
+def _brute_force(problem: RankProblem, costs: list[torch.Tensor], at_least: int = 0) -> float:
     grids = [problem.grid(i) for i in range(len(problem.groups))]
     return min(
         sum(float(c[r]) for c, r in zip(costs, ranks))
         for ranks in itertools.product(*grids)
-        if sum(ranks) <= problem.budget
+        if at_least <= sum(ranks) <= problem.budget
     )
 
 
@@ -40,6 +40,11 @@ def test_minimize_separable_finds_the_brute_force_optimum(seed: int, caps: list[
         assert all(problem.allowed(i, r) for i, r in enumerate(ranks))
         assert total == pytest.approx(sum(float(c[r]) for c, r in zip(costs, ranks)), abs=1e-12)
         assert total == pytest.approx(_brute_force(problem, costs), abs=1e-12)
+        # a least width (the refinement's: never narrower than the plan it starts from)
+        at_least = problem.budget - 2 * multiple
+        ranks, total = minimize_separable(problem, costs, at_least=at_least)
+        assert at_least <= sum(ranks) <= problem.budget
+        assert total == pytest.approx(_brute_force(problem, costs, at_least), abs=1e-12)
 
 
 def _step_curve(cap: int, drop_at: int, drop: float) -> torch.Tensor:
