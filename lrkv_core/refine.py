@@ -19,11 +19,11 @@ latent model), for each group and each rank r near its current r_P, to second or
 where ∇J is the gradient of the cross-entropy against the rows' tokens or the original's probabilities (one
 backward pass) and F the Fisher of the cut model (a second pass, targets sampled from its own predictions,
 as :mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :class:`LatentProducts`, so two
-passes price every (group, rank). The new plan minimises the summed prices within the budget (the exact
-knapsack), each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower,
-otherwise the radius halves. Cost per step: two gradient passes and two to four forward passes over the
-rows (the KL also needs the original's). J is that of the cut weights: a quantized latent cache adds its
-rounding on top, which the refinement does not see.
+passes price every (group, rank). The new plan minimises the summed prices within the budget and no
+narrower than P (the exact knapsack), each group moving at most ``radius`` rank steps; it is kept only if
+its measured J is lower, otherwise the radius halves. Cost per step: two gradient passes and two to four
+forward passes over the rows (the KL also needs the original's). J is that of the cut weights: a
+quantized latent cache adds its rounding on top, which the refinement does not see.
 """
 
 from __future__ import annotations
