@@ -105,8 +105,8 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
 
     # a planted pickle record is never unpickled: the task is computed again and the record is JSON again
     plans = [(p, r["result"]) for p, r in _records(store).items() if '"kind": "plan"' in r["result"]]
-    assert len(plans) == 2  # plan_ranks' and refine_plan's (kl refines by default; its record has the KL)
-    plan_record = next(p for p, result in plans if '"kl":' not in result)
+    assert len(plans) == 2  # plan_ranks' and refine_plan's (kl refines by default; it names the objective)
+    plan_record = next(p for p, result in plans if '"objective":' not in result)
     marker = tmp_path / "executed"
     pickle_record = ResultRecord(
         metadata=ResultRecordMetadata(serializer=PickleSerializer(), storage_key=str(plan_record)),
