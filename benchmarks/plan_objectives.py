@@ -9,8 +9,10 @@ logits) and measured on calibration rows and on each ``--eval`` split:
 
 Per ratio it prints Spearman's ρ of each objective against the rise on each split, so one sees whether the
 calibration KL, the calibration perplexity or the KL on held-out text orders plans as held-out perplexity
-does. The statistics are recomputed here only for the decomposition (the Gram, ``--rows`` windows, seed 0,
-whitened), as ``benchmarks/allocation.py`` does.
+does. With ``--neighbors`` each plan also brings every plan one rank step away from it (one group gives a
+rank step to another: the same budget), so one sees whether two texts agree on which of those close plans
+is better. The statistics are recomputed here only for the decomposition (the Gram, ``--rows`` windows,
+seed 0, whitened), as ``benchmarks/allocation.py`` does.
 
     S=../shared/data/shakespeare
     OMP_NUM_THREADS=1 python benchmarks/plan_objectives.py --model ../shared/models/shakespeare-llama \\
@@ -49,6 +51,30 @@ def perplexity(model, windows: torch.Tensor, batch_size: int) -> float:
     return float(torch.tensor(nll / n).exp())
 
 
+def neighbors(plan: dict, factors, step: int) -> list[dict]:
+    """Every plan that moves one rank ``step`` from one group of ``plan`` to another (same kept width),
+    within each group's 1 step .. full rank."""
+    groups = [
+        (kind, layer, g, f.groups[kind][g].max_rank)
+        for layer, f in enumerate(factors)
+        for kind in ("k", "v")
+        for g in range(len(f.groups[kind]))
+    ]
+    out = []
+    for src_kind, src_layer, src, _ in groups:
+        for dst_kind, dst_layer, dst, cap in groups:
+            ranks = json.loads(json.dumps(plan["ranks"]))
+            if (src_kind, src_layer, src) == (dst_kind, dst_layer, dst):
+                continue
+            if ranks[src_kind][src_layer][src] - step < step or ranks[dst_kind][dst_layer][dst] + step > cap:
+                continue
+            ranks[src_kind][src_layer][src] -= step
+            ranks[dst_kind][dst_layer][dst] += step
+            move = f"{src_kind}{src_layer}.{src} → {dst_kind}{dst_layer}.{dst}"
+            out.append(plan | {"setting": f"{plan['setting']}, {move}", "ranks": ranks})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -62,6 +88,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--neighbors", action="store_true", help="add every plan one rank step from each plan")
+    p.add_argument("--rank-multiple", type=int, default=8, help="the rank step of --neighbors")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     hf_logging.set_verbosity_error()
@@ -82,6 +110,8 @@ def main() -> None:
         raise SystemExit(f"no plans in {args.plans} at ratios {sorted(ratios or [])}")
 
     factors, _ = decompose_model(model, rows, CompressionConfig(group_size=args.group_size))
+    if args.neighbors:
+        plans = [n for plan in plans for n in (plan, *neighbors(plan, factors, args.rank_multiple))]
     weights = PlanWeights(model, factors)
     base = {name: perplexity(model, w, args.batch_size) for name, w in splits.items()}
     print("original perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()), flush=True)
