@@ -89,6 +89,21 @@ def settings(table: str, rows: int) -> list[Setting]:
                 refine_steps=3,
                 refine_objective="nll",
             ),
+            *(  # the refinement from other allocators' plans (docs/allocation.md: starting plan)
+                Setting(
+                    f"{label} + 3 refine steps on 32 rows, nll",
+                    name,
+                    rows,
+                    stats,
+                    refine_steps=3,
+                    refine_objective="nll",
+                )
+                for label, name, stats in (
+                    ("uniform", "uniform", {}),
+                    ("fisher (Palu's rule)", "fisher", fisher()),
+                    ("eigen", "eigen", {}),
+                )
+            ),
         ]
     water_fill = {"name": "fisher", "leftover": "water-fill"}
     return [
