@@ -89,6 +89,18 @@ def settings(table: str, rows: int) -> list[Setting]:
                 refine_steps=3,
                 refine_objective="nll",
             ),
+            *(  # more rows, more steps on the loss (docs/allocation.md: starting plan)
+                Setting(
+                    f"kl + {steps} refine steps on {n} rows, nll",
+                    "kl",
+                    rows,
+                    kl(),
+                    refine_steps=steps,
+                    refine_rows=n,
+                    refine_objective="nll",
+                )
+                for steps, n in ((3, 64), (3, 128), (6, 32), (6, 128))
+            ),
             *(  # the refinement from other allocators' plans (docs/allocation.md: starting plan)
                 Setting(
                     f"{label} + 3 refine steps on 32 rows, nll",
