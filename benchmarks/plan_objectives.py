@@ -55,23 +55,24 @@ def neighbors(plan: dict, factors, step: int) -> list[dict]:
     """Every plan that moves one rank ``step`` from one group of ``plan`` to another (same kept width),
     within each group's 1 step .. full rank."""
     groups = [
-        (kind, layer, g, f.groups[kind][g].max_rank)
-        for layer, f in enumerate(factors)
+        (kind, f.layer, g, f.groups[kind][g].max_rank)
+        for f in factors
         for kind in ("k", "v")
         for g in range(len(f.groups[kind]))
     ]
+    rank = {(kind, layer, g): plan["ranks"][kind][layer][g] for kind, layer, g, _ in groups}
     out = []
-    for src_kind, src_layer, src, _ in groups:
-        for dst_kind, dst_layer, dst, cap in groups:
+    for src in groups:
+        for dst in groups:
+            if src == dst or rank[src[:3]] - step < step or rank[dst[:3]] + step > dst[3]:
+                continue
             ranks = json.loads(json.dumps(plan["ranks"]))
-            if (src_kind, src_layer, src) == (dst_kind, dst_layer, dst):
-                continue
-            if ranks[src_kind][src_layer][src] - step < step or ranks[dst_kind][dst_layer][dst] + step > cap:
-                continue
-            ranks[src_kind][src_layer][src] -= step
-            ranks[dst_kind][dst_layer][dst] += step
-            move = f"{src_kind}{src_layer}.{src} → {dst_kind}{dst_layer}.{dst}"
-            out.append(plan | {"setting": f"{plan['setting']}, {move}", "ranks": ranks})
+            (sk, sl, sg, _), (dk, dl, dg, _) = src, dst
+            ranks[sk][sl][sg] -= step
+            ranks[dk][dl][dg] += step
+            out.append(
+                plan | {"setting": f"{plan['setting']}, {sk}{sl}.{sg} → {dk}{dl}.{dg}", "ranks": ranks}
+            )
     return out
 
 
