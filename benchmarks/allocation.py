@@ -66,6 +66,18 @@ def settings(table: str, rows: int) -> list[Setting]:
     def kl(**options: Any) -> dict[str, dict]:
         return {"kl_response": {"n_samples": rows, **options}}
 
+    def on_loss(label: str, allocator: str, stats: dict, steps: int = 3, n: int = 32) -> Setting:
+        """The allocator's plan refined on the loss of the rows' own next tokens (objective nll)."""
+        return Setting(
+            f"{label} + {steps} refine steps on {n} rows, nll",
+            allocator,
+            rows,
+            stats,
+            refine_steps=steps,
+            refine_rows=n,
+            refine_objective="nll",
+        )
+
     if table == "allocators":
         return [
             Setting("uniform", "uniform", rows, reference="uniform"),
@@ -81,41 +93,13 @@ def settings(table: str, rows: int) -> list[Setting]:
             Setting(  # a wider radius (docs/allocation.md: radius)
                 "kl + 3 refine steps on 32 rows, radius 8", "kl", rows, kl(), refine_steps=3, refine_radius=8
             ),
-            Setting(  # the rows' own next-token loss (docs/allocation.md: objective)
-                "kl + 3 refine steps on 32 rows, nll",
-                "kl",
-                rows,
-                kl(),
-                refine_steps=3,
-                refine_objective="nll",
-            ),
-            *(  # more rows, more steps on the loss (docs/allocation.md: starting plan)
-                Setting(
-                    f"kl + {steps} refine steps on {n} rows, nll",
-                    "kl",
-                    rows,
-                    kl(),
-                    refine_steps=steps,
-                    refine_rows=n,
-                    refine_objective="nll",
-                )
-                for steps, n in ((3, 64), (3, 128), (6, 32), (6, 128))
-            ),
-            *(  # the refinement from other allocators' plans (docs/allocation.md: starting plan)
-                Setting(
-                    f"{label} + 3 refine steps on 32 rows, nll",
-                    name,
-                    rows,
-                    stats,
-                    refine_steps=3,
-                    refine_objective="nll",
-                )
-                for label, name, stats in (
-                    ("uniform", "uniform", {}),
-                    ("fisher (Palu's rule)", "fisher", fisher()),
-                    ("eigen", "eigen", {}),
-                )
-            ),
+            # the rows' own next-token loss (docs/allocation.md: objective); more rows and steps, other
+            # starting plans (docs/allocation.md: starting plan)
+            on_loss("kl", "kl", kl()),
+            *(on_loss("kl", "kl", kl(), steps, n) for steps, n in ((3, 64), (3, 128), (6, 32), (6, 128))),
+            on_loss("uniform", "uniform", {}),
+            on_loss("fisher (Palu's rule)", "fisher", fisher()),
+            on_loss("eigen", "eigen", {}),
         ]
     water_fill = {"name": "fisher", "leftover": "water-fill"}
     return [

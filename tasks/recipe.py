@@ -76,7 +76,7 @@ class PaluRecipe(Strict):
         REFINE_RADIUS,
         ge=1,
         description="rank steps (of rank_multiple) one refinement step may move each group; halved after a "
-        "step that does not lower the KL",
+        "step that does not lower refine_objective",
     )
     refine_objective: Literal["kl", "nll"] = Field(
         REFINE_OBJECTIVE,
