@@ -51,6 +51,18 @@ def perplexity(model, windows: torch.Tensor, batch_size: int) -> float:
     return float(torch.tensor(nll / n).exp())
 
 
+def held_out(items: list[str], tokenizer, seq_len: int, first: int) -> dict[str, torch.Tensor]:
+    """``--eval NAME=SPEC`` items: each split's first ``first`` windows (0: all), by name."""
+    splits = {}
+    for item in items:
+        name, _, spec = item.partition("=")
+        if not spec:
+            raise SystemExit(f"--eval takes NAME=SPEC, got {item!r}")
+        windows = eval_windows(spec, tokenizer, seq_len=seq_len)
+        splits[name] = windows[:first] if first else windows
+    return splits
+
+
 def neighbors(plan: dict, factors, step: int) -> list[dict]:
     """Every plan that moves one rank ``step`` from one group of ``plan`` to another (same kept width),
     within each group's 1 step .. full rank."""
@@ -97,13 +109,7 @@ def main() -> None:
 
     model, tok = load_model(args.model)
     rows = calibration_windows(args.calibration, tok, n_samples=args.rows, seq_len=args.seq_len, seed=0)
-    splits = {"calibration": rows[: args.measure_rows]}
-    for item in args.eval:
-        name, _, spec = item.partition("=")
-        if not spec:
-            raise SystemExit(f"--eval takes NAME=SPEC, got {item!r}")
-        windows = eval_windows(spec, tok, seq_len=args.seq_len)
-        splits[name] = windows[: args.first] if args.first else windows
+    splits = {"calibration": rows[: args.measure_rows], **held_out(args.eval, tok, args.seq_len, args.first)}
     ratios = {float(r) for r in args.ratios.split(",")} if args.ratios else None
     plans = [json.loads(line) for line in args.plans.read_text().splitlines() if line.strip()]
     plans = [r for r in plans if ratios is None or r["ratio"] in ratios]
@@ -135,9 +141,9 @@ def main() -> None:
     for ratio in sorted({r["ratio"] for r in table}, reverse=True):
         at = [r for r in table if r["ratio"] == ratio]
         for target in (n for n in splits if n != "calibration"):
-            held_out = [r[f"rise_{target}"] for r in at]
+            target_rise = [r[f"rise_{target}"] for r in at]
             print(f"{ratio}: ρ with the {target} rise ({len(at)} plans): " + ", ".join(
-                f"{obj} {spearman([r[obj] for r in at], held_out):+.2f}"
+                f"{obj} {spearman([r[obj] for r in at], target_rise):+.2f}"
                 for obj in (f"{m}_{n}" for n in splits for m in ("kl", "rise")) if obj != f"rise_{target}"
             ))  # fmt: skip
 

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 from kl_response import spearman  # benchmarks/, the script's own directory
-from plan_objectives import perplexity
+from plan_objectives import held_out, perplexity
 from transformers.utils import logging as hf_logging
 
 from lrkv_core.allocation.problem import KINDS, budget_width
 from lrkv_core.convert import CompressionConfig, decompose_model
-from lrkv_core.data import calibration_windows, eval_windows
+from lrkv_core.data import calibration_windows
 from lrkv_core.models import load_model
 from lrkv_core.refine import PlanWeights, measured_nll
 
@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("--bounds", default="", help="rank bounds per kind, e.g. k=8:32,v=16:64 (default: none)")
     p.add_argument("--rows", type=int, default=256, help="calibration windows (the Gram's, seed 0)")
     p.add_argument("--measure-rows", type=int, default=64, help="calibration rows the loss is measured on")
-    p.add_argument("--first", type=int, default=16, help="windows of each split (issue 8: 16)")
+    p.add_argument("--first", type=int, default=16, help="windows of each split (issue 8: 16; 0: all)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--rank-multiple", type=int, default=8)
@@ -91,12 +91,7 @@ def main() -> None:
 
     model, tok = load_model(args.model)
     rows = calibration_windows(args.calibration, tok, n_samples=args.rows, seq_len=args.seq_len, seed=0)
-    splits = {}
-    for item in args.eval:
-        name, _, spec = item.partition("=")
-        if not spec:
-            raise SystemExit(f"--eval takes NAME=SPEC, got {item!r}")
-        splits[name] = eval_windows(spec, tok, seq_len=args.seq_len)[: args.first]
+    splits = held_out(args.eval, tok, args.seq_len, args.first)
     factors, _ = decompose_model(model, rows, CompressionConfig(group_size=args.group_size))
     plans = every_plan(factors, args.ratio, args.rank_multiple, bounds)
     base = {name: perplexity(model, w, args.batch_size) for name, w in splits.items()}
