@@ -1,7 +1,7 @@
 """Every rank plan of a small model at one ratio, measured: which would an allocator have to find?
 
-Enumerates every plan that uses the whole budget (each group's rank a multiple of ``--rank-multiple``,
-the kept width the largest such multiple within ``⌊ratio · full width⌋``, as every allocator fills it),
+Enumerates every plan that uses the whole budget (each group's rank on the grid of ``--rank-multiple``,
+the kept width within one rank step below ``⌊ratio · full width⌋``, as every allocator fills it),
 optionally with each kind's ranks bounded (``--bounds k=8:32,v=16:64``), cuts the model to each
 (:class:`lrkv_core.refine.PlanWeights`: the fused latent model's logits) and measures the loss of the rows'
 own next tokens on ``--measure-rows`` calibration rows (what the refinement lowers) and the prefill
@@ -30,7 +30,7 @@ from kl_response import spearman  # benchmarks/, the script's own directory
 from plan_objectives import held_out, perplexity
 from transformers.utils import logging as hf_logging
 
-from lrkv_core.allocation.problem import KINDS, budget_width
+from lrkv_core.allocation.problem import KINDS, RankProblem
 from lrkv_core.convert import CompressionConfig, decompose_model
 from lrkv_core.data import calibration_windows
 from lrkv_core.models import load_model
@@ -38,26 +38,18 @@ from lrkv_core.refine import PlanWeights, measured_nll
 
 
 def every_plan(factors, ratio: float, multiple: int, bounds: dict[str, tuple[int, int]]) -> list[dict]:
-    """Every ``ranks`` dict (``{"k": [[r, ...] per layer], "v": ...}``) that fills the budget exactly."""
-    groups = [(kind, f.layer, g, f.groups[kind][g].max_rank) for kind in KINDS for f in factors
-              for g in range(len(f.groups[kind]))]  # fmt: skip
-    full = sum(max_rank for *_, max_rank in groups)
-    kept = budget_width(ratio, full) // multiple * multiple
+    """Every ``ranks`` dict on the allocators' grid that fills the budget as they do (kept width at most
+    ``⌊ratio · full width⌋`` and less than one rank step below it), each kind's ranks within ``bounds``."""
+    width = factors[0].groups["k"][0].up.shape[0]  # s·D, a group's width in the cache
+    problem = RankProblem([f.spectra() for f in factors], width, ratio, multiple)
     choices = []
-    for kind, _, _, max_rank in groups:
-        low, high = bounds.get(kind, (multiple, max_rank))
-        choices.append([r for r in range(multiple, max_rank + 1, multiple) if low <= r <= high])
+    for i, spec in enumerate(problem.groups):
+        low, high = bounds.get(spec.kind, (0, spec.max_rank))
+        choices.append([r for r in problem.grid(i) if low <= r <= high])
     if math.prod(len(c) for c in choices) > 10**8:
-        raise SystemExit(f"{len(groups)} groups: too many plans to enumerate; bound the ranks (--bounds)")
-    plans = []
-    for ranks in itertools.product(*choices):
-        if sum(ranks) != kept:
-            continue
-        plan = {kind: [[0] * len(f.groups[kind]) for f in factors] for kind in KINDS}
-        for (kind, layer, g, _), r in zip(groups, ranks):
-            plan[kind][layer][g] = r
-        plans.append(plan)
-    return plans
+        raise SystemExit(f"{len(choices)} groups: too many plans to enumerate; bound the ranks (--bounds)")
+    fills = range(problem.budget - multiple + 1, problem.budget + 1)
+    return [problem.nest(ranks) for ranks in itertools.product(*choices) if sum(ranks) in fills]
 
 
 def label(ranks: dict, multiple: int) -> str:
