@@ -9,9 +9,10 @@ from lrkv_tasks.recipe import AblateRecipe
 from lrkv_tasks.store import open_store
 
 from .convert import convert_flow
+from .runner import ConfiguredTaskRunner
 
 
-@flow(name="lrkv-ablate")
+@flow(name="lrkv-ablate", task_runner=ConfiguredTaskRunner())
 def ablate_flow(recipe: AblateRecipe, out_dir: str | None = None) -> dict:
     """Convert and evaluate one model for every grid point; calibration, stats and factors are shared."""
     rows = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,9 +13,11 @@ import typer
 import yaml
 from rich.markup import escape
 
+from .cluster import ENV as DASK_ENV
 from .ops_cli import register_operations
 from .options import (
     csv_list,
+    dask_option,
     flag_overrides,
     parse_group_size,
     parse_set,
@@ -62,6 +64,17 @@ EvalDatasetOption = Annotated[
     ),
 ]
 VerboseOption = Annotated[bool, typer.Option(help="show Prefect's logs")]
+DaskOption = Annotated[
+    Optional[str],
+    typer.Option(
+        envvar=DASK_ENV,
+        parser=dask_option,
+        metavar="local[:N]|tcp://HOST:PORT",
+        help="run the flow's tasks on Dask: local[:N] starts N worker processes here for this command "
+        "(default N: the CPU count, at most 4); tcp://HOST:PORT uses a running scheduler, whose workers need "
+        "lrkv and the same store (a shared directory or s3://); default: threads in this process",
+    ),
+]
 
 
 def _set_option(example: str):
@@ -163,6 +176,7 @@ def convert(
     ] = None,
     lora_steps: Annotated[Optional[int], typer.Option(help="LoRA optimizer steps (implies --lora)")] = None,
     set_: _set_option("eval.max_windows=8") = None,
+    dask: DaskOption = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
@@ -207,7 +221,7 @@ def convert(
     console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)
     for note in prepared.notes:
         console.print(f"[cyan]note:[/cyan] {escape(note)}", soft_wrap=True)
-    with _prefect_api() as supervise:
+    with _dask(dask, prepared.recipe.store), _prefect_api() as supervise:
         from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
 
         try:
@@ -250,6 +264,36 @@ def _prefect_api():
             server.stop()
 
 
+@contextmanager
+def _dask(value: str | None, store: str | None):
+    """``--dask``: the flow's tasks on a Dask cluster for the block (:mod:`lrkv_flows.cluster`)."""
+    from lrkv_tasks.store import default_store_root, is_s3
+
+    from .apiserver import running_services
+    from .cluster import dask_cluster, parse_dask
+
+    if value and parse_dask(value).address and not (os.environ.get("PREFECT_API_URL") or running_services()):
+        raise _fail(
+            f"--dask {value} needs a Prefect server its workers can reach: run `lrkv up` or set "
+            "PREFECT_API_URL (the API this command would start for itself is on 127.0.0.1 and ends with it)"
+        )
+    with ExitStack() as stack:
+        try:
+            spec = stack.enter_context(dask_cluster(value))
+        except OSError as e:
+            raise _fail(str(e)) from None
+        if spec is not None:
+            console.print(f"tasks run on {spec.describe()}", soft_wrap=True)
+        if spec is not None and spec.workers is None and not is_s3(store):
+            where = escape(store or str(default_store_root()))
+            console.print(
+                f"[cyan]note:[/cyan] the Dask workers read and write the artifact store {where}: on other "
+                "hosts it must be a directory they share, or s3:// (--store)",
+                soft_wrap=True,
+            )
+        yield spec
+
+
 def _build_builtin(model_ref: str) -> None:
     """A ``builtin:`` model is built here on first use (about two minutes), with a progress bar."""
     if not model_ref.startswith("builtin:"):
@@ -280,6 +324,7 @@ def ablate(
         Optional[Path], path_option("--out-dir", "write ablation.csv/.md/.png here", "DIR")
     ] = None,
     set_: _set_option("base.eval.max_windows=8") = None,
+    dask: DaskOption = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
@@ -304,7 +349,7 @@ def ablate(
         _build_builtin(rec.base.model)
     except USER_ERRORS as e:
         raise _fail(str(e)) from None
-    with _prefect_api() as supervise:
+    with _dask(dask, rec.base.store), _prefect_api() as supervise:
         from lrkv_flows.ablate import ablate_flow
 
         with supervise, rich_progress():

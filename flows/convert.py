@@ -29,6 +29,7 @@ from lrkv_tasks.tracking import OPEN_RUNS, close_run, discard_run, open_run
 from lrkv_tasks.zeroshot import zeroshot
 
 from .interrupt import FLOW_RUNS, require_api
+from .runner import ConfiguredTaskRunner
 
 
 def _record(timings: list[dict], name: str, future) -> Any:
@@ -45,7 +46,7 @@ def _run_tags(recipe: ConvertRecipe) -> dict[str, str]:
     return {"lrkv.kind": "convert", "lrkv.model": recipe.model, "lrkv.prefect_flow_run": str(flow_run.id)}
 
 
-@flow(name="lrkv-convert", log_prints=True)
+@flow(name="lrkv-convert", log_prints=True, task_runner=ConfiguredTaskRunner())
 def convert_flow(recipe: ConvertRecipe) -> dict:
     """Compress a model's KV projections to a latent cache, evaluate it, log and register it in MLflow."""
     prepared = prepare(recipe)

@@ -22,8 +22,11 @@ from prefect.deployments.runner import EntrypointType
 
 from lrkv_tasks.recipe import ConvertRecipe, EvalRecipe
 
+from .cluster import ENV as DASK_ENV
+from .cluster import parse_dask
 from .convert import convert_flow
 from .evaluate import evaluate_flow
+from .runner import ConfiguredTaskRunner
 
 DEFAULT_POOL = "lrkv"
 DEFAULT_CRON = "0 2 * * *"
@@ -33,7 +36,7 @@ def work_pool() -> str:
     return os.environ.get("LRKV_WORK_POOL", DEFAULT_POOL)
 
 
-@flow(name="lrkv-nightly", log_prints=True)
+@flow(name="lrkv-nightly", log_prints=True, task_runner=ConfiguredTaskRunner())
 def nightly_flow(models: list[str], recipe: ConvertRecipe) -> dict:
     """Convert each model with the recipe (one convert subflow each); fail at the end if any failed."""
     results, failures = {}, {}
@@ -70,28 +73,35 @@ def deploy(
     cron: str = DEFAULT_CRON,
     pool: str | None = None,
     eval_recipe: EvalRecipe | None = None,
+    dask: str | None = None,
 ) -> dict[str, str]:
-    """Register the three deployments (see the module docstring); returns deployment name -> id."""
+    """Register the three deployments (see the module docstring); returns deployment name -> id.
+
+    ``dask`` (``local[:N]`` or ``tcp://HOST:PORT``, :mod:`lrkv_flows.cluster`) becomes the runs' ``LRKV_DASK``
+    (a job variable), so their tasks run on Dask; ``local`` starts a cluster on the worker's host per run."""
     pool = pool or work_pool()
     ensure_work_pool(pool)
-    module = EntrypointType.MODULE_PATH
+    common = {"entrypoint_type": EntrypointType.MODULE_PATH}
+    if dask:
+        parse_dask(dask)
+        common["job_variables"] = {"env": {DASK_ENV: dask}}
     recipe_json = recipe.model_dump(mode="json")
     deployments = {
         "lrkv-convert/convert": convert_flow.to_deployment(
-            "convert", parameters={"recipe": recipe_json}, entrypoint_type=module, tags=["lrkv"]
+            "convert", parameters={"recipe": recipe_json}, tags=["lrkv"], **common
         ),
         "lrkv-evaluate/evaluate": evaluate_flow.to_deployment(
             "evaluate",
             parameters={"model": recipe.model, "eval": (eval_recipe or recipe.eval).model_dump(mode="json")},
-            entrypoint_type=module,
             tags=["lrkv"],
+            **common,
         ),
         "lrkv-nightly/nightly": nightly_flow.to_deployment(
             "nightly",
             cron=cron,
             parameters={"models": nightly_models, "recipe": recipe_json},
-            entrypoint_type=module,
             tags=["lrkv", "nightly"],
+            **common,
         ),
     }
     return {name: str(d.apply(work_pool_name=pool)) for name, d in deployments.items()}

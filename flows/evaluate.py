@@ -11,8 +11,10 @@ from lrkv_tasks.recipe import HELD_OUT, EvalRecipe, TrackingRecipe
 from lrkv_tasks.store import open_store
 from lrkv_tasks.tracking import log_conversion
 
+from .runner import ConfiguredTaskRunner
 
-@flow(name="lrkv-evaluate", log_prints=True)
+
+@flow(name="lrkv-evaluate", log_prints=True, task_runner=ConfiguredTaskRunner())
 def evaluate_flow(
     model: str,
     eval: EvalRecipe,

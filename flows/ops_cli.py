@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from .options import path_option
+from .options import dask_option, path_option
 from .report import console, fail
 
 MlflowUriOption = Annotated[
@@ -65,6 +65,15 @@ def deploy(
     pool: Annotated[
         Optional[str], typer.Option(help="process work pool (default $LRKV_WORK_POOL or lrkv)")
     ] = None,
+    dask: Annotated[
+        Optional[str],
+        typer.Option(
+            parser=dask_option,
+            metavar="local[:N]|tcp://HOST:PORT",
+            help="the runs' tasks on Dask (their LRKV_DASK): local[:N] starts N worker processes on the "
+            "worker's host per run; tcp://HOST:PORT uses a running scheduler; default: threads",
+        ),
+    ] = None,
 ) -> None:
     """Register the convert, evaluate and nightly deployments on the Prefect server (the one `lrkv up`
     started, or $PREFECT_API_URL)."""
@@ -82,12 +91,14 @@ def deploy(
         models = [m.strip() for m in (nightly or rec.model).split(",") if m.strip()]
         from .deploy import deploy as register
 
-        ids = register(rec, models, cron=cron, pool=pool)
+        ids = register(rec, models, cron=cron, pool=pool, dask=dask)
     except (ValueError, OSError) as e:
         raise fail(_first_line(e)) from None
     for name, dep_id in ids.items():
         console.print(f"deployment {name} ({dep_id})")
     console.print(f"nightly: {', '.join(models)} at '{cron}' (UTC)")
+    if dask:
+        console.print(f"their tasks run on Dask ({dask})")
     console.print("run one now: prefect deployment run lrkv-convert/convert (or the UI's Run button)")
 
 

@@ -71,6 +71,17 @@ def quantized_cache(bits: int | None, group_size: int | None, residual: int | No
     return {"name": "quantized", "bits": bits} | {k: v for k, v in options.items() if v is not None}
 
 
+def dask_option(value: str) -> str:
+    """A typer ``parser`` for ``--dask``: checked here (a usage error names the forms), started later."""
+    from .cluster import parse_dask
+
+    try:
+        parse_dask(value)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    return value
+
+
 def parse_group_size(value: str | None) -> int | str | None:
     if value is None or value == "auto":
         return value

@@ -19,6 +19,7 @@ scheme is met. lrkv_core never imports a plugin: it only reads entry points.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -196,6 +197,21 @@ def _model_dir(path: Path, ref: str) -> Path:
     return path
 
 
+def _is_local_model(ref: str) -> bool:
+    """Whether :func:`resolve_model_dir` reads ``ref`` as a local directory (not a scheme ref or a hub id)."""
+    if _SCHEME_REF.fullmatch(ref):
+        return False
+    return ref.startswith((".", "/", "~")) or Path(ref).expanduser().exists()
+
+
+def absolute_model_ref(ref: str) -> str:
+    """``ref`` with a local directory made absolute (against the current directory); other forms as given.
+
+    A task that runs in another process or on another host (a Dask worker) then reads the same directory.
+    """
+    return os.path.abspath(os.path.expanduser(ref)) if _is_local_model(ref) else ref
+
+
 def resolve_model_dir(ref: str | Path) -> Path:
     """Local directory holding the model files of ``ref``, downloading or building them if needed.
 
@@ -228,7 +244,7 @@ def resolve_model_dir(ref: str | Path) -> Path:
             raise ValueError(f"{err} (a local path? write ./{ref})") from None
         return _model_dir(Path(resolver(rest)).expanduser(), ref)
     path = Path(ref).expanduser()
-    if ref.startswith((".", "/", "~")) or path.exists():
+    if _is_local_model(ref):
         return _model_dir(path, ref)
     if _HUB_ID.fullmatch(ref):
         from huggingface_hub import snapshot_download  # lazy: only hub ids need it
@@ -298,6 +314,15 @@ def parse_dataset_spec(spec: str | DatasetSpec) -> DatasetSpec:
         except ValueError as err:
             raise _bad_spec(text, str(err)) from None
     return DatasetSpec(kind=kind, name=head, part=part)
+
+
+def absolute_dataset_spec(spec: str) -> str:
+    """``spec`` with a relative ``text:``/``parquet:`` path made absolute (against the current directory),
+    its slice kept; every other spec as given (see :func:`absolute_model_ref`)."""
+    parsed = parse_dataset_spec(spec)
+    if parsed.kind not in ("text", "parquet") or os.path.isabs(os.path.expanduser(parsed.name)):
+        return spec
+    return str(replace(parsed, name=os.path.abspath(os.path.expanduser(parsed.name))))
 
 
 def dataset_scheme(kind: str) -> DatasetScheme:

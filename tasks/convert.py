@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -36,10 +37,29 @@ def _note_run_time(task, task_run, state) -> None:
         _RUN_SECONDS[task_run.id] = task_run.total_run_time.total_seconds()
 
 
-def run_seconds(task_run_id: uuid.UUID) -> float | None:
-    """Seconds the task run spent Running, as its engine measured them (None if unknown)."""
+def run_seconds(task_run_id: uuid.UUID, wait: float = 3.0) -> float | None:
+    """Seconds the task run spent Running, as its engine measured them (None if unknown).
+
+    A task run in this process noted them in its completion hook. One that ran elsewhere (a Dask worker)
+    noted them there, so they are read from the Prefect API, which records the final state a moment after
+    the worker reports it: asked again for up to ``wait`` seconds until the run shows as finished."""
     with _RUN_SECONDS_LOCK:
-        return _RUN_SECONDS.pop(task_run_id, None)
+        if task_run_id in _RUN_SECONDS:
+            return _RUN_SECONDS.pop(task_run_id)
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + wait
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                run = client.read_task_run(task_run_id)
+            except Exception:  # not recorded yet (404) or the API is briefly unavailable
+                run = None
+            if run is not None and run.state is not None and run.state.is_final():
+                return run.total_run_time.total_seconds()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
 
 
 # results persist as JSON (never pickle) in the store, and a hit is checked before use (lrkv_tasks.cache)

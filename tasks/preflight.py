@@ -9,6 +9,7 @@ Prefect starts, and the flow runs it first (it is idempotent), so programmatic r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from lrkv_core.data import check_dataset, heldout, parse_dataset_spec
 from lrkv_core.io import is_compressed_dir
 from lrkv_core.lora import check_targets, check_training_dataset
 from lrkv_core.models import TOKENIZER_FILES, resolve_model_dir
+from lrkv_core.refs import absolute_dataset_spec, absolute_model_ref
 
 from .recipe import HELD_OUT, ConvertRecipe, LoraRecipe
+from .refs import is_s3
 
 DEFAULT_CALIBRATION = "hf:wikitext:wikitext-2-raw-v1:train"  # Palu's and SVD-LLM's calibration text
 
@@ -44,6 +47,7 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
     """Resolve the recipe's model-dependent defaults and check everything cheap; raises ``ValueError``,
     ``FileNotFoundError`` or ``FileExistsError`` with one clear line."""
     notes: list[str] = []
+    recipe = _absolute_paths(recipe)
     model_dir = resolve_model_dir(recipe.model)
     config = AutoConfig.from_pretrained(str(model_dir))
     get_adapter(config)  # unsupported architectures fail here, naming the supported ones
@@ -94,6 +98,31 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
         }
     )
     return Prepared(concrete, notes)
+
+
+def _absolute_paths(recipe: ConvertRecipe) -> ConvertRecipe:
+    """Local paths made absolute against this process's directory (the model, data files, ``out``, a local
+    store), so that every task reads and writes the same files wherever it runs (a Dask worker may start in
+    another directory, or on another host that mounts them at the same place)."""
+
+    def spec(value: str | None) -> str | None:
+        return absolute_dataset_spec(value) if value not in (None, HELD_OUT) else value
+
+    def path(value: str | None) -> str | None:
+        return os.path.abspath(os.path.expanduser(value)) if value and not is_s3(value) else value
+
+    update = {
+        "model": absolute_model_ref(recipe.model),
+        "calibration": recipe.calibration.model_copy(update={"dataset": spec(recipe.calibration.dataset)}),
+        "eval": recipe.eval.model_copy(update={"dataset": spec(recipe.eval.dataset)}),
+        "out": path(recipe.out),
+        "store": path(recipe.store),
+    }
+    if recipe.lora is not None:
+        update["lora"] = recipe.lora.model_copy(
+            update={"dataset": spec(recipe.lora.dataset), "eval_dataset": spec(recipe.lora.eval_dataset)}
+        )
+    return recipe.model_copy(update=update)
 
 
 def _prepare_lora(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import warnings
 from pathlib import Path
 
 from lrkv_core.version import __version__
@@ -51,13 +52,15 @@ def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
         data = Path(tmp) / DATA_NAME
         data.symlink_to(Path(model_dir).resolve(), target_is_directory=True)  # copied once, by save_model
         saved = Path(tmp) / "mlflow-model"
-        mlflow.pyfunc.save_model(
-            path=str(saved),
-            loader_module=LOADER,
-            data_path=str(data),
-            pip_requirements=[f"lrkv=={__version__}"],
-            signature=signature(),  # declares predict's params, which MLflow would otherwise drop
-        )
+        with warnings.catch_warnings():  # the signature declares the input; an example would be token ids
+            warnings.filterwarnings("ignore", ".*An input example was not provided", UserWarning)
+            mlflow.pyfunc.save_model(
+                path=str(saved),
+                loader_module=LOADER,
+                data_path=str(data),
+                pip_requirements=[f"lrkv=={__version__}"],
+                signature=signature(),  # declares predict's params, which MLflow would otherwise drop
+            )
         logged = mc.create_logged_model(
             run["experiment_id"], name="model", source_run_id=run["run_id"], tags={SHA_TAG: sha256}
         )

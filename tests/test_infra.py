@@ -65,7 +65,21 @@ def test_minio_buckets_are_created_before_mlflow_and_the_worker_use_them():
     assert _conditions(services["worker"]) == {
         "prefect-server": "service_healthy",
         "mlflow": "service_healthy",
+        "dask-scheduler": "service_healthy",
     }
+
+
+def test_the_worker_sends_tasks_to_the_dask_scheduler_whose_workers_share_its_settings_and_store():
+    """The worker's flow runs read LRKV_DASK; the Dask workers get the worker's settings and its store."""
+    services = _compose()["services"]
+    worker, scheduler, dask = services["worker"], services["dask-scheduler"], services["dask-worker"]
+    port = re.search(r"--port (\d+)", scheduler["command"])[1]
+    assert worker["environment"]["LRKV_DASK"] == f"tcp://dask-scheduler:{port}"
+    assert dask["command"].startswith(f"dask worker tcp://dask-scheduler:{port} ")
+    assert _conditions(dask) == {"dask-scheduler": "service_healthy"}
+    shared = {k: v for k, v in worker["environment"].items() if k not in ("LRKV_DASK", "LRKV_WORK_POOL")}
+    assert shared and dask["environment"] == shared  # S3 endpoint, credentials, APIs, LRKV_HOME
+    assert dask["volumes"] == worker["volumes"] and dask["build"] == worker["build"] == scheduler["build"]
 
 
 def test_every_variable_the_compose_file_reads_is_in_env_example():

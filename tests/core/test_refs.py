@@ -14,6 +14,8 @@ from lrkv_core.refs import (
     DATASET_SCHEMES,
     MODEL_GROUP,
     MODEL_SCHEMES,
+    absolute_dataset_spec,
+    absolute_model_ref,
     register_dataset_scheme,
     register_model_scheme,
     resolve_model_dir,
@@ -63,6 +65,22 @@ def test_local_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_h
     _model_dir(tmp_path / "odd:name")
     assert resolve_model_dir("./odd:name") == Path("odd:name")  # './' makes it a path, not a scheme
     assert no_hub == []
+
+
+def test_local_paths_are_made_absolute_and_other_refs_kept(tmp_path: Path, monkeypatch, toy, no_hub) -> None:
+    """What a task on another process or host needs: the same files, whatever its working directory."""
+    _model_dir(tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    assert absolute_model_ref("./m") == absolute_model_ref("m") == str(tmp_path / "m")
+    assert absolute_model_ref("../" + tmp_path.name + "/m") == str(tmp_path / "m")
+    assert absolute_model_ref("./odd:name") == str(tmp_path / "odd:name")  # a path, though not there yet
+    for ref in ("toy:m", "meta-llama/Llama-2-7b-hf", str(tmp_path / "m")):  # a scheme, a hub id, absolute
+        assert absolute_model_ref(ref) == ref
+    assert absolute_dataset_spec("text:data/train.txt[:90%]") == f"text:{tmp_path}/data/train.txt[:90%]"
+    assert absolute_dataset_spec("parquet:rows.parquet") == f"parquet:{tmp_path}/rows.parquet"
+    for spec in ("hf:wikitext:wikitext-2-raw-v1:train", f"text:{tmp_path}/a.txt[10%:]", "text:~/a.txt"):
+        assert absolute_dataset_spec(spec) == spec
+    assert resolve_model_dir(absolute_model_ref("m")) == tmp_path / "m" and no_hub == []
 
 
 def test_local_errors_name_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_hub) -> None:

@@ -44,7 +44,9 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     recipe = _recipe(tmp_path, model_dir, mlflow_uri, "deploy-test")
     pool = "lrkv-test-pool"
-    ids = deploy(recipe, [str(model_dir), "builtin:pydoc-llama"], cron="30 1 * * *", pool=pool)
+    # the runs' tasks on Dask, by configuration alone: each run starts a local cluster of one worker process
+    models = [str(model_dir), "builtin:pydoc-llama"]
+    ids = deploy(recipe, models, cron="30 1 * * *", pool=pool, dask="local:1")
     assert set(ids) == {"lrkv-convert/convert", "lrkv-evaluate/evaluate", "lrkv-nightly/nightly"}
 
     with get_client(sync_client=True) as client:
@@ -54,6 +56,7 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
         assert nightly.work_pool_name == pool and nightly.entrypoint == "lrkv_flows.deploy.nightly_flow"
         convert = client.read_deployment_by_name("lrkv-convert/convert")
         assert convert.parameters["recipe"]["model"] == str(model_dir)
+        assert convert.job_variables == nightly.job_variables == {"env": {"LRKV_DASK": "local:1"}}
 
     # what the UI's Run button does: create a flow run of the deployment through the API
     flow_run = run_deployment("lrkv-convert/convert", timeout=0)
@@ -91,6 +94,7 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
             worker.wait(timeout=30)
     log = (tmp_path / "worker.log").read_text()
     assert state.is_completed(), f"{state.name}: {state.message}\n{log[-3000:]}"
+    assert "Creating a new Dask cluster with `distributed.deploy.local.LocalCluster`" in log, log[-3000:]
     client = MlflowClient(mlflow_uri)
     runs = client.search_runs([client.get_experiment_by_name("deploy-test").experiment_id])
     assert [r.info.status for r in runs] == ["FINISHED"]

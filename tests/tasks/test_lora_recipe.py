@@ -71,6 +71,27 @@ def test_preflight_resolves_the_lora_data_and_checks_targets(tmp_path):
                                    "lora": {"dataset": f"text:{tmp_path / 'missing.txt'}"}}))  # fmt: skip
 
 
+def test_preflight_makes_local_paths_absolute(tmp_path, monkeypatch):
+    """A recipe written with paths relative to where the user is runs the same on a Dask worker elsewhere."""
+    tiny_model_dir(tmp_path)
+    token_parquet(tmp_path / "data.parquet", rows=20, seq_len=32)
+    monkeypatch.chdir(tmp_path)
+    model = next(p.name for p in tmp_path.iterdir() if (p / "config.json").is_file())
+    recipe = load_recipe(
+        None,
+        {"model": f"./{model}", "calibration.dataset": "parquet:data.parquet", "compression.group_size": 2}
+        | {"out": "out", "store": "store", "lora": {"eval_dataset": "parquet:data.parquet[:10%]"}},
+    )
+    prepared = prepare(recipe).recipe
+    assert prepared.model == str(tmp_path / model)
+    assert prepared.calibration.dataset == f"parquet:{tmp_path}/data.parquet[:90%]"  # the held-out split
+    assert prepared.eval.dataset == f"parquet:{tmp_path}/data.parquet[90%:]"
+    assert prepared.lora.dataset == prepared.calibration.dataset
+    assert prepared.lora.eval_dataset == f"parquet:{tmp_path}/data.parquet[:10%]"
+    assert (prepared.out, prepared.store) == (str(tmp_path / "out"), str(tmp_path / "store"))
+    assert prepare(recipe.model_copy(update={"store": "s3://lrkv/store"})).recipe.store == "s3://lrkv/store"
+
+
 def test_loss_curve_png(tmp_path):
     history = [{"step": s, "loss": 3.0 - 0.01 * s + 0.1 * (s % 3), "lr": 1e-3} for s in range(1, 101)]
     evals = [{"step": s, "eval_loss": 3.0 - 0.008 * s} for s in (0, 50, 100)]

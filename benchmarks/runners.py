@@ -1,0 +1,80 @@
+"""The convert flow on threads against the same flow on local Dask clusters: wall time, ratio, same results.
+
+Each runner converts the model from scratch (a fresh artifact store and MLflow database, so nothing is
+cached) under one Prefect API server; the script prints each run's wall time and its ratio to the threads
+run, the seconds the per-layer decompositions took in all, and the compressed model's prefill perplexity
+(which must be the same on every runner). A local cluster's time includes starting its worker processes.
+
+    python benchmarks/runners.py --model ../shared/models/shakespeare-llama \\
+        --dataset text:../shared/data/shakespeare/train.txt --dask local:1,local:2 [--allocator uniform]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from lrkv_flows.apiserver import connect
+from lrkv_flows.cluster import dask_cluster
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dataset", required=True, help="calibration data (the last 10%% is evaluated)")
+    parser.add_argument("--dask", default="local:2", help="comma list of --dask values to compare")
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--allocator", default="uniform")
+    parser.add_argument("--n-samples", type=int, default=64)
+    parser.add_argument("--max-windows", type=int, default=16)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="lrkv-runners-"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+    os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(work / "prefect-results")
+    server = connect()  # before Prefect is imported: this process's own API unless one is configured
+    try:
+        from lrkv_flows.convert import convert_flow
+        from lrkv_tasks.recipe import load_recipe
+
+        rows = []
+        for runner in ["threads", *args.dask.split(",")]:
+            home = work / runner.replace(":", "-")
+            recipe = load_recipe(
+                None,
+                {
+                    "model": args.model,
+                    "calibration": {"dataset": args.dataset, "n_samples": args.n_samples},
+                    "compression": {"ratio": args.ratio, "allocator": args.allocator},
+                    "eval": {"max_windows": args.max_windows, "decode_windows": 1},
+                    "tracking": {"mlflow_uri": f"sqlite:///{home / 'mlflow.db'}", "experiment": "runners"},
+                    "registry": {"enabled": False},
+                    "store": str(home / "store"),
+                },
+            )
+            start = time.perf_counter()
+            with dask_cluster(None if runner == "threads" else runner):
+                result = convert_flow(recipe)
+            wall = time.perf_counter() - start
+            seconds = {row["task"]: row["seconds"] or 0.0 for row in result["timings"]}
+            decompose = sum(s for task, s in seconds.items() if task.startswith("decompose_layer"))
+            ppl = result["eval"]["compressed"]["prefill"]["ppl"]
+            rows.append((runner, wall, decompose, ppl))
+            slowest = sorted(seconds.items(), key=lambda item: -item[1])[:6]
+            print(f"{runner}: {wall:.1f} s; slowest tasks: " + ", ".join(f"{t} {s:.1f}" for t, s in slowest))
+    finally:
+        if server is not None:
+            server.stop()
+    base = rows[0][1]
+    print(f"\n{args.model}, ratio {args.ratio}, {args.allocator}, {args.n_samples} calibration windows")
+    print(f"{'runner':<10} {'wall s':>8} {'÷ threads':>10} {'decompose s (sum)':>18} {'prefill ppl':>12}")
+    for runner, wall, decompose, ppl in rows:
+        print(f"{runner:<10} {wall:>8.1f} {wall / base:>10.2f} {decompose:>18.1f} {ppl:>12.4f}")
+
+
+if __name__ == "__main__":
+    main()
