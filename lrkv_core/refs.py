@@ -204,12 +204,17 @@ def _is_local_model(ref: str) -> bool:
     return ref.startswith((".", "/", "~")) or Path(ref).expanduser().exists()
 
 
+def absolute_path(path: str) -> str:
+    """``path`` with ``~`` expanded, made absolute against the current directory (symlinks kept)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def absolute_model_ref(ref: str) -> str:
     """``ref`` with a local directory made absolute (against the current directory); other forms as given.
 
     A task that runs in another process or on another host (a Dask worker) then reads the same directory.
     """
-    return os.path.abspath(os.path.expanduser(ref)) if _is_local_model(ref) else ref
+    return absolute_path(ref) if _is_local_model(ref) else ref
 
 
 def resolve_model_dir(ref: str | Path) -> Path:
@@ -322,7 +327,7 @@ def absolute_dataset_spec(spec: str) -> str:
     parsed = parse_dataset_spec(spec)
     if parsed.kind not in ("text", "parquet") or os.path.isabs(os.path.expanduser(parsed.name)):
         return spec
-    return str(replace(parsed, name=os.path.abspath(os.path.expanduser(parsed.name))))
+    return str(replace(parsed, name=absolute_path(parsed.name)))
 
 
 def dataset_scheme(kind: str) -> DatasetScheme:

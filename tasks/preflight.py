@@ -9,7 +9,6 @@ Prefect starts, and the flow runs it first (it is idempotent), so programmatic r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from lrkv_core.data import check_dataset, heldout, parse_dataset_spec
 from lrkv_core.io import is_compressed_dir
 from lrkv_core.lora import check_targets, check_training_dataset
 from lrkv_core.models import TOKENIZER_FILES, resolve_model_dir
-from lrkv_core.refs import absolute_dataset_spec, absolute_model_ref
+from lrkv_core.refs import absolute_dataset_spec, absolute_model_ref, absolute_path
 
 from .recipe import HELD_OUT, ConvertRecipe, LoraRecipe
 from .refs import is_s3
@@ -109,7 +108,7 @@ def _absolute_paths(recipe: ConvertRecipe) -> ConvertRecipe:
         return absolute_dataset_spec(value) if value not in (None, HELD_OUT) else value
 
     def path(value: str | None) -> str | None:
-        return os.path.abspath(os.path.expanduser(value)) if value and not is_s3(value) else value
+        return absolute_path(value) if value and not is_s3(value) else value
 
     update = {
         "model": absolute_model_ref(recipe.model),
