@@ -1,5 +1,6 @@
 """The quantized-cache table: low-rank ratio × rotation × bits (× residual window) on one model, next to the
-original model and transformers' own QuantizedCache on it (the anchor), with measured bytes per token.
+original model and transformers' own QuantizedCache on it (the anchor), with measured bytes per token;
+with ``--gear``, GEAR's corrections of the same quantized latents (the ``gear`` storage) at the same bits.
 
     S=../shared
     python benchmarks/quantized_cache.py --model $S/models/shakespeare-llama \\
@@ -81,6 +82,13 @@ def storage(bits: int, residual: int, group: int | None) -> dict[str, Any]:
     return {"name": "quantized", "bits": bits, "quant_group_size": group, "residual": residual}
 
 
+def gear_storage(variant: str, bits: int, group: int | None) -> dict[str, Any]:
+    """``OUTLIERS:RANK:BUFFER`` as the gear storage at ``bits``."""
+    outliers, rank, buffer = (int(v) for v in variant.split(":"))
+    return {"name": "gear", "bits": bits, "quant_group_size": group, "outliers": outliers, "rank": rank,
+            "buffer": buffer}  # fmt: skip
+
+
 def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args, emit: Emit) -> list[dict[str, Any]]:
     """Every ratio × rotation × bits × residual of the grid, in that nesting (one plan per ratio)."""
     base = CompressionConfig(
@@ -98,6 +106,13 @@ def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args, emit: Emit)
                     compressed.config.lrkv["cache"] = storage(bits, residual, args.quant_group_size)
                     row = {"model": "lrkv", "ratio": ratio, "achieved_ratio": conversion.plan.achieved_ratio,
                            "rotation": rotation, "bits": bits, "residual": residual}  # fmt: skip
+                    row |= measure(compressed, windows, args)
+                    out.append(emit(row))
+                for variant in args.gear if bits != 16 else []:
+                    compressed.config.lrkv["cache"] = gear_storage(variant, bits, args.quant_group_size)
+                    row = {"model": f"lrkv + GEAR {variant}", "ratio": ratio, "rotation": rotation,
+                           "bits": bits, "achieved_ratio": conversion.plan.achieved_ratio,
+                           "residual": f"< {compressed.config.lrkv['cache']['buffer']}"}  # fmt: skip
                     row |= measure(compressed, windows, args)
                     out.append(emit(row))
     return out
@@ -174,6 +189,9 @@ def main() -> None:
     p.add_argument("--bits", type=lambda s: _csv(s, int), default=[2, 3, 4, 16])
     p.add_argument("--residuals", type=lambda s: _csv(s, int), default=[0])
     p.add_argument("--quant-group-size", type=int, default=None, help="default: a whole latent group row")
+    p.add_argument(
+        "--gear", type=_csv, default=[], help="GEAR variants OUTLIERS:RANK:BUFFER, e.g. 1:2:32 (bits < 16)"
+    )
     p.add_argument("--anchor", type=_csv, default=["hqq:2", "hqq:3", "hqq:4", "quanto:2", "quanto:4"],
                    help="QuantizedCache specs BACKEND:BITS[:GROUP[:RESIDUAL]]; '' for none")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
@@ -213,7 +231,10 @@ def main() -> None:
         f"quantization group: {args.quant_group_size or 'a whole latent group row'}; rank multiple "
         f"{args.rank_multiple}. `ratio` is the kept KV width (1.0: full rank, the factors only); bits 16 are "
         "float16 latents; `× fp32 cache` and `× 16-bit cache` divide the original model's DynamicCache bytes "
-        "(float32, and the same cache in 16 bits) by the measured bytes.\n\n"
+        "(float32, and the same cache in 16 bits) by the measured bytes. `lrkv + GEAR o:r:b`: the same "
+        "quantized latents with o exact outliers per token and quantization group and a rank-r residual "
+        "per latent group and chunk, b tokens kept as given until they are compressed together "
+        "(`residual` < b).\n\n"
         + markdown_table(results)
         + "\nRotation (none → auto):\n\n"
         + rotation_effect(results)

@@ -16,6 +16,7 @@ from rich.markup import escape
 from .cluster import ENV as DASK_ENV
 from .ops_cli import register_operations
 from .options import (
+    cache_storage,
     csv_list,
     dask_option,
     flag_overrides,
@@ -41,12 +42,13 @@ def _choices(registry) -> str:
 
 def _registries():
     from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
+    from lrkv_core.cache import CACHE_STORAGES
     from lrkv_core.decompositions import DECOMPOSITIONS
 
-    return DECOMPOSITIONS, ALLOCATORS, DEFAULT_ALLOCATOR
+    return DECOMPOSITIONS, ALLOCATORS, DEFAULT_ALLOCATOR, CACHE_STORAGES
 
 
-DECOMPOSITIONS, ALLOCATORS, DEFAULT_ALLOCATOR = _registries()
+DECOMPOSITIONS, ALLOCATORS, DEFAULT_ALLOCATOR, CACHE_STORAGES = _registries()
 DATASET_FORMS = (
     "hf:NAME[:CONFIG[:SPLIT]] | text:PATH | parquet:PATH | builtin:NAME:SPLIT, each optionally [A%:B%]"
 )
@@ -75,6 +77,18 @@ DaskOption = Annotated[
         "lrkv and the same store (a shared directory or s3://); default: threads in this process",
     ),
 ]
+
+
+def _cache_option(what: str, default: str):
+    return Annotated[
+        Optional[str],
+        typer.Option(
+            help=f"{what}, by name or as a YAML mapping of its options, e.g. '{{name: gear, bits: 2}}' "
+            f"({_choices(CACHE_STORAGES)}); default: {default}",
+            parser=cache_storage,
+            metavar="NAME|{name: NAME, ...}",
+        ),
+    ]
 
 
 def _set_option(example: str):
@@ -143,6 +157,7 @@ def convert(
     residual_length: Annotated[
         Optional[int], typer.Option(help="newest tokens kept in full precision (KIVI's residual); default 0")
     ] = None,
+    cache: _cache_option("the compressed model's cache storage (instead of --bits)", "dense latents") = None,
     rotation: Annotated[
         Optional[str],
         typer.Option(
@@ -191,7 +206,7 @@ def convert(
         "compression.allocator": allocator,
         "compression.rank_multiple": rank_multiple,
         "compression.refine_steps": refine_steps,
-        "compression.cache": quantized_cache(bits, quant_group_size, residual_length),
+        "compression.cache": quantized_cache(bits, quant_group_size, residual_length, cache),
         "compression.rotation": rotation,
         "calibration.n_samples": n_samples,
         "calibration.seq_len": seq_len,
@@ -387,6 +402,9 @@ def eval_cmd(
             "per-token groups, default group = head dim, residual 0); needs `pip install 'lrkv[anchor]'`"
         ),
     ] = None,
+    cache: _cache_option(
+        "evaluate a compressed model with another cache storage", "the one it was saved with"
+    ) = None,
 ) -> None:
     """Evaluate a model: prefill PPL, teacher-forced decode PPL, measured KV bytes/token."""
     try:
@@ -400,6 +418,7 @@ def eval_cmd(
             batch_size,
             base,
             hf_quant_cache,
+            cache,
         )
         if tasks:
             from lrkv_tasks.zeroshot import run_zeroshot
@@ -431,7 +450,7 @@ def _step(description: str):
 
 
 def _evaluate(
-    model_dir, dataset, seq_len, max_windows, decode_prefix, decode_windows, batch_size, base, hf_cache
+    model_dir, dataset, seq_len, max_windows, decode_prefix, decode_windows, batch_size, base, hf_cache, cache
 ) -> dict:
     from lrkv_core.pipeline import evaluate_dir
 
@@ -448,6 +467,7 @@ def _evaluate(
             batch_size=batch_size,
             base_dir=base,
             hf_quantized_cache=hf_cache,
+            cache=cache,
             progress=advance,
         )
 

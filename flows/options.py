@@ -60,15 +60,37 @@ def flag_overrides(flags: dict, eval_key: str) -> dict:
     return out
 
 
-def quantized_cache(bits: int | None, group_size: int | None, residual: int | None) -> dict | None:
+def quantized_cache(
+    bits: int | None, group_size: int | None, residual: int | None, cache: str | dict | None = None
+) -> str | dict | None:
     """``--bits 3 [--quant-group-size 16] [--residual-length 32]`` as the recipe's cache storage
-    ``{name: quantized, bits: 3, quant_group_size: 16, residual: 32}``; None when no flag is given."""
+    ``{name: quantized, bits: 3, quant_group_size: 16, residual: 32}``, or ``--cache`` as given (not both);
+    None when no flag is given."""
+    if cache is not None:
+        if (bits, group_size, residual) != (None, None, None):
+            raise typer.BadParameter(
+                "--cache names the whole storage: give its options there, not --bits etc."
+            )
+        return cache
     if bits is None:
         if group_size is not None or residual is not None:
             raise typer.BadParameter("--quant-group-size and --residual-length need --bits")
         return None
     options = {"quant_group_size": group_size, "residual": residual}
     return {"name": "quantized", "bits": bits} | {k: v for k, v in options.items() if v is not None}
+
+
+def cache_storage(value: str) -> str | dict:
+    """A typer ``parser`` for ``--cache``: a storage's name or its YAML recipe form ``{name: gear, bits: 2}``,
+    checked against the registry (a usage error names the storages and their options)."""
+    from lrkv_core.cache import CACHE_STORAGES
+
+    spec = yaml.safe_load(value)
+    try:
+        CACHE_STORAGES.create(spec)
+    except (TypeError, ValueError) as err:
+        raise typer.BadParameter(str(err)) from None
+    return spec
 
 
 def dask_option(value: str) -> str:

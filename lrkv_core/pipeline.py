@@ -16,6 +16,7 @@ from transformers import AutoConfig
 from . import evaluate
 from .adapters import get_adapter
 from .allocation import LayerSummary, RankPlan, plan_from_summaries, summarize_layer
+from .cache import CACHE_STORAGES, CacheStorage
 from .data import eval_windows, extract_calibration, read_token_rows
 from .decompositions import (
     DECOMPOSITIONS,
@@ -226,6 +227,7 @@ def evaluate_dir(
     dtype: str = "float32",
     base_dir: str | None = None,
     hf_quantized_cache: str | HfQuantizedCacheSpec | None = None,
+    cache: str | Mapping[str, Any] | CacheStorage | None = None,
     progress: Progress = None,
 ) -> dict[str, Any]:
     """Prefill PPL, teacher-forced decode PPL and measured KV bytes/token of a (compressed or base) model.
@@ -233,9 +235,11 @@ def evaluate_dir(
     With ``base_dir``, also KL(base ‖ model) per token and top-1 agreement on the prefill windows. With
     ``hf_quantized_cache`` (a spec or ``BACKEND:BITS[:GROUP[:RESIDUAL]]``), an original model is evaluated
     through transformers' ``QuantizedCache`` (:mod:`lrkv_core.hf_quantized_cache`), the anchor for lrkv's
-    quantized latent cache.
+    quantized latent cache. With ``cache`` (a storage's name or recipe form), a compressed model is evaluated
+    with that cache storage instead of the one it was saved with (:func:`use_cache_storage`).
     """
     model, tokenizer = load_model(model_dir, dtype=dtype)
+    storage = None if cache is None else use_cache_storage(model, cache)
     windows = eval_windows(dataset, tokenizer, seq_len=seq_len, max_windows=max_windows)  # (N, T)
     if not 0 < decode_prefix < seq_len:
         raise ValueError(f"decode prefix {decode_prefix} must be inside the window (1..{seq_len - 1})")
@@ -263,4 +267,21 @@ def evaluate_dir(
         result["protocol"]["dataset"] = dataset
         if spec is not None:
             result["protocol"]["hf_quantized_cache"] = spec.to_dict()
+        if storage is not None:
+            result["protocol"]["cache"] = storage.to_dict()
     return out | {"model": str(model_dir)}
+
+
+def use_cache_storage(model, cache: str | Mapping[str, Any] | CacheStorage) -> CacheStorage:
+    """Make a compressed ``model`` cache its latents with another storage strategy from now on (its weights
+    do not change: a cache storage is a runtime policy). Raises ``ValueError`` for a model that is not
+    compressed, an unknown storage or option, or options that cannot hold the model's ranks."""
+    if not getattr(model.config, "lrkv", None):
+        raise ValueError(
+            "a cache storage applies to lrkv-compressed models only; this model has a dense KV cache"
+        )
+    storage = CACHE_STORAGES.create(cache)
+    fmt = LrkvFormat.of(model.config)
+    storage.check_ranks(sorted({r for layer in (*fmt.ranks_k, *fmt.ranks_v) for r in layer}))
+    model.config.lrkv["cache"] = storage.to_dict()
+    return storage

@@ -3,7 +3,7 @@
 - :mod:`.storage`: :class:`CacheStorage` (a strategy's registered config), :class:`LatentStore` (its mutable
   per-layer store, generic per-token operations written once), :class:`LatentView` (what attention reads);
 - :mod:`.window`: :class:`FullWindow`, :class:`SlidingWindow`;
-- :mod:`.dense`, :mod:`.quantized`: the registered storage strategies;
+- :mod:`.dense`, :mod:`.quantized`, :mod:`.gear`: the registered storage strategies;
 - :mod:`.layer`: :class:`LatentLayer`, one store × one window behind transformers' cache-layer API;
 - :mod:`.latent_cache`: :class:`LatentCache` (``from_config`` reads ranks and storage from ``config.lrkv``)
   and :func:`cache_nbytes`;
@@ -14,9 +14,10 @@ A new storage strategy is one module beside :mod:`.dense` (a ``LatentStore`` sub
 """
 
 # storage strategies: importing a strategy's module registers it
-from . import dense, quantized  # noqa: F401
+from . import dense, gear, quantized  # noqa: F401
 from .argument import CACHE_ARG, cache_kwargs, either_cache, output_cache, pop_cache
 from .dense import DenseStorage, DenseStore
+from .gear import GearStorage, GearStore
 from .latent_cache import LatentCache, cache_nbytes
 from .layer import LatentLayer
 from .quantized import QuantizedStorage, QuantizedStore
@@ -30,6 +31,8 @@ __all__ = [
     "DenseStorage",
     "DenseStore",
     "FullWindow",
+    "GearStorage",
+    "GearStore",
     "LatentCache",
     "LatentLayer",
     "LatentStore",

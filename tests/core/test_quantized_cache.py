@@ -12,8 +12,7 @@ by a whole quantization step: those comparisons are not exact properties, and no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,11 +26,10 @@ from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.format import LrkvFormat
 from lrkv_core.quant import fake_quantize, group_widths, packed_width
 from tests.support.inputs import decode_left_padded, greedy, ids_for, left_padded, max_diff
+from tests.support.latents import replaced_latents
 from tests.support.models import SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-DENSE = {"name": "dense"}
 
 
 def _compressed(compress, arch: str = "llama", group_size: int = 1, ratio: float = 0.5, **kw):
@@ -55,24 +53,9 @@ def _quantizer(storage: dict, ranks: list[int], keep_last: int = 0) -> Callable[
     return apply
 
 
-@contextmanager
-def dequantized_latents(model, storage: dict, keep_last: int = 0) -> Iterator[None]:
+def dequantized_latents(model, storage: dict, keep_last: int = 0):
     """The model with a dense cache whose latents are replaced by what ``storage`` gives back."""
-    adapter, fmt = get_adapter(model.config), LrkvFormat.of(model.config)
-    before = model.config.lrkv["cache"]
-    model.config.lrkv["cache"] = DENSE
-    handles = []
-    for i in range(fmt.n_layers):
-        attn = adapter.attention(model, i)
-        for proj, ranks in (("k_down", fmt.ranks_k[i]), ("v_down", fmt.ranks_v[i])):
-            fn = _quantizer(storage, ranks, keep_last)
-            handles.append(getattr(attn, proj).register_forward_hook(lambda _m, _a, out, fn=fn: fn(out)))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        model.config.lrkv["cache"] = before
+    return replaced_latents(model, lambda ranks: _quantizer(storage, ranks, keep_last))
 
 
 def _stepwise(model, ids: torch.Tensor, prefix: int) -> tuple[torch.Tensor, object]:

@@ -239,3 +239,37 @@ def test_options_taking_local_paths_refuse_uris_and_create_nothing(tmp_path, tmp
         assert res.exit_code == 2, (args, res.output)
         assert f"Invalid value for '{args[-2]}'" in text and "looks like a URI" in text, (args, text)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_takes_another_cache_storage(compress, tmp_path, monkeypatch):
+    """``lrkv eval DIR --cache SPEC``: a saved model evaluated with another storage, recorded in the protocol;
+    a bad storage or option is a usage error."""
+    from typer.testing import CliRunner
+
+    from lrkv_core import save_compressed
+    from lrkv_flows.cli import app
+    from tests.support.models import tiny_model
+
+    monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
+    out = save_compressed(compress(tiny_model("llama", 2), 1, 0.5)[0], tmp_path / "m")
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=4, seq_len=32, vocab=61)}"
+    args = ["eval", str(out), "--dataset", data, "--seq-len", "32", "--decode-windows", "2"]
+    results = {}
+    for name, extra in (("dense", []), ("gear", ["--cache", "{name: gear, bits: 2, buffer: 4}"])):
+        report = tmp_path / f"{name}.json"
+        res = CliRunner().invoke(app, [*args, *extra, "--json-out", str(report)])
+        assert res.exit_code == 0, res.output
+        results[name] = json.loads(report.read_text())
+    gear, dense = results["gear"], results["dense"]
+    assert gear["decode"]["protocol"]["cache"] == {
+        "name": "gear", "bits": 2, "quant_group_size": None, "outliers": 1, "rank": 2, "buffer": 4,
+    }  # fmt: skip
+    assert "cache" not in dense["decode"]["protocol"]
+    assert gear["kv"]["kv_bytes_per_token"] != dense["kv"]["kv_bytes_per_token"]
+    assert gear["decode"]["ppl"] != dense["decode"]["ppl"]
+    for spec, message in (
+        ("{name: gear, bits: 5}", "gear cache bits must be one of"),
+        ("gzip", "unknown cache storage"),
+    ):
+        res = CliRunner().invoke(app, [*args, "--cache", spec])
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output

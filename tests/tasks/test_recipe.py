@@ -5,6 +5,7 @@ from lrkv_core.allocation import DEFAULT_ALLOCATOR, Allocator
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import Decomposition
 from lrkv_tasks.recipe import ConvertRecipe, flatten, load_recipe
+from tests.support.models import tiny_config
 
 
 def test_defaults_are_the_embedded_quickstart():
@@ -58,6 +59,18 @@ def test_the_quantized_cache_and_the_rotation_are_recipe_fields():
         load_recipe(None, {"compression.cache": {"name": "quantized", "group_size": 8}})
     with pytest.raises(ValidationError, match="rotation"):
         load_recipe(None, {"compression.rotation": "random"})
+
+
+def test_the_gear_cache_is_a_recipe_field_checked_against_the_rank_multiple():
+    r = load_recipe(None, {"compression.cache": {"name": "gear", "bits": 2, "rank": "4"}})
+    assert r.model_dump(mode="json")["compression"]["cache"] == {
+        "name": "gear", "bits": 2, "quant_group_size": None, "outliers": 1, "rank": 4, "buffer": 32,
+    }  # fmt: skip
+    with pytest.raises(ValidationError, match="gear cache buffer must be ≥ 0"):
+        load_recipe(None, {"compression.cache": {"name": "gear", "buffer": -1}})
+    too_many = load_recipe(None, {"compression.cache": {"name": "gear", "outliers": 8}})  # rank multiple 8
+    with pytest.raises(ValueError, match="leave nothing to quantize in a group of 8"):
+        too_many.compression.to_config().for_model(tiny_config("llama", 2))
 
 
 def test_yaml_and_overrides(tmp_path):

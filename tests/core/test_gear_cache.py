@@ -1,0 +1,274 @@
+"""The ``gear`` cache storage: quantized latents + exact outliers + a low-rank residual per chunk (GEAR).
+
+The store's pieces are checked against their definitions (the outliers are the entries farthest from their
+group's mean and come back exactly; the residual's factors are its truncated SVD), each correction must
+lower the error of plain quantization, and the streaming buffer and every generic store operation must keep
+chunks and their bases aligned. Inside compressed models the reference is, as for the ``quantized``
+storage, the model with a dense cache whose latents are replaced by GEAR's reconstruction of each forward
+call's tokens (``buffer: 0`` makes each call one chunk), which attention through the cache must reproduce
+exactly (``torch.equal``), prefill, token-by-token decoding, generate() and beam search.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lrkv_core import load_compressed, save_compressed
+from lrkv_core.cache import (
+    CACHE_STORAGES,
+    GearStorage,
+    GearStore,
+    QuantizedStorage,
+    cache_kwargs,
+    cache_nbytes,
+)
+from lrkv_core.cache.gear import low_rank, put_outliers, split_outliers
+from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.format import LrkvFormat
+from lrkv_core.pipeline import use_cache_storage
+from lrkv_core.quant import packed_width
+from tests.support.inputs import greedy, ids_for, left_padded, max_diff
+from tests.support.latents import replaced_latents
+from tests.support.models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RANKS_K, RANKS_V = (8, 8), (16,)
+
+
+def _latents(batch: int = 2, tokens: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heavy-tailed latents with decaying scales (whitened latents' energy falls along the rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.distributions.StudentT(3.0)
+    torch.manual_seed(seed)
+    h_k = t.sample((batch, tokens, sum(RANKS_K))) * torch.linspace(2.0, 0.3, sum(RANKS_K))
+    h_v = t.sample((batch, tokens, sum(RANKS_V))) + 0.1 * torch.randn(batch, tokens, 1, generator=gen)
+    return h_k, h_v
+
+
+def _view(store) -> tuple[torch.Tensor, torch.Tensor]:
+    view = store.view()
+    return torch.cat(view.keys, dim=-1), torch.cat(view.values, dim=-1)
+
+
+def _filled(storage: dict | GearStorage, h_k: torch.Tensor, h_v: torch.Tensor, steps: list[int]):
+    """A store of ``storage`` given the tokens in appends of ``steps`` tokens."""
+    store = CACHE_STORAGES.create(storage).create_store(RANKS_K, RANKS_V)
+    start = 0
+    for n in steps:
+        store.append(h_k[:, start : start + n], h_v[:, start : start + n])
+        start += n
+    return store
+
+
+def _nbytes(store) -> int:
+    return sum(t.numel() * t.element_size() for t in store.tensors())
+
+
+def test_outliers_are_the_entries_farthest_from_the_group_mean_and_come_back_exactly() -> None:
+    x = torch.tensor([[0.0, 1.0, -9.0, 2.0, 5.0, 5.5, 4.5, 30.0]])
+    filled, values, positions = split_outliers(x, (4, 4), 1)
+    assert positions.tolist() == [[2, 3]] and values.tolist() == [[-9.0, 30.0]]
+    assert filled.tolist() == [[0.0, 1.0, 1.0, 2.0, 5.0, 5.5, 4.5, 5.0]]  # the mean of the others
+    assert torch.equal(put_outliers(filled, (4, 4), 1, values, positions), x)
+    h_k, _ = _latents()
+    filled, values, positions = split_outliers(h_k, (8, 8), 2)
+    assert values.shape == positions.shape == (2, 24, 4) and positions.dtype == torch.uint8
+    for g in range(2):  # every group's range now excludes its outliers
+        xg, fg = h_k[..., 8 * g : 8 * g + 8], filled[..., 8 * g : 8 * g + 8]
+        assert (fg.amax(-1) - fg.amin(-1) <= xg.amax(-1) - xg.amin(-1)).all()
+    restored = put_outliers(filled, (8, 8), 2, values, positions)
+    assert torch.equal(restored, torch.where(restored == filled, h_k, h_k.half().float()))
+
+
+def test_the_residual_factors_are_its_truncated_svd() -> None:
+    e = torch.randn(3, 20, 8, generator=torch.Generator().manual_seed(1))
+    u, basis = low_rank(e, 3)
+    assert u.dtype == basis.dtype == torch.float16 and u.shape == (3, 20, 3) and basis.shape == (3, 3, 8)
+    U, S, Vh = torch.linalg.svd(e, full_matrices=False)
+    best = U[..., :3] @ torch.diag_embed(S[:, :3]) @ Vh[:, :3]
+    assert max_diff(u.float() @ basis.float(), best) < 1e-2  # float16 factors of the best rank-3 fit
+    u, basis = low_rank(e, 8)  # full rank: the residual itself, up to float16
+    assert max_diff(u.float() @ basis.float(), e) < 1e-2
+    u, basis = low_rank(e[:, :2], 3)  # a chunk of 2 tokens has rank 2: the third component is zero
+    assert (
+        basis.shape == (3, 3, 8)
+        and not basis[:, 2].any()
+        and max_diff(u.float() @ basis.float(), e[:, :2]) < 1e-2
+    )
+
+
+def test_without_corrections_gear_is_the_quantized_storage() -> None:
+    h_k, h_v = _latents()
+    plain = _filled(QuantizedStorage(bits=2), h_k, h_v, [10, 1, 1, 12])
+    gear = _filled(GearStorage(bits=2, outliers=0, rank=0, buffer=0), h_k, h_v, [10, 1, 1, 12])
+    assert all(torch.equal(a, b) for a, b in zip(_view(plain), _view(gear)))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_each_correction_lowers_the_error_of_plain_quantization(bits: int) -> None:
+    h_k, h_v = _latents(tokens=64)
+    truth = torch.cat([h_k, h_v], dim=-1)
+
+    def error(storage: dict) -> float:
+        got = torch.cat(
+            _view(_filled({"name": "gear", "bits": bits, "buffer": 0} | storage, h_k, h_v, [64])), -1
+        )
+        return ((got - truth).norm() / truth.norm()).item()
+
+    quantized, outliers = error({"outliers": 0, "rank": 0}), error({"outliers": 1, "rank": 0})
+    both, more = error({"outliers": 1, "rank": 2}), error({"outliers": 2, "rank": 4})
+    assert quantized > outliers > both > more
+    assert error({"outliers": 0, "rank": 16}) < 1e-3  # a full-rank residual: exact but for float16
+
+
+def test_the_buffer_compresses_whole_buffers_and_keeps_the_rest_as_given() -> None:
+    h_k, h_v = _latents(tokens=30)
+    store = _filled(GearStorage(bits=2, buffer=4), h_k, h_v, [10])
+    assert store.chunk_sizes == [8] and store.recent["k"].shape[1] == 2 and len(store) == 10
+    k, v = _view(store)
+    assert torch.equal(k[:, 8:], h_k[:, 8:10]) and torch.equal(v[:, 8:], h_v[:, 8:10])  # the buffer: as given
+    one_chunk = _filled(GearStorage(bits=2, buffer=0), h_k, h_v, [8])
+    assert torch.equal(k[:, :8], _view(one_chunk)[0])  # the 8 oldest: compressed together
+    for t in range(10, 30):
+        store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
+    assert store.chunk_sizes == [8, 4, 4, 4, 4, 4] and store.recent["k"].shape[1] == 2 and len(store) == 30
+    assert len(store.bases) == 6 and all(b["k"][0].shape == (2, 2, 8) for b in store.bases)
+
+
+def test_crop_batch_operations_and_a_sliding_window_keep_chunks_aligned() -> None:
+    h_k, h_v = _latents(batch=3, tokens=30)
+    storage = GearStorage(bits=3, buffer=4)
+    store = _filled(storage, h_k, h_v, [10, *[1] * 20])
+    full = _view(store)
+    nbytes = _nbytes(store)
+    store.crop(9)  # 21 tokens left: chunks [8, 4, 4, 4, 1]
+    assert store.chunk_sizes == [8, 4, 4, 4, 1] and len(store) == 21
+    assert all(torch.equal(a, b[:, :21]) for a, b in zip(_view(store), full))
+    store.select(torch.tensor([2, 0]))
+    assert all(torch.equal(a, b[[2, 0], :21]) for a, b in zip(_view(store), full))
+    store.reorder(torch.tensor([1, 1]))
+    assert all(torch.equal(a, b[[0, 0], :21]) for a, b in zip(_view(store), full))
+    store.keep_last(6)  # the last 6: 1 of the third chunk, 4, 1
+    assert store.chunk_sizes == [1, 4, 1] and len(store.bases) == 3
+    assert all(torch.equal(a, b[[0, 0], 15:21]) for a, b in zip(_view(store), full))
+    assert _nbytes(store) < nbytes / 4  # the dropped chunks' bases are gone too
+    store.reset()
+    assert len(store) == 0 and store.chunk_sizes == [] and store.bases == []
+
+
+def _gear_of_each_call(storage: dict):
+    """What a ``buffer: 0`` store of ``storage`` gives back for each forward call's latents (one chunk)."""
+    one_chunk = CACHE_STORAGES.create(storage | {"buffer": 0})
+
+    def make(ranks):
+        def apply(h: torch.Tensor) -> torch.Tensor:
+            store = one_chunk.create_store(tuple(ranks), tuple(ranks))
+            store.append(h, h)
+            return torch.cat(store.view().keys, dim=-1)
+
+        return apply
+
+    return make
+
+
+def _compressed(compress, arch: str = "llama"):
+    model = tiny_model(arch, 4 if arch == "opt" else 2)
+    return compress(model, 1, 0.5, rank_multiple=1)[0]  # per-head groups of rank 4
+
+
+def _stepwise(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids[:, :prefix], use_cache=True)
+        steps = [out.logits]
+        for t in range(prefix, ids.shape[1]):
+            out = model(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
+            steps.append(out.logits)
+    return torch.cat(steps, dim=1)
+
+
+STORAGE = {"name": "gear", "bits": 2, "outliers": 1, "rank": 2, "buffer": 0}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+def test_gear_attention_equals_attention_over_the_reconstructed_latents(compress, arch) -> None:
+    comp = _compressed(compress, arch)
+    ids = ids_for(2, 12)
+    with torch.no_grad(), replaced_latents(comp, _gear_of_each_call(STORAGE)):
+        ref = comp(ids, use_cache=False).logits
+        ref_decoded = _stepwise(comp, ids, 5)
+    with torch.no_grad():
+        dense = comp(ids, use_cache=True).logits
+        comp.config.lrkv["cache"] = STORAGE
+        cached = comp(ids, use_cache=True)
+    assert all(type(layer.store) is GearStore for layer in cached.past_key_values.layers)
+    assert torch.equal(cached.logits, ref) and torch.equal(_stepwise(comp, ids, 5), ref_decoded)
+    assert max_diff(ref, dense) > 1e-4  # compressed, really
+
+
+def test_generate_and_beam_search_through_the_gear_cache(compress) -> None:
+    comp = _compressed(compress)
+    ids, mask = left_padded((9, 5, 2))
+    with torch.no_grad(), replaced_latents(comp, _gear_of_each_call(STORAGE)):
+        ref_greedy, ref_beam = greedy(comp, ids, mask), greedy(comp, ids, mask, num_beams=2)
+    comp.config.lrkv["cache"] = STORAGE
+    got = greedy(comp, ids, mask, num_beams=2, return_dict_in_generate=True)
+    assert torch.equal(greedy(comp, ids, mask), ref_greedy) and torch.equal(got.sequences, ref_beam)
+    assert got.past_key_values.storage == GearStorage(bits=2, outliers=1, rank=2, buffer=0)
+    comp.config.lrkv["cache"] = STORAGE | {"buffer": 3}  # with a streaming buffer: runs, beams included
+    out = greedy(comp, ids, mask, num_beams=2, max_new_tokens=10, return_dict_in_generate=True)
+    assert out.sequences.shape == (3, 19) and out.past_key_values.layers[0].store.chunk_sizes[0] == 9
+
+
+def test_the_bytes_reported_are_the_tensors_held(compress) -> None:
+    comp = _compressed(compress)
+    comp.config.lrkv["cache"] = {"name": "gear", "bits": 2, "outliers": 1, "rank": 2, "buffer": 4}
+    with torch.no_grad():
+        cache = comp(ids_for(3, 11), use_cache=True).past_key_values  # 8 tokens compressed, 3 in the buffer
+    fmt = LrkvFormat.of(comp.config)
+    expected = 0
+    for ranks in (*fmt.ranks_k, *fmt.ranks_v):  # per layer and kind: 2 groups of rank 4
+        R, G = sum(ranks), len(ranks)
+        per_token = packed_width(R, 2) + 2 * 2 * G + (2 + 1) * G + 2 * 2 * G  # codes, scale/zero, outliers, U
+        expected += 3 * (8 * per_token + 3 * 4 * R) + 3 * 2 * 2 * R  # + buffer in fp32 + one chunk's bases
+    expected += len(fmt.ranks_k) * 3 * 11 * 4  # int32 positions
+    assert cache_nbytes(cache) == expected
+
+
+def test_a_model_converted_with_the_gear_cache_saves_and_loads_it(tmp_path) -> None:
+    model = tiny_model("llama", 2)
+    rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
+    cache = {"name": "gear", "bits": 3, "quant_group_size": None, "outliers": 1, "rank": 1, "buffer": 4}
+    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, allocator="uniform", cache=cache)
+    comp = plan_conversion(model, rows, config).apply(model)
+    out = save_compressed(comp, tmp_path / "m")
+    assert LrkvFormat.of(comp.config).cache == cache
+    ids = ids_for(2, 10)
+    with torch.no_grad():
+        ref = comp(ids, use_cache=True).logits
+    for loaded in (load_compressed(out), AutoModelForCausalLM.from_pretrained(out)):
+        with torch.no_grad():
+            got = loaded(ids, use_cache=True)
+        assert torch.equal(got.logits, ref) and got.past_key_values.storage == CACHE_STORAGES.create(cache)
+        assert torch.equal(greedy(loaded, ids), greedy(comp, ids))
+
+
+def test_a_compressed_model_evaluates_with_another_storage_after_loading(compress, tmp_path) -> None:
+    comp = _compressed(compress)
+    out = save_compressed(comp, tmp_path / "m")
+    loaded = load_compressed(out)
+    storage = use_cache_storage(loaded, {"name": "gear", "bits": 2, "buffer": 0})
+    assert storage == GearStorage(bits=2, buffer=0) and loaded.config.lrkv["cache"]["name"] == "gear"
+    ids = ids_for(2, 10)
+    with torch.no_grad(), replaced_latents(comp, _gear_of_each_call(storage.to_dict())):
+        ref = comp(ids).logits
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, use_cache=True).logits, ref)
+    with pytest.raises(ValueError, match="leave nothing to quantize in a group of 4"):
+        use_cache_storage(loaded, {"name": "gear", "outliers": 4})
+    with pytest.raises(ValueError, match="gear cache bits must be one of"):
+        use_cache_storage(loaded, {"name": "gear", "bits": 16})
+    with pytest.raises(ValueError, match="dense KV cache"):
+        use_cache_storage(tiny_model(), "gear")

@@ -1,0 +1,39 @@
+"""Reference models for cache storages: a compressed model whose latents are replaced as they are computed.
+
+A storage's store must give attention the very latents some function of the computed ones gives back (a
+quantizer, GEAR's reconstruction). The reference is the same model with a *dense* cache and forward hooks on
+every ``k_down`` / ``v_down`` replacing their outputs (B, T, Σ r_g) by that function's, so both see the same
+tensors per forward call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from lrkv_core.adapters import get_adapter
+from lrkv_core.format import LrkvFormat
+
+Replace = Callable[[torch.Tensor], torch.Tensor]
+
+
+@contextmanager
+def replaced_latents(model, make: Callable[[list[int]], Replace]) -> Iterator[None]:
+    """The model with a dense cache whose latents of groups ``ranks`` are replaced by ``make(ranks)(h)``."""
+    adapter, fmt = get_adapter(model.config), LrkvFormat.of(model.config)
+    before = model.config.lrkv["cache"]
+    model.config.lrkv["cache"] = {"name": "dense"}
+    handles = []
+    for i in range(fmt.n_layers):
+        attn = adapter.attention(model, i)
+        for proj, ranks in (("k_down", fmt.ranks_k[i]), ("v_down", fmt.ranks_v[i])):
+            fn = make(ranks)
+            handles.append(getattr(attn, proj).register_forward_hook(lambda _m, _a, out, fn=fn: fn(out)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        model.config.lrkv["cache"] = before
