@@ -1,14 +1,16 @@
 """A long synthetic decode: the bytes the KV cache holds as tokens grow, original vs low-rank + quantized.
 
 A random Llama (built from a config: no download) and its lrkv conversion (data-free ``plain`` SVD at the
-given ratio, the default group size, ``--rotation``, latents quantized to ``--bits``) each decode
+given ratio, the default group size, ``--rotation``, latents quantized to ``--bits``, or any cache storage
+with ``--cache``) each decode
 ``--tokens`` tokens greedily for a batch of ``--batch`` rows, one token at a time through their caches. Every
 ``--every`` tokens the script prints, for both caches, the bytes of the tensors they hold (what
 ``lrkv_core.cache_nbytes`` and every evaluation report) and the bytes of the storages those tensors keep
-allocated, and their ratio; then the ratio ``kv_bytes_per_token`` reports from a short prefill, which the
-long decode should reproduce.
+allocated, their ratio and each model's decode seconds so far; then the ratio ``kv_bytes_per_token``
+reports from a short prefill, which the long decode should reproduce.
 
     python benchmarks/long_decode.py [--tokens 4096] [--batch 4] [--bits 3] [--ratio 0.5]
+    python benchmarks/long_decode.py --cache '{name: gear, bits: 3, outliers: 1, rank: 2, buffer: 32}'
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import copy
 import time
 
 import torch
+import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lrkv_core.cache import LatentLayer, cache_kwargs, cache_nbytes, output_cache
@@ -38,8 +41,9 @@ def allocated_bytes(cache) -> int:
 
 @torch.no_grad()
 def decode(model, prompt: torch.Tensor, tokens: int, every: int):
-    """Greedy decode of ``tokens`` tokens after ``prompt`` (B, P); yields (tokens in cache, cache) every
-    ``every`` tokens."""
+    """Greedy decode of ``tokens`` tokens after ``prompt`` (B, P); yields (tokens in cache, cache, seconds
+    this model has spent so far) every ``every`` tokens."""
+    start = time.perf_counter()
     out = model(prompt, use_cache=True)
     cache, length = output_cache(out), prompt.shape[1]
     for step in range(tokens):
@@ -47,7 +51,9 @@ def decode(model, prompt: torch.Tensor, tokens: int, every: int):
         out = model(nxt, **cache_kwargs(cache), use_cache=True)
         cache, length = output_cache(out), length + 1
         if (step + 1) % every == 0:
-            yield length, cache
+            paused = time.perf_counter()
+            yield length, cache, paused - start
+            start += time.perf_counter() - paused  # time spent outside this generator is not this model's
 
 
 def main() -> None:
@@ -58,6 +64,10 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--rotation", default="auto")
+    p.add_argument(
+        "--cache", type=yaml.safe_load, default=None,
+        help="the compressed model's cache storage, a name or YAML mapping (default: quantized at --bits)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -67,7 +77,7 @@ def main() -> None:
         num_key_value_heads=2, head_dim=64, max_position_embeddings=args.tokens + 64,
     )  # fmt: skip
     original = LlamaForCausalLM(config).eval()
-    cache = {"name": "quantized", "bits": args.bits}
+    cache = args.cache or {"name": "quantized", "bits": args.bits}
     settings = CompressionConfig(
         ratio=args.ratio, decomposition="plain", allocator="uniform", cache=cache, rotation=args.rotation
     )
@@ -78,7 +88,8 @@ def main() -> None:
     print(
         f"random Llama: 4 layers, 2 KV heads of 64, fp32; lrkv: plain SVD ratio {args.ratio} (ranks "
         f"{compressed.config.lrkv['ranks_k'][0]} K, {compressed.config.lrkv['ranks_v'][0]} V per layer), "
-        f"rotation {args.rotation}, {args.bits}-bit latents; batch {args.batch}, {args.tokens} tokens decoded"
+        f"rotation {args.rotation}, cache {compressed.config.lrkv['cache']}; batch {args.batch}, "
+        f"{args.tokens} tokens decoded"
     )
     print(
         f"kv_bytes_per_token after a 256-token prefill: {reported['kv_bytes_per_token']:.1f} B/token "
@@ -86,17 +97,18 @@ def main() -> None:
         f"ratio {reported['kv_compression_ratio']:.3f}×"
     )
     print("| tokens | original bytes | original allocated | lrkv bytes | lrkv allocated | ratio (bytes) "
-          "| ratio (allocated) | s |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+          "| ratio (allocated) | s | original s | lrkv s |\n" + "|---" * 10 + "|")  # fmt: skip
     start = time.perf_counter()
     runs = zip(
         decode(original, prompt, args.tokens, args.every), decode(compressed, prompt, args.tokens, args.every)
     )
-    for (length, dense), (_, latent) in runs:
+    for (length, dense, dense_s), (_, latent, latent_s) in runs:
         held = (cache_nbytes(dense), cache_nbytes(latent))
         alloc = (allocated_bytes(dense), allocated_bytes(latent))
         print(
             f"| {length} | {held[0]:,} | {alloc[0]:,} | {held[1]:,} | {alloc[1]:,} "
-            f"| {held[0] / held[1]:.3f}× | {alloc[0] / alloc[1]:.3f}× | {time.perf_counter() - start:.0f} |",
+            f"| {held[0] / held[1]:.3f}× | {alloc[0] / alloc[1]:.3f}× | {time.perf_counter() - start:.0f} "
+            f"| {dense_s:.1f} | {latent_s:.1f} |",
             flush=True,
         )
 

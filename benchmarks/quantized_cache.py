@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -224,7 +225,7 @@ def main() -> None:
     section = (
         f"## {Path(args.model).name}\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} (CPU, float32, {args.threads} threads, {minutes:.1f} min):\n\n"
-        f"```bash\npython benchmarks/quantized_cache.py {' '.join(sys.argv[1:])}\n```\n\n"
+        f"```bash\npython benchmarks/quantized_cache.py {shlex.join(sys.argv[1:])}\n```\n\n"
         f"Protocol: calibration {args.n_samples} × {args.seq_len} tokens of `{args.calibration}` (seed 0); "
         f"prefill PPL on {windows.shape[0]} windows of {args.seq_len} tokens of `{args.eval}` through the "
         f"cache; decode PPL on {n_decode} of them after a {args.decode_prefix}-token prefix; "
@@ -234,11 +235,10 @@ def main() -> None:
         "(float32, and the same cache in 16 bits) by the measured bytes. `lrkv + GEAR o:r:b`: the same "
         "quantized latents with o exact outliers per token and quantization group and a rank-r residual "
         "per latent group and chunk, b tokens kept as given until they are compressed together "
-        "(`residual` < b).\n\n"
+        "(`residual` < b); KV bytes are measured after one prefilled window, which is one chunk: decoding "
+        "adds a chunk's bases every b tokens.\n\n"
         + markdown_table(results)
-        + "\nRotation (none → auto):\n\n"
-        + rotation_effect(results)
-        + "\n"
+        + (f"\nRotation (none → auto):\n\n{effect}\n" if (effect := rotation_effect(results)) else "")
     )
     print(section)
     if args.out:
