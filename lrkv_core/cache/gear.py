@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from ..quant import INTEGER_BITS, QuantizedRows, dequantize, group_widths, pack_codes, quantize, unpack_codes
-from .quantized import QuantizedStore
+from .quantized import QuantizedStore, check_options
 from .storage import CACHE_STORAGES, CacheStorage, split_groups
 
 _HALF = torch.float16
@@ -225,13 +225,7 @@ class GearStorage(CacheStorage):
     buffer: int = 32  # tokens kept as given until this many are compressed together (GEAR's n_b)
 
     def __post_init__(self) -> None:
-        if self.bits not in INTEGER_BITS:
-            raise ValueError(f"gear cache bits must be one of {INTEGER_BITS}, got {self.bits}")
-        if self.quant_group_size is not None and self.quant_group_size < 1:
-            raise ValueError(f"quant_group_size must be ≥ 1 or null, got {self.quant_group_size}")
-        for field in ("outliers", "rank", "buffer"):
-            if getattr(self, field) < 0:
-                raise ValueError(f"gear cache {field} must be ≥ 0, got {getattr(self, field)}")
+        check_options(self, INTEGER_BITS, "outliers", "rank", "buffer")
 
     def check_ranks(self, ranks: Sequence[int]) -> None:
         """The quantization group size must divide every rank, and every quantization group must hold more

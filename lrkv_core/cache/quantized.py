@@ -83,6 +83,20 @@ class QuantizedStore(LatentStore):
         )
 
 
+def check_options(storage: CacheStorage, allowed_bits: Sequence[int], *counts: str) -> None:
+    """The options every quantizing storage shares: ``bits`` among ``allowed_bits``, a quantization group
+    size ≥ 1 or None, and the named ``counts`` (tokens, entries, ranks) ≥ 0."""
+    if storage.bits not in allowed_bits:
+        raise ValueError(
+            f"{storage.name} cache bits must be one of {tuple(allowed_bits)}, got {storage.bits}"
+        )
+    if storage.quant_group_size is not None and storage.quant_group_size < 1:
+        raise ValueError(f"quant_group_size must be ≥ 1 or null, got {storage.quant_group_size}")
+    for field in counts:
+        if getattr(storage, field) < 0:
+            raise ValueError(f"{storage.name} cache {field} must be ≥ 0, got {getattr(storage, field)}")
+
+
 @CACHE_STORAGES.register
 @dataclass(frozen=True)
 class QuantizedStorage(CacheStorage):
@@ -94,12 +108,7 @@ class QuantizedStorage(CacheStorage):
     residual: int = 0  # newest tokens kept in full precision (KIVI's residual length)
 
     def __post_init__(self) -> None:
-        if self.bits not in STORED_BITS:
-            raise ValueError(f"quantized cache bits must be one of {STORED_BITS}, got {self.bits}")
-        if self.quant_group_size is not None and self.quant_group_size < 1:
-            raise ValueError(f"quant_group_size must be ≥ 1 or null, got {self.quant_group_size}")
-        if self.residual < 0:
-            raise ValueError(f"residual must be ≥ 0 tokens, got {self.residual}")
+        check_options(self, STORED_BITS, "residual")
 
     def check_ranks(self, ranks: Sequence[int]) -> None:
         """A quantization group size must divide every latent group's rank (integer bits only)."""

@@ -21,7 +21,6 @@ from lrkv_core.cache import (
     GearStorage,
     GearStore,
     QuantizedStorage,
-    cache_kwargs,
     cache_nbytes,
 )
 from lrkv_core.cache.gear import low_rank, put_outliers, split_outliers
@@ -30,7 +29,7 @@ from lrkv_core.format import LrkvFormat
 from lrkv_core.pipeline import use_cache_storage
 from lrkv_core.quant import packed_width
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
-from tests.support.latents import replaced_latents
+from tests.support.latents import replaced_latents, stepwise
 from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -179,16 +178,6 @@ def _compressed(compress, arch: str = "llama"):
     return compress(model, 1, 0.5, rank_multiple=1)[0]  # per-head groups of rank 4
 
 
-def _stepwise(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(ids[:, :prefix], use_cache=True)
-        steps = [out.logits]
-        for t in range(prefix, ids.shape[1]):
-            out = model(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
-            steps.append(out.logits)
-    return torch.cat(steps, dim=1)
-
-
 STORAGE = {"name": "gear", "bits": 2, "outliers": 1, "rank": 2, "buffer": 0}
 
 
@@ -198,13 +187,13 @@ def test_gear_attention_equals_attention_over_the_reconstructed_latents(compress
     ids = ids_for(2, 12)
     with torch.no_grad(), replaced_latents(comp, _gear_of_each_call(STORAGE)):
         ref = comp(ids, use_cache=False).logits
-        ref_decoded = _stepwise(comp, ids, 5)
+        ref_decoded = stepwise(comp, ids, 5)[0]
     with torch.no_grad():
         dense = comp(ids, use_cache=True).logits
         comp.config.lrkv["cache"] = STORAGE
         cached = comp(ids, use_cache=True)
     assert all(type(layer.store) is GearStore for layer in cached.past_key_values.layers)
-    assert torch.equal(cached.logits, ref) and torch.equal(_stepwise(comp, ids, 5), ref_decoded)
+    assert torch.equal(cached.logits, ref) and torch.equal(stepwise(comp, ids, 5)[0], ref_decoded)
     assert max_diff(ref, dense) > 1e-4  # compressed, really
 
 

@@ -26,7 +26,7 @@ from lrkv_core.evaluate import kv_bytes_per_token
 from lrkv_core.format import LrkvFormat
 from lrkv_core.quant import fake_quantize, group_widths, packed_width
 from tests.support.inputs import decode_left_padded, greedy, ids_for, left_padded, max_diff
-from tests.support.latents import replaced_latents
+from tests.support.latents import replaced_latents, stepwise
 from tests.support.models import SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,17 +58,6 @@ def dequantized_latents(model, storage: dict, keep_last: int = 0):
     return replaced_latents(model, lambda ranks: _quantizer(storage, ranks, keep_last))
 
 
-def _stepwise(model, ids: torch.Tensor, prefix: int) -> tuple[torch.Tensor, object]:
-    """Logits (B, T, V) of a prefill of ``prefix`` tokens then one token at a time through the cache."""
-    with torch.no_grad():
-        out = model(ids[:, :prefix], use_cache=True)
-        steps = [out.logits]
-        for t in range(prefix, ids.shape[1]):
-            out = model(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
-            steps.append(out.logits)
-    return torch.cat(steps, dim=1), out.past_key_values
-
-
 STORAGES = [
     {"name": "quantized", "bits": b, **extra}
     for b, extra in [(2, {}), (3, {}), (4, {}), (8, {}), (16, {}), (3, {"quant_group_size": 2})]
@@ -82,12 +71,12 @@ def test_quantized_attention_equals_attention_over_the_dequantized_latents(compr
     ids = ids_for(2, 12)
     with torch.no_grad(), dequantized_latents(comp, storage):
         ref = comp(ids, use_cache=False).logits
-        ref_decoded, _ = _stepwise(comp, ids, 5)
+        ref_decoded, _ = stepwise(comp, ids, 5)
     with torch.no_grad():
         plain = comp(ids, use_cache=True).logits  # a dense cache
         comp.config.lrkv["cache"] = storage
         prefill = comp(ids, use_cache=True)
-    decoded, cache = _stepwise(comp, ids, 5)
+    decoded, cache = stepwise(comp, ids, 5)
     assert all(type(layer.store) is QuantizedStore for layer in cache.layers)
     assert torch.equal(prefill.logits, ref)  # the same dequantized tensors, the same attention
     assert torch.equal(decoded, ref_decoded)  # and token by token
@@ -130,9 +119,9 @@ def test_the_residual_window_keeps_the_newest_tokens_exact_at_every_step(compres
 def test_a_window_holding_every_token_decodes_exactly_as_dense(compress) -> None:
     comp = _compressed(compress)
     ids = ids_for(2, 10)
-    dense, _ = _stepwise(comp, ids, 4)
+    dense, _ = stepwise(comp, ids, 4)
     comp.config.lrkv["cache"] = {"name": "quantized", "bits": 2, "residual": 10}
-    assert torch.equal(_stepwise(comp, ids, 4)[0], dense)
+    assert torch.equal(stepwise(comp, ids, 4)[0], dense)
 
 
 def _bytes_per_token(ranks_k: list[int], ranks_v: list[int], bits: int, group: int | None) -> int:
@@ -229,12 +218,12 @@ def test_the_quantized_storage_composes_with_the_sliding_window(compress) -> Non
     storage = {"name": "quantized", "bits": 4}
     ids = ids_for(2, 3 * SLIDING_WINDOW)
     with dequantized_latents(comp, storage):
-        ref, _ = _stepwise(comp, ids, 2)
+        ref, _ = stepwise(comp, ids, 2)
     comp.config.lrkv["cache"] = storage
-    decoded, cache = _stepwise(comp, ids, 2)
+    decoded, cache = stepwise(comp, ids, 2)
     assert torch.equal(decoded, ref)
     comp.config.lrkv["cache"] = storage | {"residual": 2}
-    cache = _stepwise(comp, ids, 2)[1]
+    cache = stepwise(comp, ids, 2)[1]
     for layer in cache.layers:  # window − 1 tokens kept: 2 of them exact, the older ones encoded
         assert len(layer.store) == SLIDING_WINDOW - 1 and layer.store.recent["k"].shape[1] == 2
         assert layer.store.positions.shape[1] == SLIDING_WINDOW - 1

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from lrkv_core.adapters import get_adapter
+from lrkv_core.cache import cache_kwargs
 from lrkv_core.format import LrkvFormat
 
 Replace = Callable[[torch.Tensor], torch.Tensor]
@@ -37,3 +38,15 @@ def replaced_latents(model, make: Callable[[list[int]], Replace]) -> Iterator[No
         for h in handles:
             h.remove()
         model.config.lrkv["cache"] = before
+
+
+def stepwise(model, ids: torch.Tensor, prefix: int) -> tuple[torch.Tensor, object]:
+    """Logits (B, T, V) of a prefill of ``prefix`` tokens then one token at a time through the cache, and
+    the cache."""
+    with torch.no_grad():
+        out = model(ids[:, :prefix], use_cache=True)
+        steps = [out.logits]
+        for t in range(prefix, ids.shape[1]):
+            out = model(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
+            steps.append(out.logits)
+    return torch.cat(steps, dim=1), out.past_key_values
