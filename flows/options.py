@@ -41,6 +41,18 @@ def store_root(value: str) -> str:
     return value if is_s3(value) else str(local_path("--store", STORE_FORMS)(value))
 
 
+def yaml_value(flag: str, text: str):
+    """``text`` parsed as YAML, or a usage error naming ``flag`` and where the YAML breaks."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at column {where.column + 1}" if where is not None else ""
+        raise typer.BadParameter(
+            f"{flag} {text!r} is not valid YAML ({getattr(err, 'problem', None) or err}{at})"
+        ) from None
+
+
 def parse_set(values: list[str]) -> dict:
     """``--set a.b=VALUE`` pairs as recipe overrides (values parsed as YAML)."""
     out = {}
@@ -48,7 +60,7 @@ def parse_set(values: list[str]) -> dict:
         if "=" not in item:
             raise typer.BadParameter(f"--set takes key=value, got {item!r}")
         k, v = item.split("=", 1)
-        out[k] = yaml.safe_load(v)
+        out[k] = yaml_value("--set", v)
     return out
 
 
@@ -85,7 +97,7 @@ def cache_storage(value: str) -> str | dict:
     checked against the registry (a usage error names the storages and their options)."""
     from lrkv_core.cache import CACHE_STORAGES
 
-    spec = yaml.safe_load(value)
+    spec = yaml_value("--cache", value)
     try:
         CACHE_STORAGES.create(spec)
     except (TypeError, ValueError) as err:

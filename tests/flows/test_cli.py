@@ -270,6 +270,25 @@ def test_eval_takes_another_cache_storage(compress, tmp_path, monkeypatch):
     for spec, message in (
         ("{name: gear, bits: 5}", "gear cache bits must be one of"),
         ("gzip", "unknown cache storage"),
+        ("{name: gear", "is not valid YAML"),
     ):
         res = CliRunner().invoke(app, [*args, "--cache", spec])
         assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--cache", "gear", "--bits", "3"], "--cache names the whole storage"),
+        (["--set", "compression.ratio={0.3"], "is not valid YAML"),
+    ],
+)
+def test_convert_refuses_conflicting_or_broken_options_before_any_work(tmp_path, monkeypatch, extra, message):
+    from typer.testing import CliRunner
+
+    from lrkv_flows.cli import app
+
+    monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
+    res = CliRunner().invoke(app, ["convert", "--model", "builtin:pydoc-llama", *extra])
+    assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "home").exists()
