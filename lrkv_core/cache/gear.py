@@ -22,9 +22,9 @@ comes (token by token when decoding: a rank-1 residual per token is then exact b
 
 Parts, per token: the ``quantized`` storage's codes, scales and zero-points of the filled rows,
 ``{k,v}_outliers`` (B, S, G·outliers) float16 and ``{k,v}_positions`` uint8 (the same shape), and
-``{k,v}_lowrank`` (B, S, Σ_g min(rank, r_g)) float16. Per chunk, :attr:`GearStore.bases`: for K and V one
-(B, min(rank, r_g), r_g) float16 basis per latent group. The cache's reported bytes are all of these, the
-buffer's full-precision tokens and the positions included.
+``{k,v}_lowrank`` (B, S, Σ_g min(rank, r_g)) float16. Per chunk, in :attr:`GearStore.bases`: for K and V
+one (min(rank, r_g), r_g) float16 basis per latent group and batch row. The cache's reported bytes are all
+of these, the buffer's full-precision tokens and the positions included.
 """
 
 from __future__ import annotations
@@ -100,6 +100,17 @@ def low_rank(e: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return coeffs.to(_HALF), basis.to(_HALF)
 
 
+def _runs(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Runs of equal consecutive sizes as (size, how many): [256, 32, 32, 32] → [(256, 1), (32, 3)]."""
+    runs: list[tuple[int, int]] = []
+    for n in sizes:
+        if runs and runs[-1][0] == n:
+            runs[-1] = (n, runs[-1][1] + 1)
+        else:
+            runs.append((n, 1))
+    return runs
+
+
 class GearStore(QuantizedStore):
     """Quantized latents with exact outliers and a per-chunk low-rank residual (see the module docstring).
 
@@ -115,7 +126,8 @@ class GearStore(QuantizedStore):
     Attributes
     ----------
     chunk_sizes : tokens of each compressed chunk, oldest first (they sum to the encoded tokens).
-    bases : per chunk, ``{"k": (B, k_g, r_g) per key group, "v": ...}`` float16 (k_g = min(rank, r_g)).
+    bases : ``{"k": one (B, C, k_g, r_g) per key group, "v": ...}`` float16: the C chunks' bases, oldest
+        first (k_g = min(rank, r_g)); empty before the first chunk.
     """
 
     def __init__(
@@ -131,7 +143,7 @@ class GearStore(QuantizedStore):
         super().__init__(ranks_k, ranks_v, bits, quant_group_size, residual=buffer)
         self.outliers, self.rank = outliers, rank
         self.chunk_sizes: list[int] = []
-        self.bases: list[dict[str, tuple[torch.Tensor, ...]]] = []
+        self.bases: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def _through_window(self, h_k: torch.Tensor, h_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The streaming buffer: once ``buffer`` tokens wait, all whole multiples of it leave together."""
@@ -143,7 +155,7 @@ class GearStore(QuantizedStore):
 
     def encode(self, h_k: torch.Tensor, h_v: torch.Tensor) -> dict[str, torch.Tensor]:
         """One chunk: its per-token parts are returned, its bases appended to :attr:`bases`."""
-        parts, bases = {}, {}
+        parts, bases = {}, {}  # bases: per kind, one (B, 1, k_g, r_g) per group
         for kind, h, ranks in (("k", h_k, self.ranks_k), ("v", h_v, self.ranks_v)):
             widths = self.widths[kind]
             filled, values, positions = split_outliers(h, widths, self.outliers)
@@ -159,13 +171,18 @@ class GearStore(QuantizedStore):
                 for e in split_groups(h.float() - approx, ranks):  # (B, T, r_g)
                     u, basis = low_rank(e, self.rank)
                     coeffs.append(u)
-                    bases[kind].append(basis)
+                    bases[kind].append(basis.unsqueeze(1))
             parts[f"{kind}_lowrank"] = (
                 torch.cat(coeffs, dim=-1) if coeffs else h.new_zeros((*h.shape[:2], 0), dtype=_HALF)
             )
-            bases[kind] = tuple(bases[kind])
         self.chunk_sizes.append(h_k.shape[1])
-        self.bases.append(bases)
+        if self.rank and self.bases:
+            self.bases = {
+                kind: tuple(torch.cat([old, new], dim=1) for old, new in zip(self.bases[kind], chunk))
+                for kind, chunk in bases.items()
+            }
+        elif self.rank:
+            self.bases = {kind: tuple(chunk) for kind, chunk in bases.items()}
         return parts
 
     def _latents(self, parts: Mapping[str, torch.Tensor], kind: str) -> torch.Tensor:
@@ -180,36 +197,51 @@ class GearStore(QuantizedStore):
         return x.to(self.dtype)
 
     def _residual(self, coeffs: torch.Tensor, kind: str, ranks: Sequence[int]) -> torch.Tensor:
-        """The low-rank residual (B, S_e, R) of every chunk: per group, tokens' coefficients × the basis."""
+        """The low-rank residual (B, S_e, R) of every chunk: per group, tokens' coefficients × their chunk's
+        basis, one batched product per run of equal-sized chunks (decoding makes them all ``buffer`` long)."""
         ks = [min(self.rank, r) for r in ranks]
-        chunks, start = [], 0
-        for n, bases in zip(self.chunk_sizes, self.bases):
-            u = torch.split(coeffs[:, start : start + n].float(), ks, dim=-1)  # (B, n, k_g) per group
-            chunks.append(torch.cat([ug @ b.float() for ug, b in zip(u, bases[kind])], dim=-1))
-            start += n
-        return torch.cat(chunks, dim=1)
+        runs, start, first = [], 0, 0
+        for n, chunks in _runs(self.chunk_sizes):
+            u = coeffs[:, start : start + n * chunks].float().unflatten(1, (chunks, n))  # (B, c, n, K)
+            runs.append(
+                torch.cat(
+                    [
+                        ug @ b[:, first : first + chunks].float()
+                        for ug, b in zip(u.split(ks, -1), self.bases[kind])
+                    ],
+                    dim=-1,
+                ).flatten(1, 2)
+            )  # (B, c·n, R)
+            start, first = start + n * chunks, first + chunks
+        return torch.cat(runs, dim=1)
 
     def _slice_tokens(self, start: int, end: int) -> None:
         """Keep tokens ``start..end-1``; chunks left without tokens drop their bases."""
         n_enc = self._encoded()
         lo, hi = min(start, n_enc), min(end, n_enc)
-        sizes, bases, offset = [], [], 0
-        for n, b in zip(self.chunk_sizes, self.bases):
+        sizes, kept_chunks, offset = [], [], 0
+        for c, n in enumerate(self.chunk_sizes):
             kept = min(offset + n, hi) - max(offset, lo)
             if kept > 0:
                 sizes.append(kept)
-                bases.append(b)
+                kept_chunks.append(c)
             offset += n
-        self.chunk_sizes, self.bases = sizes, bases
+        if kept_chunks != list(range(len(self.chunk_sizes))):
+            keep = torch.tensor(kept_chunks, dtype=torch.long)
+            self.bases = {
+                kind: tuple(b.index_select(1, keep.to(b.device)) for b in group_bases)
+                for kind, group_bases in self.bases.items()
+            } if kept_chunks else {}  # fmt: skip
+        self.chunk_sizes = sizes
         super()._slice_tokens(start, end)
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super()._map(fn)
-        self.bases = [{kind: tuple(fn(t) for t in ts) for kind, ts in b.items()} for b in self.bases]
+        self.bases = {kind: tuple(fn(b) for b in bs) for kind, bs in self.bases.items()}
 
     def reset(self) -> None:
         super().reset()
-        self.chunk_sizes, self.bases = [], []
+        self.chunk_sizes, self.bases = [], {}
 
 
 @CACHE_STORAGES.register

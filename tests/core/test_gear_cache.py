@@ -134,7 +134,7 @@ def test_the_buffer_compresses_whole_buffers_and_keeps_the_rest_as_given() -> No
     for t in range(10, 30):
         store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
     assert store.chunk_sizes == [8, 4, 4, 4, 4, 4] and store.recent["k"].shape[1] == 2 and len(store) == 30
-    assert len(store.bases) == 6 and all(b["k"][0].shape == (2, 2, 8) for b in store.bases)
+    assert store.bases["k"][0].shape == (2, 6, 2, 8)  # (B, chunks, rank, r_g)
 
 
 def test_crop_batch_operations_and_a_sliding_window_keep_chunks_aligned() -> None:
@@ -151,11 +151,11 @@ def test_crop_batch_operations_and_a_sliding_window_keep_chunks_aligned() -> Non
     store.reorder(torch.tensor([1, 1]))
     assert all(torch.equal(a, b[[0, 0], :21]) for a, b in zip(_view(store), full))
     store.keep_last(6)  # the last 6: 1 of the third chunk, 4, 1
-    assert store.chunk_sizes == [1, 4, 1] and len(store.bases) == 3
+    assert store.chunk_sizes == [1, 4, 1] and store.bases["v"][0].shape[1] == 3
     assert all(torch.equal(a, b[[0, 0], 15:21]) for a, b in zip(_view(store), full))
     assert _nbytes(store) < nbytes / 4  # the dropped chunks' bases are gone too
     store.reset()
-    assert len(store) == 0 and store.chunk_sizes == [] and store.bases == []
+    assert len(store) == 0 and store.chunk_sizes == [] and store.bases == {}
 
 
 def _gear_of_each_call(storage: dict):
