@@ -16,9 +16,10 @@ latents, per layer and kind (K or V):
    basis ``Vᵀ`` (rank × r_g) once per chunk, both float16.
 
 **Streaming buffer** (GEAR's n_b): new tokens stay as given until ``buffer`` of them are waiting; then all
-waiting tokens in whole multiples of ``buffer`` are compressed together as one chunk (a prefill's prompt is
-one chunk; decoding adds one chunk every ``buffer`` steps). ``buffer: 0`` compresses every update as it
-comes (token by token when decoding: a rank-1 residual per token is then exact but costs more than it saves).
+waiting tokens in whole multiples of ``buffer`` are compressed together as one chunk (so a prompt is one
+chunk but for its last tokens; decoding adds one chunk every ``buffer`` steps). ``buffer: 0`` compresses every
+update as it comes (token by token when decoding: a rank-1 residual per token is exact but costs more than
+it saves).
 
 Parts, per token: the ``quantized`` storage's codes, scales and zero-points of the filled rows,
 ``{k,v}_outliers`` (B, S, G·outliers) float16 and ``{k,v}_positions`` uint8 (the same shape), and
