@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from ..quant import INTEGER_BITS, QuantizedRows, dequantize, group_widths, pack_codes, quantize, unpack_codes
+from ..quant import INTEGER_BITS, dequantize, group_widths, quantize
 from .quantized import QuantizedStore, check_options
 from .storage import CACHE_STORAGES, CacheStorage, split_groups
 
@@ -146,13 +146,9 @@ class GearStore(QuantizedStore):
         self.chunk_sizes: list[int] = []
         self.bases: dict[str, tuple[torch.Tensor, ...]] = {}
 
-    def _through_window(self, h_k: torch.Tensor, h_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _leaving(self, waiting: int) -> int:
         """The streaming buffer: once ``buffer`` tokens wait, all whole multiples of it leave together."""
-        k = torch.cat([self.recent["k"], h_k], dim=1) if self.recent else h_k  # (B, S_r + T, R_k)
-        v = torch.cat([self.recent["v"], h_v], dim=1) if self.recent else h_v
-        out = k.shape[1] - k.shape[1] % self.residual
-        self.recent = {"k": k[:, out:].clone(), "v": v[:, out:].clone()}
-        return k[:, :out], v[:, :out]
+        return waiting - waiting % self.residual
 
     def encode(self, h_k: torch.Tensor, h_v: torch.Tensor) -> dict[str, torch.Tensor]:
         """One chunk: its per-token parts are returned, its bases appended to :attr:`bases`."""
@@ -164,8 +160,7 @@ class GearStore(QuantizedStore):
             approx = put_outliers(
                 dequantize(q, widths, torch.float32), widths, self.outliers, values, positions
             )
-            parts[f"{kind}_codes"] = pack_codes(q.codes, self.bits)
-            parts[f"{kind}_scale"], parts[f"{kind}_zero"] = q.scale, q.zero
+            parts |= self._packed(kind, q)
             parts[f"{kind}_outliers"], parts[f"{kind}_positions"] = values, positions
             coeffs, bases[kind] = [], []
             if self.rank:
@@ -177,23 +172,23 @@ class GearStore(QuantizedStore):
                 torch.cat(coeffs, dim=-1) if coeffs else h.new_zeros((*h.shape[:2], 0), dtype=_HALF)
             )
         self.chunk_sizes.append(h_k.shape[1])
-        if self.rank and self.bases:
-            self.bases = {
-                kind: tuple(torch.cat([old, new], dim=1) for old, new in zip(self.bases[kind], chunk))
-                for kind, chunk in bases.items()
-            }
-        elif self.rank:
-            self.bases = {kind: tuple(chunk) for kind, chunk in bases.items()}
+        for kind, chunk in bases.items() if self.rank else ():
+            old = self.bases.get(kind)
+            self.bases[kind] = (
+                tuple(chunk) if old is None else tuple(torch.cat([o, n], dim=1) for o, n in zip(old, chunk))
+            )
         return parts
 
     def _latents(self, parts: Mapping[str, torch.Tensor], kind: str) -> torch.Tensor:
-        widths, ranks = self.widths[kind], self.ranks_k if kind == "k" else self.ranks_v
-        codes = unpack_codes(parts[f"{kind}_codes"], self.bits, sum(widths))
-        x = dequantize(
-            QuantizedRows(codes, parts[f"{kind}_scale"], parts[f"{kind}_zero"]), widths, torch.float32
+        x = put_outliers(
+            self._dequantized(parts, kind, torch.float32),
+            self.widths[kind],
+            self.outliers,
+            parts[f"{kind}_outliers"],
+            parts[f"{kind}_positions"],
         )
-        x = put_outliers(x, widths, self.outliers, parts[f"{kind}_outliers"], parts[f"{kind}_positions"])
         if self.rank:
+            ranks = self.ranks_k if kind == "k" else self.ranks_v
             x = x + self._residual(parts[f"{kind}_lowrank"], kind, ranks)
         return x.to(self.dtype)
 

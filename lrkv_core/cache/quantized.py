@@ -62,19 +62,28 @@ class QuantizedStore(LatentStore):
             return {"k": h_k.to(torch.float16), "v": h_v.to(torch.float16)}
         parts = {}
         for kind, h in (("k", h_k), ("v", h_v)):
-            q = quantize(h, self.widths[kind], self.bits)  # codes (B, T, R), scale/zero (B, T, G)
-            parts[f"{kind}_codes"] = pack_codes(q.codes, self.bits)  # (B, T, ⌈R·b/8⌉)
-            parts[f"{kind}_scale"], parts[f"{kind}_zero"] = q.scale, q.zero
+            parts |= self._packed(kind, quantize(h, self.widths[kind], self.bits))
         return parts
+
+    def _packed(self, kind: str, q: QuantizedRows) -> dict[str, torch.Tensor]:
+        """Quantized rows as ``kind``'s parts: packed codes (B, T, ⌈R·b/8⌉), scales, zero-points (B, T, G)."""
+        return {
+            f"{kind}_codes": pack_codes(q.codes, self.bits),
+            f"{kind}_scale": q.scale,
+            f"{kind}_zero": q.zero,
+        }
+
+    def _dequantized(self, parts: Mapping[str, torch.Tensor], kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """``kind``'s packed parts dequantized: (B, S, R) in ``dtype``."""
+        codes = unpack_codes(parts[f"{kind}_codes"], self.bits, sum(self.widths[kind]))  # (B, S, R)
+        rows = QuantizedRows(codes, parts[f"{kind}_scale"], parts[f"{kind}_zero"])
+        return dequantize(rows, self.widths[kind], dtype)
 
     def _latents(self, parts: Mapping[str, torch.Tensor], kind: str) -> torch.Tensor:
         """The dequantized latents (B, S, R) of ``kind``, in the model's dtype."""
         if self.bits == 16:
             return parts[kind].to(self.dtype)
-        width = sum(self.widths[kind])
-        codes = unpack_codes(parts[f"{kind}_codes"], self.bits, width)  # (B, S, R)
-        rows = QuantizedRows(codes, parts[f"{kind}_scale"], parts[f"{kind}_zero"])
-        return dequantize(rows, self.widths[kind], self.dtype)
+        return self._dequantized(parts, kind, self.dtype)
 
     def decode(self, parts: Mapping[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], ...]:
         return (

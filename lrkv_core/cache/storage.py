@@ -134,10 +134,15 @@ class LatentStore(ABC):
         """Add new latents to the residual window; return the oldest ones it no longer holds (B, T_e, R)."""
         k = torch.cat([self.recent["k"], h_k], dim=1) if self.recent else h_k  # (B, S_r + T, R_k)
         v = torch.cat([self.recent["v"], h_v], dim=1) if self.recent else h_v
-        out = max(k.shape[1] - self.residual, 0)
+        out = self._leaving(k.shape[1])
         # a copy, so the window does not keep the pushed-out tokens' memory alive
         self.recent = {"k": k[:, out:].clone(), "v": v[:, out:].clone()}
         return k[:, :out], v[:, :out]
+
+    def _leaving(self, waiting: int) -> int:
+        """How many of the ``waiting`` tokens (window and new, oldest first) leave the window to be encoded:
+        all but the newest ``residual``. A strategy may release them otherwise (GEAR: whole buffers)."""
+        return max(waiting - self.residual, 0)
 
     def _append_encoded(self, h_k: torch.Tensor, h_v: torch.Tensor) -> None:
         B, T = h_k.shape[:2]
