@@ -76,7 +76,13 @@ def load_text(spec: str | DatasetSpec) -> str:
         ds = load_dataset("text", data_files=str(_local_file(spec.name)), sample_by="document", split="train")
         return "".join(ds["text"])
     if spec.kind == "hf":
-        ds = load_dataset(spec.name, spec.config, split=spec.split)
+        try:
+            ds = load_dataset(spec.name, spec.config, split=spec.split)
+        except ConnectionError as err:
+            raise ConnectionError(
+                f"{err}: {spec} is read from the Hugging Face Hub; without network, give a local dataset "
+                "(text:PATH or parquet:PATH, e.g. --dataset text:train.txt)"
+            ) from None
         if "text" not in ds.column_names:
             raise ValueError(f"hub dataset {spec} has no 'text' column (columns: {ds.column_names})")
         return "".join(ds["text"])

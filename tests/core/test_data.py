@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +131,16 @@ def test_hub_rows_are_joined_as_they_are(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(data, "load_dataset", fake_load_dataset)
     assert load_text("hf:wikitext:wikitext-2-raw-v1:test") == " = Title =\n\nBody line .\n"
     assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "test"})]
+
+
+def test_an_unreachable_hub_dataset_says_to_give_a_local_one(tmp_path: Path) -> None:
+    """The Hub really unreachable (offline mode, an empty cache): the error names the local forms."""
+    code = "from lrkv_core.data import load_text; load_text('hf:wikitext:wikitext-2-raw-v1:train')"
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith("ConnectionError: Couldn't reach 'wikitext'"), res.stderr
+    assert "without network, give a local dataset (text:PATH or parquet:PATH" in last
 
 
 @pytest.fixture
