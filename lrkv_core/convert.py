@@ -113,6 +113,7 @@ class CompressionConfig:
             raise ValueError("each statistic may be configured once")
         object.__setattr__(self, "statistics", stats)
         object.__setattr__(self, "cache", CACHE_STORAGES.create(self.cache))
+        self.cache.check_rotation(self.rotation)
 
     @property
     def refines(self) -> bool:

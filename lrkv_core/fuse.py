@@ -200,6 +200,7 @@ def compress_model(
     storage = CACHE_STORAGES.create(fmt.cache)
     for ranks in (*fmt.ranks_k, *fmt.ranks_v):
         storage.check_ranks(ranks)
+    storage.check_rotation(rotation)
     check_rotation(rotation, [*fmt.ranks_k, *fmt.ranks_v])
     for i, (f, layout) in enumerate(zip(factors, layouts(fmt))):
         attn = adapter.attention(model, i)

@@ -283,5 +283,6 @@ def use_cache_storage(model, cache: str | Mapping[str, Any] | CacheStorage) -> C
     storage = CACHE_STORAGES.create(cache)
     fmt = LrkvFormat.of(model.config)
     storage.check_ranks(sorted({r for layer in (*fmt.ranks_k, *fmt.ranks_v) for r in layer}))
+    storage.check_rotation(fmt.rotation)
     model.config.lrkv["cache"] = storage.to_dict()
     return storage

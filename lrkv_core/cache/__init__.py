@@ -3,7 +3,7 @@
 - :mod:`.storage`: :class:`CacheStorage` (a strategy's registered config), :class:`LatentStore` (its mutable
   per-layer store, generic per-token operations written once), :class:`LatentView` (what attention reads);
 - :mod:`.window`: :class:`FullWindow`, :class:`SlidingWindow`;
-- :mod:`.dense`, :mod:`.quantized`, :mod:`.gear`: the registered storage strategies;
+- :mod:`.dense`, :mod:`.quantized`, :mod:`.gear`, :mod:`.tale`: the registered storage strategies;
 - :mod:`.layer`: :class:`LatentLayer`, one store × one window behind transformers' cache-layer API;
 - :mod:`.latent_cache`: :class:`LatentCache` (``from_config`` reads ranks and storage from ``config.lrkv``)
   and :func:`cache_nbytes`;
@@ -14,7 +14,7 @@ A new storage strategy is one module beside :mod:`.dense` (a ``LatentStore`` sub
 """
 
 # storage strategies: importing a strategy's module registers it
-from . import dense, gear, quantized  # noqa: F401
+from . import dense, gear, quantized, tale  # noqa: F401
 from .argument import CACHE_ARG, cache_kwargs, either_cache, output_cache, pop_cache
 from .dense import DenseStorage, DenseStore
 from .gear import GearStorage, GearStore
@@ -22,6 +22,7 @@ from .latent_cache import LatentCache, cache_nbytes
 from .layer import LatentLayer
 from .quantized import QuantizedStorage, QuantizedStore
 from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView, split_groups
+from .tale import TaleStorage, TaleStore
 from .window import FullWindow, SlidingWindow
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "QuantizedStorage",
     "QuantizedStore",
     "SlidingWindow",
+    "TaleStorage",
+    "TaleStore",
     "cache_kwargs",
     "cache_nbytes",
     "either_cache",

@@ -258,5 +258,10 @@ class CacheStorage(Method, ABC):
         """Raise ``ValueError`` if this strategy cannot keep latent groups of these ranks; every rank is fine
         unless a strategy says otherwise (a quantization group size must divide them, for instance)."""
 
+    def check_rotation(self, rotation: str) -> None:
+        """Raise ``ValueError`` if this strategy cannot read latents whose factors carry the fused
+        ``rotation`` (a policy of :mod:`lrkv_core.rotation`); every rotation is fine unless a strategy
+        says otherwise (one that cuts latents to a prefix needs them in spectral order, for instance)."""
+
 
 CACHE_STORAGES: Registry[CacheStorage] = Registry("cache storage", CacheStorage)

@@ -1,0 +1,206 @@
+"""The ``tale`` cache storage: token-adaptive ranks, each token's latents cut to a prefix by its significance.
+
+TALE (Lee et al., TACL 2025) gives tokens different ranks by their significance, approximates lazily (the
+newest tokens stay as computed until the cache must take them in) and attends without rebuilding keys and
+values. lrkv's latents are already prefixes of an ordered spectrum (whitened SVD, plain SVD and PCA order
+their bases by energy), so cutting one token to rank l is keeping its first l latents and padding the rest
+with zeros, exactly as a plan of rank l would give; the fused up-projections (Palu's form) already attend
+without rebuilding values. Here, per layer and kind (K or V), with two levels:
+
+1. **Ordinary tokens** keep the first ``⌊low · r_g⌋`` latents of every group ("the low level"; ``low: 0``
+   keeps nothing of them, which is token eviction).
+2. **Significant tokens** keep every latent. A token's significance is the energy of what the low level
+   would drop, ``Σ_g ‖h_g[l_g:]‖²`` (lrkv's rule: the truncation error, measured in the latent coordinates;
+   TALE's own rule may differ). The cache keeps the ``round(keep · S)`` most significant of its S
+   compressed tokens at full rank, re-ranked over the whole cache each time tokens come in, so a token
+   that was kept can later give its place to a more significant one (its tail is then dropped).
+   The first ``sink`` tokens of the sequence always keep every latent (attention sinks) and are not
+   counted in that share.
+3. **Lazy buffer**: new tokens stay as computed until ``buffer`` of them wait; then all waiting tokens in
+   whole multiples of ``buffer`` are cut together (``buffer: 0`` cuts every update as it comes).
+
+Parts, per token: ``k_low`` (B, S, Σ_g l_g) and ``v_low``, in the model's dtype. Across tokens, in
+:attr:`TaleStore.kept`: per kind, the kept tokens' tails (B, K, Σ_g (r_g − l_g)), their indices among the
+compressed tokens (B, K) int32 and their significance (B, K) float32 (what the next re-ranking compares).
+K is the same for every batch row; after a crop or a sliding window a row may hold fewer kept tokens than
+another, and its spare slots hold zeros with significance −inf (they add nothing and are the first to go).
+The cache's reported bytes are all of these, the buffer's tokens and the positions included.
+
+The view gives attention every group at its full rank r_g (zeros past a token's level), so attention
+costs what the dense cache's does; only memory shrinks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .storage import CACHE_STORAGES, CacheStorage, LatentStore, split_groups
+
+
+def low_ranks(ranks: Sequence[int], low: float) -> tuple[int, ...]:
+    """Latents kept per group by an ordinary token: ``⌊low · r_g⌋`` (never more than ``low`` of them)."""
+    return tuple(int(low * r + 1e-9) for r in ranks)
+
+
+def cut(h: torch.Tensor, ranks: Sequence[int], lows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split latents h (..., Σ r_g) into every group's head (..., Σ l_g) and tail (..., Σ (r_g − l_g))."""
+    groups = split_groups(h, ranks)
+    head = torch.cat([g[..., :lo] for g, lo in zip(groups, lows)], dim=-1)
+    tail = torch.cat([g[..., lo:] for g, lo in zip(groups, lows)], dim=-1)
+    return head, tail
+
+
+def join(
+    head: torch.Tensor, tail: torch.Tensor, ranks: Sequence[int], lows: Sequence[int]
+) -> tuple[torch.Tensor, ...]:
+    """Per group (..., r_g): the group's head then its tail (the inverse of :func:`cut`)."""
+    heads = torch.split(head, list(lows), dim=-1)
+    tails = torch.split(tail, [r - lo for r, lo in zip(ranks, lows)], dim=-1)
+    return tuple(torch.cat([h, t], dim=-1) for h, t in zip(heads, tails))
+
+
+class TaleStore(LatentStore):
+    """Latents cut to a per-token level: significant tokens whole, the others to a prefix (module docstring).
+
+    Parameters
+    ----------
+    ranks_k, ranks_v : per-group ranks of the layer.
+    low : share of each group's rank an ordinary token keeps (0 ≤ low ≤ 1).
+    keep : share of the compressed tokens kept whole, the most significant (0 ≤ keep ≤ 1).
+    sink : the first ``sink`` tokens of the sequence are always kept whole.
+    buffer : tokens kept as computed until this many wait to be cut together (0: every update).
+
+    Attributes
+    ----------
+    lows : ``{"k": (l_g per key group), "v": ...}``, the ranks of the low level.
+    kept : ``{"k": {"tail": (B, K, Σ (r_g − l_g)), "index": (B, K) int32, "significance": (B, K) float32},
+        "v": ...}``: the tokens kept whole beyond their low level (empty before the first cut).
+    offset : how many tokens of the sequence were dropped before the first one held (a sliding window);
+        token i of the store is token ``offset + i`` of the sequence.
+    """
+
+    def __init__(
+        self,
+        ranks_k: Sequence[int],
+        ranks_v: Sequence[int],
+        low: float = 0.5,
+        keep: float = 0.25,
+        sink: int = 4,
+        buffer: int = 32,
+    ) -> None:
+        super().__init__(ranks_k, ranks_v, residual=buffer)
+        self.low, self.keep, self.sink = low, keep, sink
+        self.lows = {"k": low_ranks(self.ranks_k, low), "v": low_ranks(self.ranks_v, low)}
+        self.kept: dict[str, dict[str, torch.Tensor]] = {}
+        self.offset = 0
+
+    def _leaving(self, waiting: int) -> int:
+        """The lazy buffer: once ``buffer`` tokens wait, all whole multiples of it are cut together."""
+        return waiting - waiting % self.residual
+
+    def _ranks(self, kind: str) -> tuple[int, ...]:
+        return self.ranks_k if kind == "k" else self.ranks_v
+
+    def _whole(self, n_encoded: int) -> int:
+        """How many of ``n_encoded`` compressed tokens keep every latent: the significant share plus the
+        sinks among them."""
+        sinks = max(0, min(self.sink, self.offset + n_encoded) - self.offset)
+        return min(n_encoded, int(self.keep * (n_encoded - sinks) + 0.5) + sinks)
+
+    def encode(self, h_k: torch.Tensor, h_v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Cut new tokens to the low level; re-rank the whole cache's tails with theirs (:attr:`kept`)."""
+        before = self._encoded()
+        B, T = h_k.shape[:2]
+        new = torch.arange(before, before + T, device=h_k.device, dtype=torch.int32).expand(B, T)
+        whole = self._whole(before + T)
+        parts = {}
+        for kind, h in (("k", h_k), ("v", h_v)):
+            head, tail = cut(h, self._ranks(kind), self.lows[kind])  # (B, T, Σ l_g), (B, T, Σ (r_g − l_g))
+            parts[f"{kind}_low"] = head
+            significance = tail.float().pow(2).sum(-1)  # (B, T): the energy the low level drops
+            significance = significance.masked_fill(self.offset + new < self.sink, float("inf"))
+            index, old = new, self.kept.get(kind)
+            if old is not None:  # candidates: the tokens kept whole so far, then the new ones
+                tail = torch.cat([old["tail"], tail], dim=1)
+                index = torch.cat([old["index"], index], dim=1)
+                significance = torch.cat([old["significance"], significance], dim=1)
+            top = significance.topk(min(whole, significance.shape[1]), dim=1).indices  # (B, K)
+            self.kept[kind] = {
+                "tail": tail.gather(1, top.unsqueeze(-1).expand(-1, -1, tail.shape[-1])),
+                "index": index.gather(1, top),
+                "significance": significance.gather(1, top),
+            }
+        return parts
+
+    def decode(self, parts: Mapping[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], ...]:
+        out = []
+        for kind in ("k", "v"):
+            head, kept = parts[f"{kind}_low"], self.kept[kind]
+            tail = kept["tail"]
+            full = head.new_zeros((*head.shape[:2], tail.shape[-1]))  # (B, S_e, Σ (r_g − l_g))
+            # adding onto zeros is exact; spare slots add zeros wherever they point
+            full.scatter_add_(1, kept["index"].long().unsqueeze(-1).expand_as(tail), tail.to(head.dtype))
+            out.append(join(head, full, self._ranks(kind), self.lows[kind]))
+        return out[0], out[1]
+
+    def _slice_tokens(self, start: int, end: int) -> None:
+        """Keep tokens ``start..end-1``; kept tails outside them go (a row's spare slots become zeros)."""
+        lo, hi = min(start, self._encoded()), min(end, self._encoded())
+        for kind, kept in self.kept.items():
+            index = kept["index"].long()
+            inside = (index >= lo) & (index < hi)  # (B, K)
+            width = int(inside.sum(1).max()) if inside.numel() else 0
+            order = inside.int().argsort(dim=1, descending=True, stable=True)[:, :width]  # inside ones first
+            live = inside.gather(1, order)
+            self.kept[kind] = {
+                "tail": kept["tail"].gather(1, order.unsqueeze(-1).expand(-1, -1, kept["tail"].shape[-1]))
+                * live.unsqueeze(-1),
+                "index": torch.where(live, index.gather(1, order) - lo, 0).to(torch.int32),
+                "significance": kept["significance"].gather(1, order).masked_fill(~live, float("-inf")),
+            }
+        self.offset += start
+        super()._slice_tokens(start, end)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super()._map(fn)
+        self.kept = {kind: {name: fn(t) for name, t in kept.items()} for kind, kept in self.kept.items()}
+
+    def reset(self) -> None:
+        super().reset()
+        self.kept, self.offset = {}, 0
+
+
+@CACHE_STORAGES.register
+@dataclass(frozen=True)
+class TaleStorage(CacheStorage):
+    """TALE-style token-adaptive ranks: significant tokens keep every latent, the rest a prefix, lazily."""
+
+    name: ClassVar[str] = "tale"
+    low: float = 0.5  # share of each group's rank an ordinary token keeps (0: evict them)
+    keep: float = 0.25  # share of compressed tokens kept whole, the most significant
+    sink: int = 4  # the first tokens of the sequence, always kept whole
+    buffer: int = 32  # tokens kept as computed until this many are cut together
+
+    def __post_init__(self) -> None:
+        for field in ("low", "keep"):
+            if not 0.0 <= getattr(self, field) <= 1.0:
+                raise ValueError(f"tale cache {field} must be between 0 and 1, got {getattr(self, field)}")
+        for field in ("sink", "buffer"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"tale cache {field} must be ≥ 0, got {getattr(self, field)}")
+
+    def check_rotation(self, rotation: str) -> None:
+        """A token's level keeps a prefix of its latents, which only means a lower rank when the latents
+        come in spectral order: a rotation fused into the factors mixes them."""
+        if rotation != "none":
+            raise ValueError(
+                f"tale cache: cutting a token's latents to a prefix needs them in spectral order, but this "
+                f"model's factors carry a fused rotation ({rotation!r}); convert with rotation none"
+            )
+
+    def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> TaleStore:
+        return TaleStore(ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer)

@@ -1,0 +1,271 @@
+"""The ``tale`` cache storage: token-adaptive ranks (significant tokens whole, the rest a prefix), lazily.
+
+The store is checked against its definition: every token comes back as its latents cut to its level (a
+prefix, zeros after it), the tokens kept whole are the sinks and the most significant by the energy the low
+level drops, re-ranked over the whole cache as tokens come in, and every generic store operation keeps the
+kept tails aligned with their tokens. Inside compressed models, a prefill through the cache must equal
+attention over the cut latents (``torch.equal``); with nothing cut it must equal the dense cache, prefill,
+token-by-token decoding, generate() and beam search.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lrkv_core import load_compressed, save_compressed
+from lrkv_core.cache import CACHE_STORAGES, TaleStorage, TaleStore, cache_nbytes
+from lrkv_core.cache.tale import cut, low_ranks
+from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.format import LrkvFormat
+from lrkv_core.pipeline import use_cache_storage
+from tests.support.inputs import greedy, ids_for, left_padded, max_diff
+from tests.support.latents import replaced_latents, stepwise
+from tests.support.models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RANKS_K, RANKS_V = (8, 8), (16,)
+
+
+def _latents(batch: int = 2, tokens: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    h_k = torch.randn(batch, tokens, sum(RANKS_K), generator=gen) * torch.linspace(2.0, 0.3, sum(RANKS_K))
+    h_v = torch.randn(batch, tokens, sum(RANKS_V), generator=gen)
+    return h_k, h_v
+
+
+def _view(store) -> tuple[torch.Tensor, torch.Tensor]:
+    view = store.view()
+    return torch.cat(view.keys, dim=-1), torch.cat(view.values, dim=-1)
+
+
+def _filled(storage: dict | TaleStorage, h_k: torch.Tensor, h_v: torch.Tensor, steps: list[int]) -> TaleStore:
+    store = CACHE_STORAGES.create(storage).create_store(RANKS_K, RANKS_V)
+    start = 0
+    for n in steps:
+        store.append(h_k[:, start : start + n], h_v[:, start : start + n])
+        start += n
+    return store
+
+
+def _low_only(h: torch.Tensor, ranks, low: float) -> torch.Tensor:
+    """Every token cut to the low level: each group's first ⌊low · r_g⌋ latents, zeros after."""
+    out = torch.zeros_like(h)
+    start = 0
+    for r, lo in zip(ranks, low_ranks(ranks, low)):
+        out[..., start : start + lo] = h[..., start : start + lo]
+        start += r
+    return out
+
+
+def _whole_tokens(got: torch.Tensor, truth: torch.Tensor, ranks, low: float) -> list[set[int]]:
+    """Per batch row, the tokens that came back whole; every other token must be exactly cut to the low
+    level."""
+    cut_only = _low_only(truth, ranks, low)
+    rows = []
+    for b in range(truth.shape[0]):
+        whole = {t for t in range(truth.shape[1]) if torch.equal(got[b, t], truth[b, t])}
+        rest = [t for t in range(truth.shape[1]) if t not in whole]
+        assert torch.equal(got[b, rest], cut_only[b, rest])
+        rows.append(whole)
+    return rows
+
+
+def test_low_ranks_and_cut() -> None:
+    assert low_ranks((8, 16, 24), 0.5) == (4, 8, 12) and low_ranks((8, 10), 0.3) == (2, 3)
+    assert low_ranks((8,), 0.0) == (0,) and low_ranks((8, 3), 1.0) == (8, 3)
+    h = torch.arange(12.0).view(1, 1, 12)
+    head, tail = cut(h, (8, 4), (3, 1))
+    assert head.flatten().tolist() == [0, 1, 2, 8] and tail.flatten().tolist() == [3, 4, 5, 6, 7, 9, 10, 11]
+
+
+@pytest.mark.parametrize("options", [{"low": 1.0}, {"keep": 1.0}, {"low": 0.0, "keep": 1.0, "sink": 0}])
+def test_with_nothing_cut_the_store_gives_back_the_latents_exactly(options: dict) -> None:
+    h_k, h_v = _latents(tokens=30)
+    store = _filled({"name": "tale", "buffer": 4} | options, h_k, h_v, [10, *[1] * 20])
+    k, v = _view(store)
+    assert torch.equal(k, h_k) and torch.equal(v, h_v)
+
+
+def test_the_tokens_kept_whole_are_the_sinks_and_the_most_significant() -> None:
+    h_k, h_v = _latents(tokens=24)
+    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
+    k, v = _view(store)
+    for got, truth, ranks in ((k, h_k, RANKS_K), (v, h_v, RANKS_V)):
+        tail = (truth - _low_only(truth, ranks, 0.5)).pow(2).sum(-1)  # (B, T): what the low level drops
+        for b, whole in enumerate(_whole_tokens(got, truth, ranks, 0.5)):
+            top = set((tail[b, 2:].topk(6).indices + 2).tolist())  # round(0.25 · 22) = 6, beside the 2 sinks
+            assert whole == {0, 1} | top
+    assert store.kept["k"]["index"].shape == (2, 8) and store.kept["k"]["index"].dtype == torch.int32
+
+
+def test_the_whole_cache_is_re_ranked_as_tokens_come_in() -> None:
+    h_k, h_v = _latents(batch=1, tokens=16)
+    h_k[:, 12:] *= 10.0  # the last chunk's tokens are far more significant than any before
+    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=0, buffer=4), h_k, h_v, [8])
+    assert len(store.kept["k"]["index"][0]) == 2  # 8 compressed: 2 kept whole
+    first = set(store.kept["k"]["index"][0].tolist())
+    for t in range(8, 16):
+        store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
+    k, _ = _view(store)
+    whole = _whole_tokens(k, h_k, RANKS_K, 0.5)[0]
+    assert whole == {12, 13, 14, 15} and not first & whole  # round(0.25 · 16) = 4: all of the last chunk
+
+
+def test_the_buffer_keeps_the_newest_tokens_as_computed_until_whole_buffers_are_cut() -> None:
+    h_k, h_v = _latents(tokens=30)
+    store = _filled(TaleStorage(low=0.25, keep=0.0, sink=0, buffer=4), h_k, h_v, [10])
+    assert store._encoded() == 8 and store.recent["k"].shape[1] == 2 and len(store) == 10
+    k, v = _view(store)
+    assert torch.equal(k[:, 8:], h_k[:, 8:10]) and torch.equal(v[:, :8], _low_only(h_v[:, :8], RANKS_V, 0.25))
+    for t in range(10, 13):
+        store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
+    assert store._encoded() == 12 and store.recent["k"].shape[1] == 1
+
+
+def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned() -> None:
+    h_k, h_v = _latents(batch=3, tokens=40, seed=3)
+    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=4), h_k, h_v, [12, *[1] * 18])
+    full = _view(store)  # 28 compressed, 2 in the buffer
+    store.crop(7)  # 23 tokens left
+    assert len(store) == 23 and all(torch.equal(a, b[:, :23]) for a, b in zip(_view(store), full))
+    assert (store.kept["k"]["index"] < 23).all()
+    store.select(torch.tensor([2, 0]))
+    assert all(torch.equal(a, b[[2, 0], :23]) for a, b in zip(_view(store), full))
+    store.reorder(torch.tensor([1, 1, 0]))
+    assert all(torch.equal(a, b[[0, 0, 2], :23]) for a, b in zip(_view(store), full))
+    store.keep_last(9)  # tokens 14..22 of the sequence: the sinks are gone
+    assert store.offset == 14 and len(store) == 9
+    assert all(torch.equal(a, b[[0, 0, 2], 14:23]) for a, b in zip(_view(store), full))
+    spare = store.kept["v"]["significance"] == float("-inf")
+    assert not store.kept["v"]["tail"][spare].any()  # a row's spare slots hold zeros
+    for t in range(30, 40):  # new tokens after the slide: none is a sink, every row re-ranks
+        store.append(h_k[[0, 0, 2], t : t + 1], h_v[[0, 0, 2], t : t + 1])
+    held = torch.cat([torch.arange(14, 23), torch.arange(30, 40)])  # the sequence's tokens the store holds
+    k, v = _view(store)
+    assert store._encoded() == 17 and torch.equal(k[:, -2:], h_k[[0, 0, 2], 38:40])  # 2 in the buffer
+    for got, truth, ranks in ((k, h_k, RANKS_K), (v, h_v, RANKS_V)):
+        truth = truth[[0, 0, 2]][:, held]
+        for whole in _whole_tokens(got[:, :17], truth[:, :17], ranks, 0.5):
+            assert len(whole) == 4  # round(0.25 · 17), no sink left
+    store.reset()
+    assert len(store) == 0 and store.kept == {} and store.offset == 0
+
+
+def test_options_are_checked() -> None:
+    for options, message in (
+        ({"low": 1.5}, "tale cache low must be between 0 and 1"),
+        ({"keep": -0.1}, "tale cache keep must be between 0 and 1"),
+        ({"buffer": -1}, "tale cache buffer must be ≥ 0"),
+        ({"sink": -2}, "tale cache sink must be ≥ 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            TaleStorage(**options)
+    with pytest.raises(ValueError, match="needs them in spectral order"):
+        CompressionConfig(cache="tale", rotation="auto")
+
+
+def _cut_of_each_call(storage: dict):
+    """What a ``buffer: 0`` store of ``storage`` gives back for each forward call's latents."""
+    one_call = CACHE_STORAGES.create(storage | {"buffer": 0})
+
+    def make(ranks):
+        def apply(h: torch.Tensor) -> torch.Tensor:
+            store = one_call.create_store(tuple(ranks), tuple(ranks))
+            store.append(h, h)
+            return torch.cat(store.view().keys, dim=-1)
+
+        return apply
+
+    return make
+
+
+def _compressed(compress, arch: str = "llama"):
+    model = tiny_model(arch, 4 if arch == "opt" else 2)
+    return compress(model, 1, 0.5, rank_multiple=1)[0]  # per-head groups of rank 4
+
+
+STORAGE = {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 1, "buffer": 0}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+def test_a_prefill_through_the_tale_cache_attends_over_the_cut_latents(compress, arch) -> None:
+    comp = _compressed(compress, arch)
+    ids = ids_for(2, 12)
+    with torch.no_grad(), replaced_latents(comp, _cut_of_each_call(STORAGE)):
+        ref = comp(ids, use_cache=False).logits
+    with torch.no_grad():
+        dense = comp(ids, use_cache=True).logits
+        comp.config.lrkv["cache"] = STORAGE
+        cached = comp(ids, use_cache=True)
+    assert all(type(layer.store) is TaleStore for layer in cached.past_key_values.layers)
+    assert torch.equal(cached.logits, ref)
+    assert max_diff(ref, dense) > 1e-4  # cut, really
+
+
+def test_with_nothing_cut_decoding_and_generate_equal_the_dense_cache(compress) -> None:
+    comp = _compressed(compress)
+    ids = ids_for(2, 14)
+    prompts, mask = left_padded((9, 5, 2))
+    with torch.no_grad():
+        ref = stepwise(comp, ids, 5)[0]
+    ref_greedy, ref_beam = greedy(comp, prompts, mask), greedy(comp, prompts, mask, num_beams=2)
+    comp.config.lrkv["cache"] = {"name": "tale", "keep": 1.0, "buffer": 3}
+    assert torch.equal(stepwise(comp, ids, 5)[0], ref)
+    assert torch.equal(greedy(comp, prompts, mask), ref_greedy)
+    got = greedy(comp, prompts, mask, num_beams=2, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, ref_beam) and got.past_key_values.storage == TaleStorage(
+        keep=1.0, buffer=3
+    )
+    comp.config.lrkv["cache"] = STORAGE | {"buffer": 3}  # cutting: runs, beams included, and cuts
+    out = greedy(comp, prompts, mask, num_beams=2, max_new_tokens=10, return_dict_in_generate=True)
+    store = out.past_key_values.layers[0].store
+    assert (
+        out.sequences.shape == (3, 19) and store._encoded() == 18 and store.kept["k"]["index"].shape[1] == 5
+    )
+
+
+def test_the_bytes_reported_are_the_tensors_held(compress) -> None:
+    comp = _compressed(compress)
+    comp.config.lrkv["cache"] = {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 1, "buffer": 4}
+    with torch.no_grad():
+        cache = comp(ids_for(3, 11), use_cache=True).past_key_values  # 8 tokens cut, 3 in the buffer
+    fmt = LrkvFormat.of(comp.config)
+    expected = 0
+    for ranks in (*fmt.ranks_k, *fmt.ranks_v):  # per layer and kind: 2 groups of rank 4
+        R, low = sum(ranks), sum(low_ranks(ranks, 0.5))
+        whole = 1 + 2  # the sink and round(0.25 · 7)
+        per_row = 8 * low * 4 + whole * ((R - low) * 4 + 4 + 4) + 3 * R * 4  # heads, kept tails, buffer
+        expected += 3 * per_row  # float32 latents, int32 indices, float32 significance
+    expected += len(fmt.ranks_k) * 3 * 11 * 4  # int32 positions
+    assert cache_nbytes(cache) == expected
+
+
+def test_a_model_converted_with_the_tale_cache_saves_and_loads_it(tmp_path) -> None:
+    model = tiny_model("llama", 2)
+    rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
+    cache = {"name": "tale", "low": 0.25, "keep": 0.5, "sink": 2, "buffer": 4}
+    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, allocator="uniform", cache=cache)
+    comp = plan_conversion(model, rows, config).apply(model)
+    out = save_compressed(comp, tmp_path / "m")
+    assert LrkvFormat.of(comp.config).cache == cache
+    ids = ids_for(2, 10)
+    with torch.no_grad():
+        ref = comp(ids, use_cache=True).logits
+    for loaded in (load_compressed(out), AutoModelForCausalLM.from_pretrained(out)):
+        with torch.no_grad():
+            got = loaded(ids, use_cache=True)
+        assert torch.equal(got.logits, ref) and got.past_key_values.storage == CACHE_STORAGES.create(cache)
+        assert torch.equal(greedy(loaded, ids), greedy(comp, ids))
+
+
+def test_a_rotated_model_refuses_the_tale_cache(tmp_path) -> None:
+    model = tiny_model("llama", 2)
+    rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
+    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, allocator="uniform", rotation="auto")
+    comp = plan_conversion(model, rows, config).apply(model)
+    with pytest.raises(ValueError, match="fused rotation \\('auto'\\); convert with rotation none"):
+        use_cache_storage(comp, "tale")
+    assert comp.config.lrkv["cache"] == {"name": "dense"}
