@@ -102,6 +102,11 @@ class TaleStore(LatentStore):
         """The lazy buffer: once ``buffer`` tokens wait, all whole multiples of it are cut together."""
         return waiting - waiting % self.residual
 
+    def significance(self, tail: torch.Tensor) -> torch.Tensor:
+        """Significance (B, T) float32 of new tokens from their tails (B, T, Σ (r_g − l_g)): the energy the
+        low level would drop, ``‖tail‖²``."""
+        return tail.float().pow(2).sum(-1)
+
     def _ranks(self, kind: str) -> tuple[int, ...]:
         return self.ranks_k if kind == "k" else self.ranks_v
 
@@ -121,8 +126,7 @@ class TaleStore(LatentStore):
         for kind, h in (("k", h_k), ("v", h_v)):
             head, tail = cut(h, self._ranks(kind), self.lows[kind])  # (B, T, Σ l_g), (B, T, Σ (r_g − l_g))
             parts[f"{kind}_low"] = head
-            significance = tail.float().pow(2).sum(-1)  # (B, T): the energy the low level drops
-            significance = significance.masked_fill(self.offset + new < self.sink, float("inf"))
+            significance = self.significance(tail).masked_fill(self.offset + new < self.sink, float("inf"))
             index, old = new, self.kept.get(kind)
             if old is not None:  # candidates: the tokens kept whole so far, then the new ones
                 tail = torch.cat([old["tail"], tail], dim=1)

@@ -73,6 +73,18 @@ def test_the_gear_cache_is_a_recipe_field_checked_against_the_rank_multiple():
         too_many.compression.to_config().for_model(tiny_config("llama", 2))
 
 
+def test_the_tale_cache_is_a_recipe_field_and_refuses_a_fused_rotation():
+    r = load_recipe(None, {"compression.cache": {"name": "tale", "keep": "0.1"}})
+    assert r.model_dump(mode="json")["compression"]["cache"] == {
+        "name": "tale", "low": 0.5, "keep": 0.1, "sink": 4, "buffer": 32,
+    }  # fmt: skip
+    with pytest.raises(ValidationError, match="tale cache low must be between 0 and 1"):
+        load_recipe(None, {"compression.cache": {"name": "tale", "low": 2}})
+    rotated = load_recipe(None, {"compression.cache": "tale", "compression.rotation": "hadamard"})
+    with pytest.raises(ValueError, match="needs them in spectral order"):
+        rotated.compression.to_config()
+
+
 def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("model: some/model\ncompression:\n  ratio: 0.7\n  group_size: 2\n")

@@ -1,0 +1,177 @@
+"""The tale-cache table: token-adaptive ranks against a uniform plan holding the same bytes, on one model.
+
+    S=../shared
+    python benchmarks/tale_cache.py --model $S/models/shakespeare-llama \\
+        --calibration text:$S/data/shakespeare/train.txt --eval text:$S/data/shakespeare/valid.txt \\
+        --out docs/tale-cache/shakespeare-llama.md
+
+Protocol (as ``quantized_cache.py``'s, whose ``measure`` this uses): the model is calibrated once
+(``--n-samples`` seeded windows of ``--seq-len`` tokens of ``--calibration``; whitened SVD, uniform ranks,
+rank multiple 1, the default group size) and planned at ``--ratio``. Each ``LOW:KEEP`` of ``--variants``
+switches that model's cache to ``{name: tale, low: LOW, keep: KEEP, sink: --sink, buffer: --buffer}``; its
+bytes per token are measured after one prefilled window, and a second model is planned with uniform ranks at
+the ratio whose dense latents take the same bytes (the ratio scaled by the tale cache's latent bytes over the
+dense cache's, positions excluded from both), so each tale row has a uniform row of equal memory below it.
+Prefill PPL: the first ``--max-windows`` windows of ``--eval``, each in one pass through the cache (every
+token of a window that is a whole number of buffers is cut, so prefill shows the cut alone). Decode PPL: the
+first ``--decode-windows`` of them after a ``--decode-prefix``-token prefill, one token at a time (the lazy
+buffer keeps up to ``--buffer`` − 1 of the newest tokens whole).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from quantized_cache import measure  # benchmarks/, the script's own directory
+
+from lrkv_core.cache import CACHE_STORAGES, TaleStorage, TaleStore
+from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
+from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.format import LrkvFormat
+from lrkv_core.models import load_model
+
+
+class RandomTaleStore(TaleStore):
+    """The control: tokens kept whole drawn at random (seeded), not by significance."""
+
+    generator = torch.Generator().manual_seed(0)
+
+    def significance(self, tail: torch.Tensor) -> torch.Tensor:
+        return torch.rand(tail.shape[:2], generator=self.generator).to(tail.device)
+
+
+@CACHE_STORAGES.register
+@dataclass(frozen=True)
+class RandomTaleStorage(TaleStorage):
+    """tale with the tokens kept whole drawn at random: what the significance rule is measured against."""
+
+    name: ClassVar[str] = "tale-random"
+
+    def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> RandomTaleStore:
+        return RandomTaleStore(ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer)
+
+
+COLUMNS = ["model", "cache", "kept width", "prefill PPL", "decode PPL", "KV bytes/token", "× fp32 cache"]
+
+
+def _fmt(row: dict[str, Any]) -> list[str]:
+    return [
+        row["model"],
+        row["cache"],
+        f"{row['achieved_ratio']:.4f}",
+        f"{row['prefill_ppl']:.4f}",
+        f"{row['decode_ppl']:.4f}",
+        f"{row['kv_bytes_per_token']:.1f}",
+        f"{row['x_fp32']:.2f}",
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--calibration", required=True, help="dataset spec, e.g. text:train.txt")
+    p.add_argument("--eval", required=True, help="dataset spec of held-out text")
+    p.add_argument("--n-samples", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--max-windows", type=int, default=16)
+    p.add_argument("--decode-windows", type=int, default=8)
+    p.add_argument("--decode-prefix", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
+    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--variants", default="0.5:0.25,0.5:0.1,0.5:0,0.25:0.25,0:0.5", help="LOW:KEEP,...")
+    p.add_argument(
+        "--random", action="store_true", help="also each variant with its whole tokens drawn at random"
+    )
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--buffer", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, help="write the markdown section here")
+    p.add_argument("--jsonl", type=Path, help="append every row here as it is measured (JSON lines)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/calibration.parquet"
+        extract_calibration(
+            args.calibration, tokenizer, n_samples=args.n_samples, seq_len=args.seq_len, seed=0, out_path=path
+        )
+        rows = read_token_rows(path)  # (N, T)
+    windows = eval_windows(args.eval, tokenizer, seq_len=args.seq_len, max_windows=args.max_windows)
+    base = CompressionConfig(group_size=args.group_size, rank_multiple=1, allocator="uniform")
+    base = base.for_model(model.config)
+    stats = collect_statistics(model, rows, base.needed_statistics())  # the Gram, once
+    results = []
+
+    def emit(row: dict[str, Any]) -> None:
+        print(" | ".join(_fmt(row)), file=sys.stderr, flush=True)
+        results.append(row)
+        if args.jsonl:
+            with args.jsonl.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def compressed(ratio: float):
+        conversion = plan_conversion(model, rows, replace(base, ratio=ratio), statistics=stats)
+        return conversion.apply(copy.deepcopy(model)), conversion.plan.achieved_ratio
+
+    emit({"model": "original", "cache": "—", "achieved_ratio": 1.0} | measure(model, windows, args))
+    lrkv, achieved = compressed(args.ratio)
+    dense = measure(lrkv, windows, args)
+    emit({"model": f"lrkv {args.ratio}", "cache": "dense", "achieved_ratio": achieved} | dense)
+    positions = 4 * LrkvFormat.of(lrkv.config).n_layers  # int32 positions per token, in every latent cache
+    for variant in args.variants.split(","):
+        low, keep = (float(v) for v in variant.split(":"))
+        storage = {"name": "tale", "low": low, "keep": keep, "sink": args.sink, "buffer": args.buffer}
+        lrkv.config.lrkv["cache"] = storage
+        tale = measure(lrkv, windows, args)
+        label = f"tale low {low} keep {keep}"
+        emit(
+            {"model": f"lrkv {args.ratio}", "cache": label, "achieved_ratio": achieved, "storage": storage}
+            | tale
+        )
+        if args.random and keep > 0:
+            lrkv.config.lrkv["cache"] = storage | {"name": "tale-random"}
+            row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, whole tokens at random"}
+            emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
+        share = (tale["kv_bytes_per_token"] - positions) / (dense["kv_bytes_per_token"] - positions)
+        same, same_achieved = compressed(args.ratio * share)
+        row = {"model": f"lrkv {args.ratio * share:.4f}", "cache": f"dense, bytes of {label}"}
+        emit(row | {"achieved_ratio": same_achieved} | measure(same, windows, args))
+    lrkv.config.lrkv["cache"] = {"name": "dense"}
+    minutes = (time.perf_counter() - start) / 60
+    n_decode = min(args.decode_windows, windows.shape[0])
+    table = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    table += "\n".join("| " + " | ".join(_fmt(r)) + " |" for r in results) + "\n"
+    section = (
+        f"## {Path(args.model).name}\n\n"
+        f"Measured {time.strftime('%Y-%m-%d')} (CPU, float32, {args.threads} threads, {minutes:.1f} min):\n\n"
+        f"```bash\npython benchmarks/tale_cache.py {shlex.join(sys.argv[1:])}\n```\n\n"
+        f"Protocol: calibration {args.n_samples} × {args.seq_len} tokens of `{args.calibration}` (seed 0), "
+        f"uniform ranks, rank multiple 1; prefill PPL on {windows.shape[0]} windows of {args.seq_len} tokens "
+        f"of `{args.eval}` through the cache; decode PPL on {n_decode} of them after a "
+        f"{args.decode_prefix}-token prefix; tale sink {args.sink}, buffer {args.buffer}. "
+        "`kept width`: the plan's achieved ratio (the factors' width, before the cache cuts anything); "
+        "KV bytes after one prefilled window, positions and the tale cache's indices and significances "
+        "included. Each `dense, bytes of …` row is a uniform plan whose dense latents take the bytes of "
+        "the tale row above it; `whole tokens at random`: the same cache with the tokens kept whole drawn at "
+        "random (seeded) instead of by significance.\n\n" + table
+    )
+    print(section)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(section)
+
+
+if __name__ == "__main__":
+    main()
