@@ -32,12 +32,15 @@ costs what the dense cache's does; only memory shrinks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from ..quant import INTEGER_BITS, QuantizedRows, dequantize, pack_codes, quantize, unpack_codes
+from ..rotation import rotation_matrix
 from .storage import CACHE_STORAGES, CacheStorage, LatentStore, split_groups
 
 
@@ -63,6 +66,19 @@ def join(
     return tuple(torch.cat([h, t], dim=-1) for h, t in zip(heads, tails))
 
 
+@functools.cache
+def block_rotation(widths: tuple[int, ...]) -> torch.Tensor:
+    """Block-diagonal orthogonal matrix (Σ w × Σ w) float32: per block of width w, the normalised Hadamard
+    matrix of order w where :mod:`lrkv_core.rotation` builds one, else a random orthogonal one seeded by w.
+    A constant of the widths, like the code (so no cache holds or counts it)."""
+    return torch.block_diag(*(rotation_matrix(w, "auto", seed=w)[0] for w in widths)).float()
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``t[b, index[b, k]]`` of t (B, N, ...) for index (B, K): (B, K, ...)."""
+    return t.gather(1, index.view(*index.shape, *(1,) * (t.dim() - 2)).expand(*index.shape, *t.shape[2:]))
+
+
 class TaleStore(LatentStore):
     """Latents cut to a per-token level: significant tokens whole, the others to a prefix (module docstring).
 
@@ -73,12 +89,16 @@ class TaleStore(LatentStore):
     keep : share of the compressed tokens kept whole, the most significant (0 ≤ keep ≤ 1).
     sink : the first ``sink`` tokens of the sequence are always kept whole.
     buffer : tokens kept as computed until this many wait to be cut together (0: every update).
+    bits : None to keep latents in the model's dtype; 2, 3, 4 or 8 to keep them as packed integer codes, per
+        token and per block of a group's low level or tail, each block rotated first (:func:`block_rotation`).
 
     Attributes
     ----------
     lows : ``{"k": (l_g per key group), "v": ...}``, the ranks of the low level.
-    kept : ``{"k": {"tail": (B, K, Σ (r_g − l_g)), "index": (B, K) int32, "significance": (B, K) float32},
-        "v": ...}``: the tokens kept whole beyond their low level (empty before the first cut).
+    kept : ``{"k": {"index": (B, K) int32, "significance": (B, K) float32, "tail_*": the tails (B, K, ...)
+        as stored}, "v": ...}``: the tokens kept whole beyond their low level (empty before the first cut).
+        A tail is stored as ``tail_latents`` (B, K, Σ (r_g − l_g)), or quantized as ``tail_codes``,
+        ``tail_scale`` and ``tail_zero``.
     offset : how many tokens of the sequence were dropped before the first one held (a sliding window);
         token i of the store is token ``offset + i`` of the sequence.
     """
@@ -91,9 +111,10 @@ class TaleStore(LatentStore):
         keep: float = 0.25,
         sink: int = 4,
         buffer: int = 32,
+        bits: int | None = None,
     ) -> None:
         super().__init__(ranks_k, ranks_v, residual=buffer)
-        self.low, self.keep, self.sink = low, keep, sink
+        self.low, self.keep, self.sink, self.bits = low, keep, sink, bits
         self.lows = {"k": low_ranks(self.ranks_k, low), "v": low_ranks(self.ranks_v, low)}
         self.kept: dict[str, dict[str, torch.Tensor]] = {}
         self.offset = 0
@@ -116,6 +137,27 @@ class TaleStore(LatentStore):
         sinks = max(0, min(self.sink, self.offset + n_encoded) - self.offset)
         return min(n_encoded, int(self.keep * (n_encoded - sinks) + 0.5) + sinks)
 
+    def _stored(self, x: torch.Tensor, widths: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Latents x (B, T, Σ w) as kept: ``latents`` as given, or each block of width w rotated and quantized
+        (``codes`` packed (B, T, ⌈Σ w · b / 8⌉) uint8, ``scale`` and ``zero`` (B, T, blocks) float16)."""
+        blocks = tuple(w for w in widths if w)
+        if self.bits is None or not blocks:
+            return {"latents": x}
+        q = quantize(x.float() @ block_rotation(blocks).to(x.device), blocks, self.bits)
+        return {"codes": pack_codes(q.codes, self.bits), "scale": q.scale, "zero": q.zero}
+
+    def _read(self, stored: Mapping[str, torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
+        """The latents (B, N, Σ w) in the model's dtype from what :meth:`_stored` kept."""
+        if "latents" in stored:
+            return stored["latents"]
+        blocks = tuple(w for w in widths if w)
+        codes = unpack_codes(stored["codes"], self.bits, sum(blocks))
+        x = dequantize(QuantizedRows(codes, stored["scale"], stored["zero"]), blocks, torch.float32)
+        return (x @ block_rotation(blocks).to(x.device).T).to(self.dtype)
+
+    def _tail_widths(self, kind: str) -> tuple[int, ...]:
+        return tuple(r - lo for r, lo in zip(self._ranks(kind), self.lows[kind]))
+
     def encode(self, h_k: torch.Tensor, h_v: torch.Tensor) -> dict[str, torch.Tensor]:
         """Cut new tokens to the low level; re-rank the whole cache's tails with theirs (:attr:`kept`)."""
         before = self._encoded()
@@ -125,34 +167,35 @@ class TaleStore(LatentStore):
         parts = {}
         for kind, h in (("k", h_k), ("v", h_v)):
             head, tail = cut(h, self._ranks(kind), self.lows[kind])  # (B, T, Σ l_g), (B, T, Σ (r_g − l_g))
-            parts[f"{kind}_low"] = head
+            parts |= {f"{kind}_low_{n}": t for n, t in self._stored(head, self.lows[kind]).items()}
             significance = self.significance(tail).masked_fill(self.offset + new < self.sink, float("inf"))
-            index, old = new, self.kept.get(kind)
+            candidates = {f"tail_{n}": t for n, t in self._stored(tail, self._tail_widths(kind)).items()}
+            candidates |= {"index": new, "significance": significance}
+            old = self.kept.get(kind)
             if old is not None:  # candidates: the tokens kept whole so far, then the new ones
-                tail = torch.cat([old["tail"], tail], dim=1)
-                index = torch.cat([old["index"], index], dim=1)
-                significance = torch.cat([old["significance"], significance], dim=1)
-            top = significance.topk(min(whole, significance.shape[1]), dim=1).indices  # (B, K)
-            self.kept[kind] = {
-                "tail": tail.gather(1, top.unsqueeze(-1).expand(-1, -1, tail.shape[-1])),
-                "index": index.gather(1, top),
-                "significance": significance.gather(1, top),
-            }
+                candidates = {name: torch.cat([old[name], t], dim=1) for name, t in candidates.items()}
+            top = candidates["significance"].topk(min(whole, before + T), dim=1).indices  # (B, K)
+            self.kept[kind] = {name: _take(t, top) for name, t in candidates.items()}
         return parts
 
     def decode(self, parts: Mapping[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], ...]:
         out = []
         for kind in ("k", "v"):
-            head, kept = parts[f"{kind}_low"], self.kept[kind]
-            tail = kept["tail"]
+            ranks, lows, kept = self._ranks(kind), self.lows[kind], self.kept[kind]
+            prefix = f"{kind}_low_"
+            head = self._read({n[len(prefix) :]: t for n, t in parts.items() if n.startswith(prefix)}, lows)
+            tail = self._read(
+                {n[5:]: t for n, t in kept.items() if n.startswith("tail_")}, self._tail_widths(kind)
+            )
             full = head.new_zeros((*head.shape[:2], tail.shape[-1]))  # (B, S_e, Σ (r_g − l_g))
             # adding onto zeros is exact; spare slots add zeros wherever they point
             full.scatter_add_(1, kept["index"].long().unsqueeze(-1).expand_as(tail), tail.to(head.dtype))
-            out.append(join(head, full, self._ranks(kind), self.lows[kind]))
+            out.append(join(head, full, ranks, lows))
         return out[0], out[1]
 
     def _slice_tokens(self, start: int, end: int) -> None:
-        """Keep tokens ``start..end-1``; kept tails outside them go (a row's spare slots become zeros)."""
+        """Keep tokens ``start..end-1``; kept tails outside them go (a row's spare slots become zeros, with
+        scale and zero-point zero when quantized)."""
         lo, hi = min(start, self._encoded()), min(end, self._encoded())
         for kind, kept in self.kept.items():
             index = kept["index"].long()
@@ -160,12 +203,11 @@ class TaleStore(LatentStore):
             width = int(inside.sum(1).max()) if inside.numel() else 0
             order = inside.int().argsort(dim=1, descending=True, stable=True)[:, :width]  # inside ones first
             live = inside.gather(1, order)
+            moved = {name: _take(t, order) for name, t in kept.items()}
             self.kept[kind] = {
-                "tail": kept["tail"].gather(1, order.unsqueeze(-1).expand(-1, -1, kept["tail"].shape[-1]))
-                * live.unsqueeze(-1),
-                "index": torch.where(live, index.gather(1, order) - lo, 0).to(torch.int32),
-                "significance": kept["significance"].gather(1, order).masked_fill(~live, float("-inf")),
-            }
+                "index": torch.where(live, moved.pop("index") - lo, 0).to(torch.int32),
+                "significance": moved.pop("significance").masked_fill(~live, float("-inf")),
+            } | {name: t * live.view(*live.shape, *(1,) * (t.dim() - 2)) for name, t in moved.items()}
         self.offset += start
         super()._slice_tokens(start, end)
 
@@ -188,6 +230,7 @@ class TaleStorage(CacheStorage):
     keep: float = 0.25  # share of compressed tokens kept whole, the most significant
     sink: int = 4  # the first tokens of the sequence, always kept whole
     buffer: int = 32  # tokens kept as computed until this many are cut together
+    bits: int | None = None  # None: the model's dtype; 2/3/4/8: integer codes per rotated block
 
     def __post_init__(self) -> None:
         for field in ("low", "keep"):
@@ -196,6 +239,8 @@ class TaleStorage(CacheStorage):
         for field in ("sink", "buffer"):
             if getattr(self, field) < 0:
                 raise ValueError(f"tale cache {field} must be ≥ 0, got {getattr(self, field)}")
+        if self.bits is not None and self.bits not in INTEGER_BITS:
+            raise ValueError(f"tale cache bits must be null or one of {INTEGER_BITS}, got {self.bits}")
 
     def check_rotation(self, rotation: str) -> None:
         """A token's level keeps a prefix of its latents, which only means a lower rank when the latents
@@ -207,4 +252,4 @@ class TaleStorage(CacheStorage):
             )
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> TaleStore:
-        return TaleStore(ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer)
+        return TaleStore(ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer, self.bits)

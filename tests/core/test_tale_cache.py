@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from lrkv_core import load_compressed, save_compressed
 from lrkv_core.cache import CACHE_STORAGES, TaleStorage, TaleStore, cache_nbytes
-from lrkv_core.cache.tale import cut, low_ranks
+from lrkv_core.cache.tale import block_rotation, cut, low_ranks
 from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.format import LrkvFormat
 from lrkv_core.pipeline import use_cache_storage
+from lrkv_core.quant import fake_quantize, packed_width
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
 from tests.support.latents import replaced_latents, stepwise
 from tests.support.models import tiny_model
@@ -125,9 +126,10 @@ def test_the_buffer_keeps_the_newest_tokens_as_computed_until_whole_buffers_are_
     assert store._encoded() == 12 and store.recent["k"].shape[1] == 1
 
 
-def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned() -> None:
+@pytest.mark.parametrize("bits", [None, 3])
+def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned(bits) -> None:
     h_k, h_v = _latents(batch=3, tokens=40, seed=3)
-    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=4), h_k, h_v, [12, *[1] * 18])
+    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=4, bits=bits), h_k, h_v, [12, *[1] * 18])
     full = _view(store)  # 28 compressed, 2 in the buffer
     store.crop(7)  # 23 tokens left
     assert len(store) == 23 and all(torch.equal(a, b[:, :23]) for a, b in zip(_view(store), full))
@@ -140,18 +142,55 @@ def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned(
     assert store.offset == 14 and len(store) == 9
     assert all(torch.equal(a, b[[0, 0, 2], 14:23]) for a, b in zip(_view(store), full))
     spare = store.kept["v"]["significance"] == float("-inf")
-    assert not store.kept["v"]["tail"][spare].any()  # a row's spare slots hold zeros
+    assert spare.any() and all(  # a row's spare slots hold zeros (quantized: zero scale and zero-point)
+        not t[spare].any() for name, t in store.kept["v"].items() if name.startswith("tail_")
+    )
     for t in range(30, 40):  # new tokens after the slide: none is a sink, every row re-ranks
         store.append(h_k[[0, 0, 2], t : t + 1], h_v[[0, 0, 2], t : t + 1])
     held = torch.cat([torch.arange(14, 23), torch.arange(30, 40)])  # the sequence's tokens the store holds
     k, v = _view(store)
     assert store._encoded() == 17 and torch.equal(k[:, -2:], h_k[[0, 0, 2], 38:40])  # 2 in the buffer
-    for got, truth, ranks in ((k, h_k, RANKS_K), (v, h_v, RANKS_V)):
+    assert (
+        store.kept["k"]["index"].shape[1] >= 4
+        and (store.kept["k"]["significance"] > float("-inf")).sum(1).tolist() == [4] * 3
+    )
+    for got, truth, ranks in ((k, h_k, RANKS_K), (v, h_v, RANKS_V)) if bits is None else ():
         truth = truth[[0, 0, 2]][:, held]
         for whole in _whole_tokens(got[:, :17], truth[:, :17], ranks, 0.5):
             assert len(whole) == 4  # round(0.25 · 17), no sink left
     store.reset()
     assert len(store) == 0 and store.kept == {} and store.offset == 0
+
+
+def test_quantized_levels_are_each_block_rotated_then_quantized() -> None:
+    h_k, h_v = _latents(tokens=24)
+    exact = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
+    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0, bits=3), h_k, h_v, [24])
+    for kind, h, ranks in (("k", h_k, RANKS_K), ("v", h_v, RANKS_V)):
+        assert torch.equal(store.kept[kind]["index"], exact.kept[kind]["index"])  # ranked on exact tails
+        head, tail = cut(h, ranks, low_ranks(ranks, 0.5))
+        lows = low_ranks(ranks, 0.5)
+        tails = tuple(r - lo for r, lo in zip(ranks, lows))
+        rot_h, rot_t = block_rotation(lows), block_rotation(tails)
+        want_head = fake_quantize(head @ rot_h, lows, 3) @ rot_h.T
+        want_tail = fake_quantize(tail @ rot_t, tails, 3) @ rot_t.T
+        got_head, got_tail = cut(
+            torch.cat(getattr(store.view(), "keys" if kind == "k" else "values"), -1), ranks, lows
+        )
+        assert torch.equal(got_head, want_head)
+        whole = torch.zeros(h.shape[:2], dtype=torch.bool)
+        whole.scatter_(1, store.kept[kind]["index"].long(), True)
+        assert torch.equal(got_tail[whole], want_tail[whole]) and not got_tail[~whole].any()
+        assert store.parts[f"{kind}_low_codes"].shape[-1] == packed_width(sum(lows), 3)
+    for a, b in ((block_rotation((8, 4)), torch.eye(12)), (block_rotation((6,)), torch.eye(6))):
+        assert max_diff(a @ a.T, b) < 1e-6  # orthogonal (6: a random orthogonal block, no Hadamard of 6)
+    truth = torch.cat([h_k, h_v], dim=-1)
+
+    def error(bits):
+        got = torch.cat(_view(_filled(TaleStorage(keep=1.0, buffer=0, bits=bits), h_k, h_v, [24])), -1)
+        return ((got - truth).norm() / truth.norm()).item()
+
+    assert error(2) > error(3) > error(4) > error(8) > 0 == error(None)
 
 
 def test_options_are_checked() -> None:
@@ -160,6 +199,7 @@ def test_options_are_checked() -> None:
         ({"keep": -0.1}, "tale cache keep must be between 0 and 1"),
         ({"buffer": -1}, "tale cache buffer must be ≥ 0"),
         ({"sink": -2}, "tale cache sink must be ≥ 0"),
+        ({"bits": 16}, "tale cache bits must be null or one of"),
     ):
         with pytest.raises(ValueError, match=message):
             TaleStorage(**options)
@@ -190,15 +230,16 @@ def _compressed(compress, arch: str = "llama"):
 STORAGE = {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 1, "buffer": 0}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
-def test_a_prefill_through_the_tale_cache_attends_over_the_cut_latents(compress, arch) -> None:
+@pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen2", None), ("opt", None), ("llama", 2)])
+def test_a_prefill_through_the_tale_cache_attends_over_the_cut_latents(compress, arch, bits) -> None:
     comp = _compressed(compress, arch)
     ids = ids_for(2, 12)
-    with torch.no_grad(), replaced_latents(comp, _cut_of_each_call(STORAGE)):
+    storage = STORAGE | {"bits": bits}
+    with torch.no_grad(), replaced_latents(comp, _cut_of_each_call(storage)):
         ref = comp(ids, use_cache=False).logits
     with torch.no_grad():
         dense = comp(ids, use_cache=True).logits
-        comp.config.lrkv["cache"] = STORAGE
+        comp.config.lrkv["cache"] = storage
         cached = comp(ids, use_cache=True)
     assert all(type(layer.store) is TaleStore for layer in cached.past_key_values.layers)
     assert torch.equal(cached.logits, ref)
@@ -227,18 +268,32 @@ def test_with_nothing_cut_decoding_and_generate_equal_the_dense_cache(compress) 
     )
 
 
-def test_the_bytes_reported_are_the_tensors_held(compress) -> None:
+@pytest.mark.parametrize("bits", [None, 4])
+def test_the_bytes_reported_are_the_tensors_held(compress, bits) -> None:
     comp = _compressed(compress)
-    comp.config.lrkv["cache"] = {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 1, "buffer": 4}
+    comp.config.lrkv["cache"] = {
+        "name": "tale",
+        "low": 0.5,
+        "keep": 0.25,
+        "sink": 1,
+        "buffer": 4,
+        "bits": bits,
+    }
     with torch.no_grad():
         cache = comp(ids_for(3, 11), use_cache=True).past_key_values  # 8 tokens cut, 3 in the buffer
     fmt = LrkvFormat.of(comp.config)
+
+    def stored(width: int, blocks: int) -> int:  # one token's block of latents: float32, or codes + fp16 s, z
+        return width * 4 if bits is None else packed_width(width, bits) + 2 * 2 * blocks
+
     expected = 0
     for ranks in (*fmt.ranks_k, *fmt.ranks_v):  # per layer and kind: 2 groups of rank 4
-        R, low = sum(ranks), sum(low_ranks(ranks, 0.5))
+        R, low, G = sum(ranks), sum(low_ranks(ranks, 0.5)), len(ranks)
         whole = 1 + 2  # the sink and round(0.25 · 7)
-        per_row = 8 * low * 4 + whole * ((R - low) * 4 + 4 + 4) + 3 * R * 4  # heads, kept tails, buffer
-        expected += 3 * per_row  # float32 latents, int32 indices, float32 significance
+        per_row = (
+            8 * stored(low, G) + whole * (stored(R - low, G) + 4 + 4) + 3 * R * 4
+        )  # heads, tails, buffer
+        expected += 3 * per_row  # int32 indices, float32 significance; the buffer in float32
     expected += len(fmt.ranks_k) * 3 * 11 * 4  # int32 positions
     assert cache_nbytes(cache) == expected
 
@@ -246,7 +301,7 @@ def test_the_bytes_reported_are_the_tensors_held(compress) -> None:
 def test_a_model_converted_with_the_tale_cache_saves_and_loads_it(tmp_path) -> None:
     model = tiny_model("llama", 2)
     rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
-    cache = {"name": "tale", "low": 0.25, "keep": 0.5, "sink": 2, "buffer": 4}
+    cache = {"name": "tale", "low": 0.25, "keep": 0.5, "sink": 2, "buffer": 4, "bits": 4}
     config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, allocator="uniform", cache=cache)
     comp = plan_conversion(model, rows, config).apply(model)
     out = save_compressed(comp, tmp_path / "m")

@@ -76,7 +76,7 @@ def test_the_gear_cache_is_a_recipe_field_checked_against_the_rank_multiple():
 def test_the_tale_cache_is_a_recipe_field_and_refuses_a_fused_rotation():
     r = load_recipe(None, {"compression.cache": {"name": "tale", "keep": "0.1"}})
     assert r.model_dump(mode="json")["compression"]["cache"] == {
-        "name": "tale", "low": 0.5, "keep": 0.1, "sink": 4, "buffer": 32,
+        "name": "tale", "low": 0.5, "keep": 0.1, "sink": 4, "buffer": 32, "bits": None,
     }  # fmt: skip
     with pytest.raises(ValidationError, match="tale cache low must be between 0 and 1"):
         load_recipe(None, {"compression.cache": {"name": "tale", "low": 2}})
