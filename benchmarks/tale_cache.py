@@ -15,7 +15,9 @@ dense cache's, positions excluded from both), so each tale row has a uniform row
 Prefill PPL: the first ``--max-windows`` windows of ``--eval``, each in one pass through the cache (every
 token of a window that is a whole number of buffers is cut, so prefill shows the cut alone). Decode PPL: the
 first ``--decode-windows`` of them after a ``--decode-prefix``-token prefill, one token at a time (the lazy
-buffer keeps up to ``--buffer`` − 1 of the newest tokens whole).
+buffer keeps up to ``--buffer`` − 1 of the newest tokens whole). ``--random`` adds each variant with its whole
+tokens drawn at random (the control of the significance rule); ``--bits 4,3`` adds each variant with integer
+levels of those bits, next to the same plan's latents quantized whole after a fused rotation (``quantized``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def main() -> None:
     p.add_argument(
         "--random", action="store_true", help="also each variant with its whole tokens drawn at random"
     )
+    p.add_argument(
+        "--bits",
+        type=lambda text: [int(b) for b in text.split(",") if b],
+        default=[],
+        help="also each variant with integer levels of these bits, and quantized latents of the plan",
+    )
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--buffer", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
@@ -148,6 +156,22 @@ def main() -> None:
         same, same_achieved = compressed(args.ratio * share)
         row = {"model": f"lrkv {args.ratio * share:.4f}", "cache": f"dense, bytes of {label}"}
         emit(row | {"achieved_ratio": same_achieved} | measure(same, windows, args))
+    if args.bits:  # quantized levels, next to quantized whole latents (rotation auto) of the same plan
+        conversion = plan_conversion(model, rows, replace(base, ratio=args.ratio), statistics=stats)
+        rotated = replace(conversion, config=replace(conversion.config, rotation="auto"))
+        rotated = rotated.apply(copy.deepcopy(model))
+    for bits in args.bits:
+        for residual in sorted({0, args.buffer // 2}):  # the window tale's buffer holds on average
+            rotated.config.lrkv["cache"] = {"name": "quantized", "bits": bits, "residual": residual}
+            row = {"model": f"lrkv {args.ratio}, rotation auto", "cache": f"quantized {bits} bits"}
+            row["cache"] += f", residual {residual}" if residual else ""
+            emit(row | {"achieved_ratio": achieved} | measure(rotated, windows, args))
+        for variant in args.variants.split(","):
+            low, keep = (float(v) for v in variant.split(":"))
+            storage = {"name": "tale", "low": low, "keep": keep, "sink": args.sink, "buffer": args.buffer}
+            lrkv.config.lrkv["cache"] = storage | {"bits": bits}
+            row = {"model": f"lrkv {args.ratio}", "cache": f"tale low {low} keep {keep}, {bits} bits"}
+            emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
     lrkv.config.lrkv["cache"] = {"name": "dense"}
     minutes = (time.perf_counter() - start) / 60
     n_decode = min(args.decode_windows, windows.shape[0])
@@ -165,7 +189,10 @@ def main() -> None:
         "KV bytes after one prefilled window, positions and the tale cache's indices and significances "
         "included. Each `dense, bytes of …` row is a uniform plan whose dense latents take the bytes of "
         "the tale row above it; `whole tokens at random`: the same cache with the tokens kept whole drawn at "
-        "random (seeded) instead of by significance.\n\n" + table
+        "random (seeded) instead of by significance. `quantized b bits`: the same plan with a rotation "
+        "(auto) fused and its latents quantized whole (the `quantized` storage), with `residual` "
+        "newest tokens in full precision (half tale's buffer: what it holds on average while decoding); "
+        "`tale …, b bits`: the tale cache with integer levels (each block rotated in the store).\n\n" + table
     )
     print(section)
     if args.out:

@@ -19,12 +19,20 @@ without rebuilding values. Here, per layer and kind (K or V), with two levels:
 3. **Lazy buffer**: new tokens stay as computed until ``buffer`` of them wait; then all waiting tokens in
    whole multiples of ``buffer`` are cut together (``buffer: 0`` cuts every update as it comes).
 
-Parts, per token: ``k_low`` (B, S, Σ_g l_g) and ``v_low``, in the model's dtype. Across tokens, in
-:attr:`TaleStore.kept`: per kind, the kept tokens' tails (B, K, Σ_g (r_g − l_g)), their indices among the
-compressed tokens (B, K) int32 and their significance (B, K) float32 (what the next re-ranking compares).
-K is the same for every batch row; after a crop or a sliding window a row may hold fewer kept tokens than
-another, and its spare slots hold zeros with significance −inf (they add nothing and are the first to go).
-The cache's reported bytes are all of these, the buffer's tokens and the positions included.
+Parts, per token: ``k_low_latents`` (B, S, Σ_g l_g) and ``v_low_latents``, in the model's dtype. Across
+tokens, in :attr:`TaleStore.kept`: per kind, the kept tokens' tails (``tail_latents``, (B, K, Σ_g (r_g −
+l_g))), their indices among the compressed tokens (B, K) int32 and their significance (B, K) float32 (what
+the next re-ranking compares). K is the same for every batch row; after a crop or a sliding window a row may
+hold fewer kept tokens than another, and its spare slots hold zeros with significance −inf (they add nothing
+and are the first to go). The cache's reported bytes are all of these, the buffer's tokens and the positions
+included.
+
+**Integer levels** (``bits``: 2, 3, 4 or 8): every group's low level, and every whole token's tail, is a
+block of latents that is rotated by an orthogonal matrix of its own width (:func:`block_rotation`), then
+quantized per token and block (:mod:`lrkv_core.quant`: packed codes, float16 scale and zero-point; parts
+``…_codes``, ``…_scale``, ``…_zero`` instead of ``…_latents``). Rotating within a block keeps the order
+between levels, which a rotation fused into the factors would not, and spreads the whitened latents'
+leading coordinates before quantizing (what the fused rotation is for). Ranking reads the exact tails.
 
 The view gives attention every group at its full rank r_g (zeros past a token's level), so attention
 costs what the dense cache's does; only memory shrinks.
