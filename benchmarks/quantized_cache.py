@@ -79,6 +79,19 @@ def measure(model, windows: torch.Tensor, args, cache_factory=None) -> dict[str,
     }
 
 
+def load_inputs(args) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``(model, calibration rows (N, T), evaluation windows (N, T))`` under the protocol: ``--n-samples``
+    seeded windows of ``--seq-len`` tokens of ``--calibration``, the first ``--max-windows`` of ``--eval``."""
+    model, tokenizer = load_model(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/calibration.parquet"
+        extract_calibration(
+            args.calibration, tokenizer, n_samples=args.n_samples, seq_len=args.seq_len, seed=0, out_path=path
+        )
+        rows = read_token_rows(path)  # (N, T)
+    return model, rows, eval_windows(args.eval, tokenizer, seq_len=args.seq_len, max_windows=args.max_windows)
+
+
 def storage(bits: int, residual: int, group: int | None) -> dict[str, Any]:
     return {"name": "quantized", "bits": bits, "quant_group_size": group, "residual": residual}
 
@@ -201,14 +214,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/calibration.parquet"
-        extract_calibration(
-            args.calibration, tokenizer, n_samples=args.n_samples, seq_len=args.seq_len, seed=0, out_path=path
-        )
-        rows = read_token_rows(path)  # (N, T)
-    windows = eval_windows(args.eval, tokenizer, seq_len=args.seq_len, max_windows=args.max_windows)  # (N, T)
+    model, rows, windows = load_inputs(args)
 
     def emit(row: dict[str, Any]) -> dict[str, Any]:
         print(_line(row), file=sys.stderr, flush=True)

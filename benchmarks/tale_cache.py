@@ -27,20 +27,17 @@ import copy
 import json
 import shlex
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from quantized_cache import measure  # benchmarks/, the script's own directory
+from quantized_cache import load_inputs, measure  # benchmarks/, the script's own directory
 
 from lrkv_core.cache import CACHE_STORAGES, TaleStorage, TaleStore
 from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
-from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
 from lrkv_core.format import LrkvFormat
-from lrkv_core.models import load_model
 
 
 class RandomTaleStore(TaleStore):
@@ -109,14 +106,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/calibration.parquet"
-        extract_calibration(
-            args.calibration, tokenizer, n_samples=args.n_samples, seq_len=args.seq_len, seed=0, out_path=path
-        )
-        rows = read_token_rows(path)  # (N, T)
-    windows = eval_windows(args.eval, tokenizer, seq_len=args.seq_len, max_windows=args.max_windows)
+    model, rows, windows = load_inputs(args)
     base = CompressionConfig(group_size=args.group_size, rank_multiple=1, allocator="uniform")
     base = base.for_model(model.config)
     stats = collect_statistics(model, rows, base.needed_statistics())  # the Gram, once

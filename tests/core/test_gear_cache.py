@@ -29,7 +29,7 @@ from lrkv_core.format import LrkvFormat
 from lrkv_core.pipeline import use_cache_storage
 from lrkv_core.quant import packed_width
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
-from tests.support.latents import replaced_latents, stepwise
+from tests.support.latents import each_call, replaced_latents, stepwise, tiny_compressed
 from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -158,34 +158,14 @@ def test_crop_batch_operations_and_a_sliding_window_keep_chunks_aligned() -> Non
     assert len(store) == 0 and store.chunk_sizes == [] and store.bases == {}
 
 
-def _gear_of_each_call(storage: dict):
-    """What a ``buffer: 0`` store of ``storage`` gives back for each forward call's latents (one chunk)."""
-    one_chunk = CACHE_STORAGES.create(storage | {"buffer": 0})
-
-    def make(ranks):
-        def apply(h: torch.Tensor) -> torch.Tensor:
-            store = one_chunk.create_store(tuple(ranks), tuple(ranks))
-            store.append(h, h)
-            return torch.cat(store.view().keys, dim=-1)
-
-        return apply
-
-    return make
-
-
-def _compressed(compress, arch: str = "llama"):
-    model = tiny_model(arch, 4 if arch == "opt" else 2)
-    return compress(model, 1, 0.5, rank_multiple=1)[0]  # per-head groups of rank 4
-
-
 STORAGE = {"name": "gear", "bits": 2, "outliers": 1, "rank": 2, "buffer": 0}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
 def test_gear_attention_equals_attention_over_the_reconstructed_latents(compress, arch) -> None:
-    comp = _compressed(compress, arch)
+    comp = tiny_compressed(compress, arch)
     ids = ids_for(2, 12)
-    with torch.no_grad(), replaced_latents(comp, _gear_of_each_call(STORAGE)):
+    with torch.no_grad(), replaced_latents(comp, each_call(STORAGE)):
         ref = comp(ids, use_cache=False).logits
         ref_decoded = stepwise(comp, ids, 5)[0]
     with torch.no_grad():
@@ -198,9 +178,9 @@ def test_gear_attention_equals_attention_over_the_reconstructed_latents(compress
 
 
 def test_generate_and_beam_search_through_the_gear_cache(compress) -> None:
-    comp = _compressed(compress)
+    comp = tiny_compressed(compress)
     ids, mask = left_padded((9, 5, 2))
-    with torch.no_grad(), replaced_latents(comp, _gear_of_each_call(STORAGE)):
+    with torch.no_grad(), replaced_latents(comp, each_call(STORAGE)):
         ref_greedy, ref_beam = greedy(comp, ids, mask), greedy(comp, ids, mask, num_beams=2)
     comp.config.lrkv["cache"] = STORAGE
     got = greedy(comp, ids, mask, num_beams=2, return_dict_in_generate=True)
@@ -212,7 +192,7 @@ def test_generate_and_beam_search_through_the_gear_cache(compress) -> None:
 
 
 def test_the_bytes_reported_are_the_tensors_held(compress) -> None:
-    comp = _compressed(compress)
+    comp = tiny_compressed(compress)
     comp.config.lrkv["cache"] = {"name": "gear", "bits": 2, "outliers": 1, "rank": 2, "buffer": 4}
     with torch.no_grad():
         cache = comp(ids_for(3, 11), use_cache=True).past_key_values  # 8 tokens compressed, 3 in the buffer
@@ -245,13 +225,13 @@ def test_a_model_converted_with_the_gear_cache_saves_and_loads_it(tmp_path) -> N
 
 
 def test_a_compressed_model_evaluates_with_another_storage_after_loading(compress, tmp_path) -> None:
-    comp = _compressed(compress)
+    comp = tiny_compressed(compress)
     out = save_compressed(comp, tmp_path / "m")
     loaded = load_compressed(out)
     storage = use_cache_storage(loaded, {"name": "gear", "bits": 2, "buffer": 0})
     assert storage == GearStorage(bits=2, buffer=0) and loaded.config.lrkv["cache"]["name"] == "gear"
     ids = ids_for(2, 10)
-    with torch.no_grad(), replaced_latents(comp, _gear_of_each_call(storage.to_dict())):
+    with torch.no_grad(), replaced_latents(comp, each_call(storage.to_dict())):
         ref = comp(ids).logits
     with torch.no_grad():
         assert torch.equal(loaded(ids, use_cache=True).logits, ref)

@@ -22,7 +22,7 @@ from lrkv_core.format import LrkvFormat
 from lrkv_core.pipeline import use_cache_storage
 from lrkv_core.quant import fake_quantize, packed_width
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
-from tests.support.latents import replaced_latents, stepwise
+from tests.support.latents import each_call, replaced_latents, stepwise, tiny_compressed
 from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -207,35 +207,15 @@ def test_options_are_checked() -> None:
         CompressionConfig(cache="tale", rotation="auto")
 
 
-def _cut_of_each_call(storage: dict):
-    """What a ``buffer: 0`` store of ``storage`` gives back for each forward call's latents."""
-    one_call = CACHE_STORAGES.create(storage | {"buffer": 0})
-
-    def make(ranks):
-        def apply(h: torch.Tensor) -> torch.Tensor:
-            store = one_call.create_store(tuple(ranks), tuple(ranks))
-            store.append(h, h)
-            return torch.cat(store.view().keys, dim=-1)
-
-        return apply
-
-    return make
-
-
-def _compressed(compress, arch: str = "llama"):
-    model = tiny_model(arch, 4 if arch == "opt" else 2)
-    return compress(model, 1, 0.5, rank_multiple=1)[0]  # per-head groups of rank 4
-
-
 STORAGE = {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 1, "buffer": 0}
 
 
 @pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen2", None), ("opt", None), ("llama", 2)])
 def test_a_prefill_through_the_tale_cache_attends_over_the_cut_latents(compress, arch, bits) -> None:
-    comp = _compressed(compress, arch)
+    comp = tiny_compressed(compress, arch)
     ids = ids_for(2, 12)
     storage = STORAGE | {"bits": bits}
-    with torch.no_grad(), replaced_latents(comp, _cut_of_each_call(storage)):
+    with torch.no_grad(), replaced_latents(comp, each_call(storage)):
         ref = comp(ids, use_cache=False).logits
     with torch.no_grad():
         dense = comp(ids, use_cache=True).logits
@@ -247,7 +227,7 @@ def test_a_prefill_through_the_tale_cache_attends_over_the_cut_latents(compress,
 
 
 def test_with_nothing_cut_decoding_and_generate_equal_the_dense_cache(compress) -> None:
-    comp = _compressed(compress)
+    comp = tiny_compressed(compress)
     ids = ids_for(2, 14)
     prompts, mask = left_padded((9, 5, 2))
     with torch.no_grad():
@@ -270,7 +250,7 @@ def test_with_nothing_cut_decoding_and_generate_equal_the_dense_cache(compress) 
 
 @pytest.mark.parametrize("bits", [None, 4])
 def test_the_bytes_reported_are_the_tensors_held(compress, bits) -> None:
-    comp = _compressed(compress)
+    comp = tiny_compressed(compress)
     comp.config.lrkv["cache"] = {
         "name": "tale",
         "low": 0.5,

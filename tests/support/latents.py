@@ -14,8 +14,9 @@ from contextlib import contextmanager
 import torch
 
 from lrkv_core.adapters import get_adapter
-from lrkv_core.cache import cache_kwargs
+from lrkv_core.cache import CACHE_STORAGES, cache_kwargs
 from lrkv_core.format import LrkvFormat
+from tests.support.models import tiny_model
 
 Replace = Callable[[torch.Tensor], torch.Tensor]
 
@@ -50,3 +51,25 @@ def stepwise(model, ids: torch.Tensor, prefix: int) -> tuple[torch.Tensor, objec
             out = model(ids[:, t : t + 1], **cache_kwargs(out.past_key_values), use_cache=True)
             steps.append(out.logits)
     return torch.cat(steps, dim=1), out.past_key_values
+
+
+def each_call(storage: dict) -> Callable[[list[int]], Replace]:
+    """For :func:`replaced_latents`: what a ``buffer: 0`` store of ``storage`` (one with a ``buffer``
+    option) gives back for each forward call's latents, the call's tokens taken in at once."""
+    one_call = CACHE_STORAGES.create(storage | {"buffer": 0})
+
+    def make(ranks):
+        def apply(h: torch.Tensor) -> torch.Tensor:
+            store = one_call.create_store(tuple(ranks), tuple(ranks))
+            store.append(h, h)
+            return torch.cat(store.view().keys, dim=-1)
+
+        return apply
+
+    return make
+
+
+def tiny_compressed(compress, arch: str = "llama"):
+    """A tiny model of ``arch`` compressed to ratio 0.5 in per-head groups of rank 4 (``compress``: the
+    conftest fixture)."""
+    return compress(tiny_model(arch, 4 if arch == "opt" else 2), 1, 0.5, rank_multiple=1)[0]
