@@ -182,7 +182,8 @@ class TaleStore(LatentStore):
             old = self.kept.get(kind)
             if old is not None:  # candidates: the tokens kept whole so far, then the new ones
                 candidates = {name: torch.cat([old[name], t], dim=1) for name, t in candidates.items()}
-            top = candidates["significance"].topk(min(whole, before + T), dim=1).indices  # (B, K)
+            ranked = candidates["significance"]  # (B, N): after a crop, fewer than the tokens held
+            top = ranked.topk(min(whole, ranked.shape[1]), dim=1).indices  # (B, K)
             self.kept[kind] = {name: _take(t, top) for name, t in candidates.items()}
         return parts
 

@@ -162,6 +162,22 @@ def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned(
     assert len(store) == 0 and store.kept == {} and store.offset == 0
 
 
+def test_after_a_crop_that_took_the_whole_tokens_new_ones_are_ranked_among_what_is_left() -> None:
+    h_k, h_v = _latents(batch=1, tokens=40, seed=5)
+    h_k[:, 20:30] *= 10.0  # the whole tokens are all among the last ones
+    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=0, buffer=0), h_k, h_v, [30])
+    assert set(store.kept["k"]["index"][0].tolist()) >= {20, 21}
+    store.crop(12)  # 18 left: the kept keys went with the crop (spare slots or none)
+    for t in range(30, 40):
+        store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
+    k, _ = _view(store)
+    truth = torch.cat([h_k[:, :18], h_k[:, 30:40]], dim=1)
+    (whole,) = _whole_tokens(k, truth, RANKS_K, 0.5)
+    assert whole and whole <= set(
+        range(18, 28)
+    )  # only new tokens could be kept whole: the old tails are gone
+
+
 def test_quantized_levels_are_each_block_rotated_then_quantized() -> None:
     h_k, h_v = _latents(tokens=24)
     exact = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
