@@ -13,28 +13,37 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from lrkv_core import load_compressed, save_compressed
 from lrkv_core.cache import (
-    CACHE_STORAGES,
     GearStorage,
     GearStore,
     QuantizedStorage,
     cache_nbytes,
 )
 from lrkv_core.cache.gear import low_rank, put_outliers, split_outliers
-from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.format import LrkvFormat
 from lrkv_core.pipeline import use_cache_storage
 from lrkv_core.quant import packed_width
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
-from tests.support.latents import each_call, replaced_latents, stepwise, tiny_compressed
+from tests.support.latents import (
+    RANKS_K,
+    RANKS_V,
+    check_saved_with_cache,
+    each_call,
+    replaced_latents,
+    stepwise,
+    tiny_compressed,
+)
+from tests.support.latents import (
+    filled_store as _filled,
+)
+from tests.support.latents import (
+    store_view as _view,
+)
 from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-RANKS_K, RANKS_V = (8, 8), (16,)
 
 
 def _latents(batch: int = 2, tokens: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,21 +54,6 @@ def _latents(batch: int = 2, tokens: int = 24, seed: int = 0) -> tuple[torch.Ten
     h_k = t.sample((batch, tokens, sum(RANKS_K))) * torch.linspace(2.0, 0.3, sum(RANKS_K))
     h_v = t.sample((batch, tokens, sum(RANKS_V))) + 0.1 * torch.randn(batch, tokens, 1, generator=gen)
     return h_k, h_v
-
-
-def _view(store) -> tuple[torch.Tensor, torch.Tensor]:
-    view = store.view()
-    return torch.cat(view.keys, dim=-1), torch.cat(view.values, dim=-1)
-
-
-def _filled(storage: dict | GearStorage, h_k: torch.Tensor, h_v: torch.Tensor, steps: list[int]):
-    """A store of ``storage`` given the tokens in appends of ``steps`` tokens."""
-    store = CACHE_STORAGES.create(storage).create_store(RANKS_K, RANKS_V)
-    start = 0
-    for n in steps:
-        store.append(h_k[:, start : start + n], h_v[:, start : start + n])
-        start += n
-    return store
 
 
 def _nbytes(store) -> int:
@@ -207,21 +201,9 @@ def test_the_bytes_reported_are_the_tensors_held(compress) -> None:
 
 
 def test_a_model_converted_with_the_gear_cache_saves_and_loads_it(tmp_path) -> None:
-    model = tiny_model("llama", 2)
-    rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
-    cache = {"name": "gear", "bits": 3, "quant_group_size": None, "outliers": 1, "rank": 1, "buffer": 4}
-    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, allocator="uniform", cache=cache)
-    comp = plan_conversion(model, rows, config).apply(model)
-    out = save_compressed(comp, tmp_path / "m")
-    assert LrkvFormat.of(comp.config).cache == cache
-    ids = ids_for(2, 10)
-    with torch.no_grad():
-        ref = comp(ids, use_cache=True).logits
-    for loaded in (load_compressed(out), AutoModelForCausalLM.from_pretrained(out)):
-        with torch.no_grad():
-            got = loaded(ids, use_cache=True)
-        assert torch.equal(got.logits, ref) and got.past_key_values.storage == CACHE_STORAGES.create(cache)
-        assert torch.equal(greedy(loaded, ids), greedy(comp, ids))
+    check_saved_with_cache(
+        {"name": "gear", "bits": 3, "quant_group_size": None, "outliers": 1, "rank": 1, "buffer": 4}, tmp_path
+    )
 
 
 def test_a_compressed_model_evaluates_with_another_storage_after_loading(compress, tmp_path) -> None:

@@ -12,22 +12,32 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from lrkv_core import load_compressed, save_compressed
-from lrkv_core.cache import CACHE_STORAGES, TaleStorage, TaleStore, cache_nbytes
+from lrkv_core.cache import TaleStorage, TaleStore, cache_nbytes
 from lrkv_core.cache.tale import block_rotation, cut, low_ranks
 from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.format import LrkvFormat
 from lrkv_core.pipeline import use_cache_storage
 from lrkv_core.quant import fake_quantize, packed_width
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
-from tests.support.latents import each_call, replaced_latents, stepwise, tiny_compressed
+from tests.support.latents import (
+    RANKS_K,
+    RANKS_V,
+    check_saved_with_cache,
+    each_call,
+    replaced_latents,
+    stepwise,
+    tiny_compressed,
+)
+from tests.support.latents import (
+    filled_store as _filled,
+)
+from tests.support.latents import (
+    store_view as _view,
+)
 from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-RANKS_K, RANKS_V = (8, 8), (16,)
 
 
 def _latents(batch: int = 2, tokens: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,20 +45,6 @@ def _latents(batch: int = 2, tokens: int = 24, seed: int = 0) -> tuple[torch.Ten
     h_k = torch.randn(batch, tokens, sum(RANKS_K), generator=gen) * torch.linspace(2.0, 0.3, sum(RANKS_K))
     h_v = torch.randn(batch, tokens, sum(RANKS_V), generator=gen)
     return h_k, h_v
-
-
-def _view(store) -> tuple[torch.Tensor, torch.Tensor]:
-    view = store.view()
-    return torch.cat(view.keys, dim=-1), torch.cat(view.values, dim=-1)
-
-
-def _filled(storage: dict | TaleStorage, h_k: torch.Tensor, h_v: torch.Tensor, steps: list[int]) -> TaleStore:
-    store = CACHE_STORAGES.create(storage).create_store(RANKS_K, RANKS_V)
-    start = 0
-    for n in steps:
-        store.append(h_k[:, start : start + n], h_v[:, start : start + n])
-        start += n
-    return store
 
 
 def _low_only(h: torch.Tensor, ranks, low: float) -> torch.Tensor:
@@ -295,21 +291,9 @@ def test_the_bytes_reported_are_the_tensors_held(compress, bits) -> None:
 
 
 def test_a_model_converted_with_the_tale_cache_saves_and_loads_it(tmp_path) -> None:
-    model = tiny_model("llama", 2)
-    rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))
-    cache = {"name": "tale", "low": 0.25, "keep": 0.5, "sink": 2, "buffer": 4, "bits": 4}
-    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=4, allocator="uniform", cache=cache)
-    comp = plan_conversion(model, rows, config).apply(model)
-    out = save_compressed(comp, tmp_path / "m")
-    assert LrkvFormat.of(comp.config).cache == cache
-    ids = ids_for(2, 10)
-    with torch.no_grad():
-        ref = comp(ids, use_cache=True).logits
-    for loaded in (load_compressed(out), AutoModelForCausalLM.from_pretrained(out)):
-        with torch.no_grad():
-            got = loaded(ids, use_cache=True)
-        assert torch.equal(got.logits, ref) and got.past_key_values.storage == CACHE_STORAGES.create(cache)
-        assert torch.equal(greedy(loaded, ids), greedy(comp, ids))
+    check_saved_with_cache(
+        {"name": "tale", "low": 0.25, "keep": 0.5, "sink": 2, "buffer": 4, "bits": 4}, tmp_path
+    )
 
 
 def test_a_rotated_model_refuses_the_tale_cache(tmp_path) -> None:
