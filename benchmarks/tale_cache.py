@@ -57,7 +57,17 @@ class RandomTaleStorage(TaleStorage):
     name: ClassVar[str] = "tale-random"
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> RandomTaleStore:
-        return RandomTaleStore(ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer)
+        return RandomTaleStore(ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer, self.bits)
+
+
+def variants(args) -> list[tuple[str, dict[str, Any]]]:
+    """``--variants`` as (label, tale storage) pairs, with ``--sink`` and ``--buffer``."""
+    out = []
+    for variant in args.variants.split(","):
+        low, keep = (float(v) for v in variant.split(":"))
+        storage = {"name": "tale", "low": low, "keep": keep, "sink": args.sink, "buffer": args.buffer}
+        out.append((f"tale low {low} keep {keep}", storage))
+    return out
 
 
 COLUMNS = ["model", "cache", "kept width", "prefill PPL", "decode PPL", "KV bytes/token", "× fp32 cache"]
@@ -119,26 +129,27 @@ def main() -> None:
             with args.jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def planned(ratio: float):
+        return plan_conversion(model, rows, replace(base, ratio=ratio), statistics=stats)
+
     def compressed(ratio: float):
-        conversion = plan_conversion(model, rows, replace(base, ratio=ratio), statistics=stats)
+        conversion = planned(ratio)
         return conversion.apply(copy.deepcopy(model)), conversion.plan.achieved_ratio
 
     emit({"model": "original", "cache": "—", "achieved_ratio": 1.0} | measure(model, windows, args))
-    lrkv, achieved = compressed(args.ratio)
+    conversion = planned(args.ratio)
+    lrkv, achieved = conversion.apply(copy.deepcopy(model)), conversion.plan.achieved_ratio
     dense = measure(lrkv, windows, args)
     emit({"model": f"lrkv {args.ratio}", "cache": "dense", "achieved_ratio": achieved} | dense)
     positions = 4 * LrkvFormat.of(lrkv.config).n_layers  # int32 positions per token, in every latent cache
-    for variant in args.variants.split(","):
-        low, keep = (float(v) for v in variant.split(":"))
-        storage = {"name": "tale", "low": low, "keep": keep, "sink": args.sink, "buffer": args.buffer}
+    for label, storage in variants(args):
         lrkv.config.lrkv["cache"] = storage
         tale = measure(lrkv, windows, args)
-        label = f"tale low {low} keep {keep}"
         emit(
             {"model": f"lrkv {args.ratio}", "cache": label, "achieved_ratio": achieved, "storage": storage}
             | tale
         )
-        if args.random and keep > 0:
+        if args.random and storage["keep"] > 0:
             lrkv.config.lrkv["cache"] = storage | {"name": "tale-random"}
             row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, whole tokens at random"}
             emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
@@ -147,7 +158,6 @@ def main() -> None:
         row = {"model": f"lrkv {args.ratio * share:.4f}", "cache": f"dense, bytes of {label}"}
         emit(row | {"achieved_ratio": same_achieved} | measure(same, windows, args))
     if args.bits:  # quantized levels, next to quantized whole latents (rotation auto) of the same plan
-        conversion = plan_conversion(model, rows, replace(base, ratio=args.ratio), statistics=stats)
         rotated = replace(conversion, config=replace(conversion.config, rotation="auto"))
         rotated = rotated.apply(copy.deepcopy(model))
     for bits in args.bits:
@@ -156,11 +166,9 @@ def main() -> None:
             row = {"model": f"lrkv {args.ratio}, rotation auto", "cache": f"quantized {bits} bits"}
             row["cache"] += f", residual {residual}" if residual else ""
             emit(row | {"achieved_ratio": achieved} | measure(rotated, windows, args))
-        for variant in args.variants.split(","):
-            low, keep = (float(v) for v in variant.split(":"))
-            storage = {"name": "tale", "low": low, "keep": keep, "sink": args.sink, "buffer": args.buffer}
+        for label, storage in variants(args):
             lrkv.config.lrkv["cache"] = storage | {"bits": bits}
-            row = {"model": f"lrkv {args.ratio}", "cache": f"tale low {low} keep {keep}, {bits} bits"}
+            row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, {bits} bits"}
             emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
     lrkv.config.lrkv["cache"] = {"name": "dense"}
     minutes = (time.perf_counter() - start) / 60

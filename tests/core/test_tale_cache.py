@@ -169,9 +169,8 @@ def test_after_a_crop_that_took_the_whole_tokens_new_ones_are_ranked_among_what_
     k, _ = _view(store)
     truth = torch.cat([h_k[:, :18], h_k[:, 30:40]], dim=1)
     (whole,) = _whole_tokens(k, truth, RANKS_K, 0.5)
-    assert whole and whole <= set(
-        range(18, 28)
-    )  # only new tokens could be kept whole: the old tails are gone
+    # only new tokens could be kept whole: the old tails are gone
+    assert whole and whole <= set(range(18, 28))
 
 
 def test_quantized_levels_are_each_block_rotated_then_quantized() -> None:
