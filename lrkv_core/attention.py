@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from lrkv_kernels.latent_rope import apply_rope, reconstruct_rope_keys
+from lrkv_kernels.latent_rope import apply_rope, latent_rope_scores, reconstruct_rope_keys, triton_runs_on
 
 from .adapters import ArchAdapter, AttnShape
 from .cache import LatentCache, LatentView, either_cache
@@ -135,7 +135,17 @@ class LatentAttentionBase(nn.Module):
 
 
 class LatentAttention(LatentAttentionBase):
-    """Drop-in replacement for a RoPE attention module (Llama, Mistral, Qwen2), caching latents."""
+    """Drop-in replacement for a RoPE attention module (Llama, Mistral, Qwen2), caching latents.
+
+    A decode step (one query token) on CUDA goes through Palu's fused kernel
+    (:func:`~lrkv_kernels.latent_rope.latent_rope_scores`): scores against keys rebuilt in registers, then
+    softmax and the value latents in torch. ``fused_decode`` chooses: None (default) on CUDA tensors where
+    Triton is installed, True always (on the CPU under ``TRITON_INTERPRET=1``, the tests), False never.
+    Everything else (prefill, training, a LoRA-wrapped ``k_up``, flash attention, a RoPE whose frequencies
+    change with the length) rebuilds the keys and calls the model's attention interface.
+    """
+
+    fused_decode: bool | None = None
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, adapter: ArchAdapter, layout: LatentLayout):
         super().__init__(config, layer_idx, adapter, layout)
@@ -164,6 +174,8 @@ class LatentAttention(LatentAttentionBase):
         h_k = self.k_down(hidden_states)  # (B, T, R_k)
         h_v = self.v_down(hidden_states)  # (B, T, R_v)
         view = self.cached_latents(h_k, h_v, position_ids, past_key_values, cache)
+        if self.decodes_fused(q):
+            return self.o_proj(self.fused_decode_attention(q, view, attention_mask)), None
         cos_k, sin_k = self.rotary_emb(view.keys[0], view.positions.long())  # (B, S, D); keys[0]: dtype only
         outs, nq = [], self.q_heads_per_group
         for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):
@@ -175,6 +187,41 @@ class LatentAttention(LatentAttentionBase):
 
     def projections(self) -> dict[str, list[nn.Linear]]:
         return super().projections() | {"k_up": list(self.k_up)}
+
+    def decodes_fused(self, q: torch.Tensor) -> bool:
+        """Whether this forward (queries q (B, H, T, D)) takes the fused decode path."""
+        if q.shape[2] != 1 or self.training or self.fused_decode is False:
+            return False
+        if self.fused_decode is None and not (q.is_cuda and triton_runs_on(q.device)):
+            return False
+        rope_type = getattr(self.rotary_emb, "rope_type", "default")
+        return (
+            self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
+            and set(self._interface_kwargs) <= {"sliding_window"}  # the mask carries the window
+            and "dynamic" not in rope_type
+            and rope_type != "longrope"  # both change inv_freq with the length
+            and all(type(up) is nn.Linear for up in self.k_up)
+        )
+
+    def fused_decode_attention(
+        self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One decode step's attention output (B, 1, H·r_v per group) from the fused scores kernel."""
+        B, nq = q.shape[0], self.q_heads_per_group
+        rope = self.rotary_emb
+        outs = []
+        for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):
+            scores = latent_rope_scores(
+                q[:, g * nq : (g + 1) * nq], hk_g, up.weight, up.bias, view.positions, rope.inv_freq,
+                rope.attention_scaling, self.scaling,
+            )  # (B, nq, 1, S) float32  # fmt: skip
+            if attention_mask is not None:
+                mask = attention_mask[..., : scores.shape[-1]]
+                bool_mask = mask.dtype == torch.bool
+                scores = scores.masked_fill(~mask, float("-inf")) if bool_mask else scores + mask
+            probs = torch.softmax(scores, dim=-1).to(hv_g.dtype)
+            outs.append((probs @ hv_g.unsqueeze(1)).transpose(1, 2).reshape(B, 1, -1))  # (B, 1, nq·r_v)
+        return torch.cat(outs, dim=-1)
 
     def rebuild_keys(
         self, up: nn.Module, h_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

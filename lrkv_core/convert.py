@@ -202,10 +202,11 @@ def collect_statistics(
 
 @torch.no_grad()
 def model_layer_weights(model: nn.Module, layer: int, *, query: bool = False) -> LayerWeights:
-    """The layer's k/v (and q) projection weights, read from a loaded model."""
+    """The layer's k/v (and q) projection weights, read from a loaded model, on the CPU: decompositions
+    run there in float64 beside the statistics (collected on the model's device, returned on the CPU)."""
     adapter = get_adapter(model.config)
     attn = adapter.attention(model, layer)
-    weight = {p: getattr(attn, getattr(adapter, f"{p}_name")).weight for p in "qkv"}
+    weight = {p: getattr(attn, getattr(adapter, f"{p}_name")).weight.detach().cpu() for p in "qkv"}
     return LayerWeights(weight["k"], weight["v"], weight["q"] if query else None)
 
 

@@ -153,7 +153,7 @@ def fuse_attention(
             kv = h // shape.n_rep
             o_bias += w_oh @ b_v[kv * D : (kv + 1) * D]  # softmax rows sum to 1
     _set_linear(new.o_proj, torch.cat(blocks, dim=1), o_bias)
-    return new.to(device=q.weight.device, dtype=q.weight.dtype)
+    return new.to(device=q.weight.device, dtype=q.weight.dtype).train(attn.training)  # the replaced mode
 
 
 def compress_model(
@@ -229,7 +229,8 @@ def build_latent_skeleton(model: nn.Module) -> nn.Module:
     for i, layout in enumerate(layouts(fmt)):
         ref = adapter.attention(model, i)
         p = next(ref.parameters())
-        adapter.set_attention(model, i, kind.module(config, i, adapter, layout).to(p.device, p.dtype))
+        new = kind.module(config, i, adapter, layout).to(p.device, p.dtype).train(ref.training)
+        adapter.set_attention(model, i, new)
     config.lrkv = fmt.to_dict()  # migrated to the current format version
     enable_latent_cache(model)
     return model

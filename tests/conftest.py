@@ -1,12 +1,22 @@
-"""Shared fixtures: one intra-op thread for tiny models, the tiny-model factory, and ``compress``."""
+"""Shared fixtures: one intra-op thread for tiny models, the tiny-model factory, and ``compress``.
+
+Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads ``TRITON_INTERPRET``
+when it is first imported (transformers' model modules import it), so it is set before any other import.
+"""
 
 from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy
 from collections.abc import Callable, Iterator
 
 import pytest
-import torch
 from transformers import PreTrainedModel
 
 from lrkv_core.allocation import RankPlan

@@ -1,14 +1,26 @@
 """Rebuild keys from cached latents and apply RoPE: ``K = rope(H_k B_kᵀ + b_k)``.
 
-Palu fuses reconstruction, RoPE and q·K into one kernel. The dispatcher below is where a Triton
-implementation will plug in; today every device uses the torch reference, which is the spec.
+Palu fuses reconstruction, RoPE and q·K into one kernel. :func:`latent_rope_scores` is that kernel for a
+decode step (:mod:`lrkv_kernels.latent_rope.fused`, Triton): the scores of a group's query heads against
+keys rebuilt in registers, never written out. It runs on CUDA tensors where Triton is installed, and on CPU
+tensors under ``TRITON_INTERPRET=1`` (the tests); elsewhere the torch reference, which is the spec.
+:func:`reconstruct_rope_keys` (keys materialised, any number of queries) stays the torch reference.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
-from .reference import apply_rope, reconstruct_rope_keys_ref, rotate_half
+from .reference import (
+    apply_rope,
+    latent_rope_scores_ref,
+    reconstruct_rope_keys_ref,
+    rope_tables,
+    rotate_half,
+)
 
 
 def reconstruct_rope_keys(
@@ -23,4 +35,42 @@ def reconstruct_rope_keys(
     return reconstruct_rope_keys_ref(h, up, bias, cos, sin, head_dim)
 
 
-__all__ = ["apply_rope", "reconstruct_rope_keys", "reconstruct_rope_keys_ref", "rotate_half"]
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels run on tensors of ``device``: CUDA with Triton installed, or the CPU under
+    ``TRITON_INTERPRET=1`` (set before the kernels are first used)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def latent_rope_scores(
+    q: torch.Tensor,
+    h: torch.Tensor,
+    up: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    scaling: float,
+) -> torch.Tensor:
+    """Dispatcher for :func:`latent_rope_scores_ref` (same arguments and result): the Triton kernel where
+    :func:`triton_runs_on` the tensors' device, else the reference."""
+    if triton_runs_on(q.device):
+        from .fused import latent_rope_scores_triton  # Triton reads TRITON_INTERPRET when this is imported
+
+        return latent_rope_scores_triton(q, h, up, bias, positions, inv_freq, attention_scaling, scaling)
+    return latent_rope_scores_ref(q, h, up, bias, positions, inv_freq, attention_scaling, scaling)
+
+
+__all__ = [
+    "apply_rope",
+    "latent_rope_scores",
+    "latent_rope_scores_ref",
+    "reconstruct_rope_keys",
+    "reconstruct_rope_keys_ref",
+    "rope_tables",
+    "rotate_half",
+    "triton_runs_on",
+]

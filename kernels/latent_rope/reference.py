@@ -45,3 +45,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """RoPE on (B, h, S, D) with tables (B, S, D) shared by the h heads."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, S, D)
     return x * cos + rotate_half(x) * sin
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables (B, S, D) at ``positions`` (B, S) in float32, as HF's rotary embeddings compute them
+    from their ``inv_freq`` (D/2,) and ``attention_scaling`` (before the cast to the activations' dtype)."""
+    freqs = positions[..., None].float() * inv_freq.float()  # (B, S, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, S, D)
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+
+
+def latent_rope_scores_ref(
+    q: torch.Tensor,
+    h: torch.Tensor,
+    up: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention scores of one group's query heads against keys rebuilt from its latents (Palu's fused
+    reconstruction + RoPE + q·K), in float32.
+
+    Parameters
+    ----------
+    q : (B, n_q, T, D) RoPE'd queries of the group's query heads; head i reads the group's KV head
+        ``i // (n_q / s)``, as transformers' ``repeat_kv`` pairs them.
+    h : (B, S, r) the group's key latents (pre-RoPE).
+    up, bias : the group's up-projection (s·D, r) and k bias rows (s·D,) or None.
+    positions : (B, S) the cached tokens' positions.
+    inv_freq, attention_scaling : the model's RoPE (``rotary_emb.inv_freq`` (D/2,), ``.attention_scaling``).
+    scaling : the softmax scale (D⁻½ for Llama).
+
+    Returns
+    -------
+    (B, n_q, T, S) ``scaling · q · K`` in float32.
+    """
+    D = q.shape[-1]
+    cos, sin = rope_tables(positions, inv_freq, attention_scaling)
+    bias = None if bias is None else bias.float()
+    keys = reconstruct_rope_keys_ref(h.float(), up.float(), bias, cos, sin, D)
+    B, n_q, T, _ = q.shape
+    s = keys.shape[1]
+    q = q.float().view(B, s, n_q // s, T, D)  # query heads of each KV head
+    scores = q @ keys.unsqueeze(2).transpose(-1, -2)  # (B, s, n_rep, T, S)
+    return scores.reshape(B, n_q, T, -1) * scaling

@@ -1,0 +1,79 @@
+"""The library on a CUDA device: statistics, decomposition, the default allocator and its refinement, fusion
+and the latent cache all follow the model's device, and a model converted there behaves as on the CPU.
+
+Skipped without a CUDA device (CI has none); run on a GPU machine with ``pytest tests/core/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrkv_core.attention import LatentAttention
+from lrkv_core.convert import CompressionConfig, plan_conversion
+from tests.support.inputs import greedy, ids_for, left_padded
+from tests.support.latents import stepwise
+from tests.support.models import tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def convert(model, rows, **config):
+    config = CompressionConfig(**({"group_size": 2, "rank_multiple": 1} | config))
+    return plan_conversion(model, rows, config).apply(model)
+
+
+@pytest.mark.parametrize("decomposition", ["whitened", "plain", "pca"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+def test_full_rank_on_cuda_reproduces_the_original(arch, decomposition):
+    model = tiny_model(arch).double().cuda()
+    ids = ids_for(3, 20).cuda()
+    with torch.no_grad():
+        ref = model(ids).logits
+    rows = ids_for(8, 24, seed=3).cuda()
+    comp = convert(model, rows, ratio=1.0, allocator="uniform", decomposition=decomposition)
+    assert next(comp.parameters()).is_cuda
+    with torch.no_grad():
+        got = comp(ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("allocator", ["kl", "fisher", "fisher-greedy", "eigen", "lorc"])
+def test_allocators_on_cuda_give_the_cpu_conversion(allocator):
+    """Statistics collected on the GPU (the default ``kl``'s gradients, refined on the rows' loss by one
+    step; Palu's Fisher): the plan and the compressed logits are those of the same conversion on the CPU."""
+    rows = ids_for(16, 24, seed=5)
+    kw = dict(ratio=0.5, allocator=allocator, refine_steps=1)
+    cpu = convert(tiny_model("llama", 2).double(), rows, **kw)
+    gpu = convert(tiny_model("llama", 2).double().cuda(), rows.cuda(), **kw)
+    assert gpu.config.lrkv["ranks_k"] == cpu.config.lrkv["ranks_k"]
+    assert gpu.config.lrkv["ranks_v"] == cpu.config.lrkv["ranks_v"]
+    ids = ids_for(2, 16)
+    # HF computes RoPE tables in float32: CUDA's and the CPU's cos differ in the last bits
+    with torch.no_grad():
+        torch.testing.assert_close(gpu(ids.cuda()).logits.cpu(), cpu(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", [{"name": "dense"}, {"name": "quantized", "bits": 4}])
+def test_generate_on_cuda_uses_the_fused_kernel(dtype, cache):
+    """On CUDA a decode step takes the fused kernel by default; greedy generation from left-padded prompts
+    equals the unfused path's (in float32; in bfloat16 the logits agree to its precision)."""
+    model = tiny_model("llama", 2)
+    comp = convert(model, ids_for(8, 24, seed=3), ratio=0.5, cache=cache).to("cuda", dtype)
+    attn = [m for m in comp.modules() if isinstance(m, LatentAttention)]
+    assert all(m.decodes_fused(torch.zeros(1, 4, 1, 8, device="cuda", dtype=dtype)) for m in attn)
+    ids, mask = (t.cuda() for t in left_padded((9, 4, 7)))
+    fused = greedy(comp, ids, mask, max_new_tokens=12)
+    for m in attn:
+        m.fused_decode = False
+    unfused = greedy(comp, ids, mask, max_new_tokens=12)
+    stepped, _ = stepwise(comp, ids_for(2, 14).cuda(), prefix=4)
+    for m in attn:
+        del m.fused_decode
+    stepped_fused, _ = stepwise(comp, ids_for(2, 14).cuda(), prefix=4)
+    if dtype == torch.float32:
+        assert torch.equal(fused, unfused)
+        torch.testing.assert_close(stepped_fused, stepped, rtol=1e-5, atol=1e-5)
+    else:
+        assert (stepped_fused.float() - stepped.float()).abs().max() < 0.1 * stepped.float().abs().max()
