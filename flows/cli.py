@@ -13,12 +13,15 @@ import typer
 import yaml
 from rich.markup import escape
 
+from lrkv_tasks.device import ENV as DEVICE_ENV
+
 from .cluster import ENV as DASK_ENV
 from .ops_cli import register_operations
 from .options import (
     cache_storage,
     csv_list,
     dask_option,
+    device_option,
     flag_overrides,
     parse_group_size,
     parse_set,
@@ -66,6 +69,16 @@ EvalDatasetOption = Annotated[
     ),
 ]
 VerboseOption = Annotated[bool, typer.Option(help="show Prefect's logs")]
+DeviceOption = Annotated[
+    Optional[str],
+    typer.Option(
+        envvar=DEVICE_ENV,
+        parser=device_option,
+        metavar="cpu|cuda|cuda:N|auto",
+        help="where models compute (statistics, refinement, evaluation, LoRA): auto takes the GPU when "
+        "torch sees one; decompositions stay on the CPU in float64; default cpu",
+    ),
+]
 DaskOption = Annotated[
     Optional[str],
     typer.Option(
@@ -191,6 +204,7 @@ def convert(
     ] = None,
     lora_steps: Annotated[Optional[int], typer.Option(help="LoRA optimizer steps (implies --lora)")] = None,
     set_: _set_option("eval.max_windows=8") = None,
+    device: DeviceOption = None,
     dask: DaskOption = None,
     verbose: VerboseOption = False,
 ) -> None:
@@ -236,6 +250,7 @@ def convert(
     console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)
     for note in prepared.notes:
         console.print(f"[cyan]note:[/cyan] {escape(note)}", soft_wrap=True)
+    _use_device(device)
     with _dask(dask, prepared.recipe.store), _prefect_api() as supervise:
         from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
 
@@ -245,6 +260,14 @@ def convert(
         except USER_ERRORS as e:
             raise _fail(str(e)) from None
     print_summary(result)
+
+
+def _use_device(device: str | None) -> None:
+    """``--device``: the tasks' ``LRKV_DEVICE`` for this command (set before a local Dask cluster starts, so
+    its workers inherit it)."""
+    if device:
+        os.environ[DEVICE_ENV] = device
+        console.print(f"models compute on {device}", soft_wrap=True)
 
 
 def _lora_overrides(lora: bool | None, steps: int | None, recipe: dict) -> dict:
@@ -339,6 +362,7 @@ def ablate(
         Optional[Path], path_option("--out-dir", "write ablation.csv/.md/.png here", "DIR")
     ] = None,
     set_: _set_option("base.eval.max_windows=8") = None,
+    device: DeviceOption = None,
     dask: DaskOption = None,
     verbose: VerboseOption = False,
 ) -> None:
@@ -364,6 +388,7 @@ def ablate(
         _build_builtin(rec.base.model)
     except USER_ERRORS as e:
         raise _fail(str(e)) from None
+    _use_device(device)
     with _dask(dask, rec.base.store), _prefect_api() as supervise:
         from lrkv_flows.ablate import ablate_flow
 
@@ -405,8 +430,10 @@ def eval_cmd(
     cache: _cache_option(
         "evaluate a compressed model with another cache storage", "the one it was saved with"
     ) = None,
+    device: DeviceOption = None,
 ) -> None:
     """Evaluate a model: prefill PPL, teacher-forced decode PPL, measured KV bytes/token."""
+    device = device or "cpu"
     try:
         res = _evaluate(
             model_dir,
@@ -419,6 +446,7 @@ def eval_cmd(
             base,
             hf_quant_cache,
             cache,
+            device,
         )
         if tasks:
             from lrkv_tasks.zeroshot import run_zeroshot
@@ -430,6 +458,7 @@ def eval_cmd(
                     include_path=str(tasks_path) if tasks_path else None,
                     limit=limit,
                     batch_size=batch_size,
+                    device=device,
                 )
     except USER_ERRORS as e:
         raise _fail(str(e)) from None
@@ -450,7 +479,17 @@ def _step(description: str):
 
 
 def _evaluate(
-    model_dir, dataset, seq_len, max_windows, decode_prefix, decode_windows, batch_size, base, hf_cache, cache
+    model_dir,
+    dataset,
+    seq_len,
+    max_windows,
+    decode_prefix,
+    decode_windows,
+    batch_size,
+    base,
+    hf_cache,
+    cache,
+    device,
 ) -> dict:
     from lrkv_core.pipeline import evaluate_dir
 
@@ -468,6 +507,7 @@ def _evaluate(
             base_dir=base,
             hf_quantized_cache=hf_cache,
             cache=cache,
+            device=device,
             progress=advance,
         )
 

@@ -20,6 +20,8 @@ import os
 from prefect import flow
 from prefect.deployments.runner import EntrypointType
 
+from lrkv_core.models import parse_device
+from lrkv_tasks.device import ENV as DEVICE_ENV
 from lrkv_tasks.recipe import ConvertRecipe, EvalRecipe
 
 from .cluster import ENV as DASK_ENV
@@ -74,17 +76,25 @@ def deploy(
     pool: str | None = None,
     eval_recipe: EvalRecipe | None = None,
     dask: str | None = None,
+    device: str | None = None,
 ) -> dict[str, str]:
     """Register the three deployments (see the module docstring); returns deployment name -> id.
 
     ``dask`` (``local[:N]`` or ``tcp://HOST:PORT``, :mod:`lrkv_flows.cluster`) becomes the runs' ``LRKV_DASK``
-    (a job variable), so their tasks run on Dask; ``local`` starts a cluster on the worker's host per run."""
+    (a job variable), so their tasks run on Dask; ``local`` starts a cluster on the worker's host per run.
+    ``device`` becomes the runs' ``LRKV_DEVICE`` the same way (:mod:`lrkv_tasks.device`)."""
     pool = pool or work_pool()
     ensure_work_pool(pool)
     common = {"entrypoint_type": EntrypointType.MODULE_PATH}
+    env = {}
     if dask:
         parse_dask(dask)
-        common["job_variables"] = {"env": {DASK_ENV: dask}}
+        env[DASK_ENV] = dask
+    if device:
+        parse_device(device, here=False)  # its availability is checked where the run starts
+        env[DEVICE_ENV] = device
+    if env:
+        common["job_variables"] = {"env": env}
     recipe_json = recipe.model_dump(mode="json")
     deployments = {
         "lrkv-convert/convert": convert_flow.to_deployment(

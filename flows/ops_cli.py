@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from .options import dask_option, path_option
+from .options import dask_option, device_name_option, path_option
 from .report import console, fail
 
 MlflowUriOption = Annotated[
@@ -74,6 +74,15 @@ def deploy(
             "worker's host per run; tcp://HOST:PORT uses a running scheduler; default: threads",
         ),
     ] = None,
+    device: Annotated[
+        Optional[str],
+        typer.Option(
+            parser=device_name_option,
+            metavar="cpu|cuda|cuda:N|auto",
+            help="where the runs' models compute (their LRKV_DEVICE), checked on the worker when a run "
+            "starts; default cpu",
+        ),
+    ] = None,
 ) -> None:
     """Register the convert, evaluate and nightly deployments on the Prefect server (the one `lrkv up`
     started, or $PREFECT_API_URL)."""
@@ -91,7 +100,7 @@ def deploy(
         models = [m.strip() for m in (nightly or rec.model).split(",") if m.strip()]
         from .deploy import deploy as register
 
-        ids = register(rec, models, cron=cron, pool=pool, dask=dask)
+        ids = register(rec, models, cron=cron, pool=pool, dask=dask, device=device)
     except (ValueError, OSError) as e:
         raise fail(_first_line(e)) from None
     for name, dep_id in ids.items():
@@ -99,6 +108,8 @@ def deploy(
     console.print(f"nightly: {', '.join(models)} at '{cron}' (UTC)")
     if dask:
         console.print(f"their tasks run on Dask ({dask})")
+    if device:
+        console.print(f"their models compute on {device}")
     console.print("run one now: prefect deployment run lrkv-convert/convert (or the UI's Run button)")
 
 

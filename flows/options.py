@@ -116,6 +116,27 @@ def dask_option(value: str) -> str:
     return value
 
 
+def device_option(value: str) -> str:
+    """A typer ``parser`` for ``--device``: a name torch knows and a device it can use here, or a usage
+    error."""
+    return _device(value, here=True)
+
+
+def device_name_option(value: str) -> str:
+    """A typer ``parser`` for a ``--device`` used on another host (deployments' runs): the name only."""
+    return _device(value, here=False)
+
+
+def _device(value: str, here: bool) -> str:
+    from lrkv_core.models import parse_device
+
+    try:
+        parse_device(value, here=here)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    return value
+
+
 def parse_group_size(value: str | None) -> int | str | None:
     if value is None or value == "auto":
         return value

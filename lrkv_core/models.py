@@ -20,6 +20,31 @@ from .fingerprint import hash_dir
 from .refs import resolve_model_dir  # also imported from here by callers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+DEVICE_FORMS = "cpu, cuda, cuda:N or auto (cuda where torch sees a GPU, else cpu)"
+
+
+def parse_device(device: str | torch.device, *, here: bool = True) -> torch.device:
+    """The torch device for ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; a clear error for other names and, with
+    ``here``, for a GPU torch cannot use on this machine (a CPU build, no device, an index past the last one).
+    ``auto`` is the GPU where torch sees one, else the CPU (with ``here`` False: ``cuda``)."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto" and not here:
+        return torch.device("cuda")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: choose {DEVICE_FORMS}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}: choose {DEVICE_FORMS}")
+    if parsed.type == "cuda" and here:
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device}: torch {torch.__version__} sees no CUDA device here")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return parsed
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
@@ -35,23 +60,28 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
 
 
 def load_model(
-    ref: str | Path, *, dtype: str | torch.dtype = "float32", attn_implementation: str | None = None
+    ref: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
-    """Load ``(model, tokenizer)`` in eval mode; lrkv-compressed directories load through load_compressed."""
+    """Load ``(model, tokenizer)`` in eval mode on ``device`` (:func:`parse_device`); lrkv-compressed
+    directories load through load_compressed."""
+    device = parse_device(device)
     model_dir = resolve_model_dir(ref)  # a Path is always a local directory, never SCHEME:REST
     config = AutoConfig.from_pretrained(str(model_dir))
     if getattr(config, "lrkv", None):
         from .io import load_compressed
 
-        return load_compressed(
-            model_dir, dtype=dtype, attn_implementation=attn_implementation
-        ), load_tokenizer(model_dir)
+        model = load_compressed(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+        return model.to(device), load_tokenizer(model_dir)
     get_adapter(config)  # fail early, with the list of supported families
     kwargs = {"dtype": parse_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).eval()
-    return model, load_tokenizer(model_dir)
+    return model.to(device), load_tokenizer(model_dir)
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:

@@ -53,17 +53,19 @@ def statistic_file(
     out_path: str,
     *,
     dtype: str = "float32",
+    device: str = "cpu",
     batch_size: int = 8,
     progress: Progress = None,
     factors: Sequence[str] = (),
 ) -> dict:
-    """One calibration statistic of every layer (a registered :class:`~lrkv_core.statistics.Statistic`).
+    """One calibration statistic of every layer (a registered :class:`~lrkv_core.statistics.Statistic`),
+    collected with the model on ``device`` and saved from the CPU.
 
     ``factors``: every layer's factors file, in layer order, for a statistic that reads them."""
     stat = STATISTICS.create(statistic)
     if stat.uses_factors and not factors:
         raise ValueError(f"statistic {stat.name} reads the factors: give every layer's factors file")
-    model, _ = load_model(model_dir, dtype=dtype)
+    model, _ = load_model(model_dir, dtype=dtype, device=device)
     rows = read_token_rows(calib_path)  # (N, T)
     extra = {"factors": [load_layer_factors(path) for path in factors]} if stat.uses_factors else {}
     values, meta = stat.collect(model, rows, batch_size=batch_size, progress=progress, **extra)
@@ -156,12 +158,14 @@ def refine_file(
     radius: int = REFINE_RADIUS,
     objective: str = REFINE_OBJECTIVE,
     dtype: str = "float32",
+    device: str = "cpu",
     batch_size: int = 8,
     progress: Progress = None,
 ) -> dict:
     """Refine a plan on the measured ``objective`` over the first ``rows`` calibration rows
-    (:mod:`lrkv_core.refine`); the summary lists the objective's value for each kept plan under its name."""
-    model, _ = load_model(model_dir, dtype=dtype)
+    (:mod:`lrkv_core.refine`), the model on ``device``; the summary lists the objective's value for each kept
+    plan under its name."""
+    model, _ = load_model(model_dir, dtype=dtype, device=device)
     plan = refine_plan(
         model,
         [load_layer_factors(p) for p in factor_paths],
@@ -225,6 +229,7 @@ def evaluate_dir(
     decode_windows: int,
     batch_size: int = 8,
     dtype: str = "float32",
+    device: str = "cpu",
     base_dir: str | None = None,
     hf_quantized_cache: str | HfQuantizedCacheSpec | None = None,
     cache: str | Mapping[str, Any] | CacheStorage | None = None,
@@ -236,9 +241,10 @@ def evaluate_dir(
     ``hf_quantized_cache`` (a spec or ``BACKEND:BITS[:GROUP[:RESIDUAL]]``), an original model is evaluated
     through transformers' ``QuantizedCache`` (:mod:`lrkv_core.hf_quantized_cache`), the anchor for lrkv's
     quantized latent cache. With ``cache`` (a storage's name or recipe form), a compressed model is evaluated
-    with that cache storage instead of the one it was saved with (:func:`use_cache_storage`).
+    with that cache storage instead of the one it was saved with (:func:`use_cache_storage`). The models run
+    on ``device``.
     """
-    model, tokenizer = load_model(model_dir, dtype=dtype)
+    model, tokenizer = load_model(model_dir, dtype=dtype, device=device)
     storage = None if cache is None else use_cache_storage(model, cache)
     windows = eval_windows(dataset, tokenizer, seq_len=seq_len, max_windows=max_windows)  # (N, T)
     if not 0 < decode_prefix < seq_len:
@@ -261,7 +267,7 @@ def evaluate_dir(
     kv = evaluate.kv_bytes_per_token(model, windows, cache_factory=factory)
     out = {"prefill": prefill, "decode": decode, "kv": kv}
     if base_dir is not None:
-        base, _ = load_model(base_dir, dtype=dtype)
+        base, _ = load_model(base_dir, dtype=dtype, device=device)
         out["kl"] = evaluate.kl_and_agreement(base, model, windows, batch_size=batch_size, progress=progress)
     for result in out.values():
         result["protocol"]["dataset"] = dataset

@@ -22,6 +22,7 @@ from lrkv_core.fingerprint import hash_dir
 from lrkv_core.models import model_fingerprint, resolve_model_dir
 
 from .cache import checked
+from .device import task_device
 from .keys import calibration_key, resolve_key, task_key
 from .progress import step
 from .refs import ArtifactRef
@@ -154,6 +155,7 @@ def collect_statistic(
                 statistic,
                 out,
                 dtype=dtype,
+                device=task_device(),
                 batch_size=batch_size,
                 progress=advance,
                 factors=[_local(f) for f in layers or ()],
@@ -273,6 +275,7 @@ def refine_plan(
                 radius=radius,
                 objective=objective,
                 dtype=dtype,
+                device=task_device(),
                 batch_size=batch_size,
                 progress=advance,
             ),
@@ -360,6 +363,7 @@ def evaluate(
             decode_windows=eval_cfg["decode_windows"],
             batch_size=eval_cfg["batch_size"],
             dtype=dtype,
+            device=task_device(),
             base_dir=_local(base) if base else None,
             progress=advance,
         )

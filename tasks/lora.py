@@ -20,6 +20,7 @@ from lrkv_core.paths import lrkv_home
 
 from .cache import checked
 from .convert import CACHED, _local, _stored
+from .device import task_device
 from .keys import lora_key, lora_run_id
 from .plots import plot_loss_curve
 from .progress import run_logger, step
@@ -63,6 +64,7 @@ def lora_recover(built: ArtifactRef, lora: dict, dtype: str, store: str) -> Arti
                     eval_dataset=eval_dataset,
                     checkpoint_dir=ckpt,
                     dtype=dtype,
+                    device=task_device(),
                     progress=advance,
                     on_step=report,
                 )

@@ -14,6 +14,7 @@ from prefect import task
 from lrkv_core.models import load_model
 
 from .convert import CACHED, TASK_KEY
+from .device import task_device
 from .refs import ArtifactRef
 from .store import local_path
 
@@ -26,6 +27,7 @@ def run_zeroshot(
     limit: int | None = None,
     batch_size: int = 8,
     dtype: str = "float32",
+    device: str = "cpu",
     loglikelihoods: bool = False,
 ) -> dict[str, Any]:
     """Accuracy-style metrics of lm-eval tasks for one model directory (original or compressed).
@@ -36,7 +38,7 @@ def run_zeroshot(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    model, tokenizer = load_model(model_dir, dtype=dtype)
+    model, tokenizer = load_model(model_dir, dtype=dtype, device=device)
     if tokenizer is None:
         raise ValueError(f"{model_dir} has no tokenizer: lm-eval tasks need one")
     for name in ("lm_eval", "lm-eval"):
@@ -80,4 +82,5 @@ def zeroshot(model: ArtifactRef, eval_cfg: dict, dtype: str, label: str, store: 
         limit=eval_cfg["zeroshot_limit"],
         batch_size=eval_cfg["batch_size"],
         dtype=dtype,
+        device=task_device(),
     )

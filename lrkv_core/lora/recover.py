@@ -51,6 +51,7 @@ def recover_dir(
     eval_dataset: str | None = None,
     checkpoint_dir: str | Path | None = None,
     dtype: str = "float32",
+    device: str = "cpu",
     progress: Progress = None,
     on_step: OnStep = None,
 ) -> dict[str, Any]:
@@ -62,7 +63,7 @@ def recover_dir(
     """
     if not isinstance(config, RecoveryConfig):
         config = RecoveryConfig.from_dict(dict(config))
-    model, tokenizer = load_model(model_dir, dtype=dtype)
+    model, tokenizer = load_model(model_dir, dtype=dtype, device=device)
     fmt = LrkvFormat.of(model.config)  # a compressed model, or a clear error
     data = training_data(dataset, tokenizer, seq_len=config.seq_len)
     held = training_data(eval_dataset, tokenizer, seq_len=config.seq_len) if eval_dataset else None

@@ -14,8 +14,8 @@ from lrkv_core.data import read_token_rows
 from tests.support.models import tiny_model_dir, token_parquet
 
 
-def _lrkv(args, home, timeout=300):
-    env = {**os.environ, "LRKV_HOME": str(home)}
+def _lrkv(args, home, timeout=300, env=None):
+    env = {**os.environ, "LRKV_HOME": str(home), **(env or {})}
     env.pop("PREFECT_API_URL", None)
     env.pop("PREFECT_LOCAL_STORAGE_PATH", None)
     return subprocess.run(
@@ -54,11 +54,14 @@ def test_convert_then_eval(tmp_path):
             "eval.max_windows=4",
             "--set",
             "eval.decode_windows=2",
+            "--device",
+            "auto",  # the GPU where torch sees one, else the CPU
         ],
         tmp_path / "home",
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "KV bytes ratio (measured)" in res.stdout and "MLflow run" in res.stdout
+    assert "models compute on auto" in res.stdout
     assert (tmp_path / "home" / "mlflow.db").is_file()
     compressed = load_compressed(out)
     assert compressed.config.lrkv["achieved_ratio"] == 0.5
@@ -66,7 +69,7 @@ def test_convert_then_eval(tmp_path):
     report = tmp_path / "eval.json"
     res = _lrkv(
         ["eval", str(out), "--dataset", data, "--seq-len", "32", "--json-out", str(report)]
-        + ["--base", str(model_dir)],
+        + ["--base", str(model_dir), "--device", "cpu"],
         tmp_path / "home",
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -87,6 +90,22 @@ def test_bad_recipe_key_fails_with_a_message(tmp_path):
     recipe.write_text("compression:\n  ratoi: 0.5\n")
     res = _lrkv(["convert", "--recipe", str(recipe)], tmp_path / "home", timeout=120)
     assert res.returncode == 2 and "ratoi" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [("tpu", "unknown device 'tpu'")]
+    + ([] if torch.cuda.is_available() else [("cuda", "sees no CUDA device")]),
+)
+def test_a_device_this_machine_lacks_is_a_usage_error(tmp_path, device, message):
+    """Before any work: from the flag and from LRKV_DEVICE, for convert and eval."""
+    for args, env in (
+        (["convert", "--device", device], {}),
+        (["convert"], {"LRKV_DEVICE": device}),
+        (["eval", str(tmp_path), "--dataset", "text:x.txt", "--device", device], {}),
+    ):
+        res = _lrkv(args, tmp_path / "home", timeout=120, env=env)
+        assert res.returncode == 2 and message in res.stdout + res.stderr, res.stdout + res.stderr
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -46,7 +46,7 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
     pool = "lrkv-test-pool"
     # the runs' tasks on Dask, by configuration alone: each run starts a local cluster of one worker process
     models = [str(model_dir), "builtin:pydoc-llama"]
-    ids = deploy(recipe, models, cron="30 1 * * *", pool=pool, dask="local:1")
+    ids = deploy(recipe, models, cron="30 1 * * *", pool=pool, dask="local:1", device="cpu")
     assert set(ids) == {"lrkv-convert/convert", "lrkv-evaluate/evaluate", "lrkv-nightly/nightly"}
 
     with get_client(sync_client=True) as client:
@@ -56,7 +56,8 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
         assert nightly.work_pool_name == pool and nightly.entrypoint == "lrkv_flows.deploy.nightly_flow"
         convert = client.read_deployment_by_name("lrkv-convert/convert")
         assert convert.parameters["recipe"]["model"] == str(model_dir)
-        assert convert.job_variables == nightly.job_variables == {"env": {"LRKV_DASK": "local:1"}}
+        env = {"LRKV_DASK": "local:1", "LRKV_DEVICE": "cpu"}  # the runs' tasks read both
+        assert convert.job_variables == nightly.job_variables == {"env": env}
 
     # what the UI's Run button does: create a flow run of the deployment through the API
     flow_run = run_deployment("lrkv-convert/convert", timeout=0)
