@@ -439,14 +439,14 @@ def eval_cmd(
             model_dir,
             dataset,
             seq_len,
-            max_windows,
             decode_prefix,
-            decode_windows,
-            batch_size,
-            base,
-            hf_quant_cache,
-            cache,
-            device,
+            max_windows=max_windows,
+            decode_windows=decode_windows,
+            batch_size=batch_size,
+            base_dir=base,
+            hf_quantized_cache=hf_quant_cache,
+            cache=cache,
+            device=device,
         )
         if tasks:
             from lrkv_tasks.zeroshot import run_zeroshot
@@ -478,37 +478,16 @@ def _step(description: str):
     return step(description)
 
 
-def _evaluate(
-    model_dir,
-    dataset,
-    seq_len,
-    max_windows,
-    decode_prefix,
-    decode_windows,
-    batch_size,
-    base,
-    hf_cache,
-    cache,
-    device,
-) -> dict:
+def _evaluate(model_dir: str, dataset: str, seq_len: int, decode_prefix: int | None, **options) -> dict:
+    """:func:`lrkv_core.pipeline.evaluate_dir` with the CLI's progress (``options``: its keywords)."""
     from lrkv_core.pipeline import evaluate_dir
 
     if decode_prefix is not None and not 0 < decode_prefix < seq_len:
         raise ValueError(f"--decode-prefix {decode_prefix} must be inside the window (1..{seq_len - 1})")
     with rich_progress(), _step("evaluate") as advance:
+        prefix = decode_prefix or seq_len // 2
         return evaluate_dir(
-            model_dir,
-            dataset,
-            seq_len=seq_len,
-            max_windows=max_windows,
-            decode_prefix=decode_prefix or seq_len // 2,
-            decode_windows=decode_windows,
-            batch_size=batch_size,
-            base_dir=base,
-            hf_quantized_cache=hf_cache,
-            cache=cache,
-            device=device,
-            progress=advance,
+            model_dir, dataset, seq_len=seq_len, decode_prefix=prefix, progress=advance, **options
         )
 
 

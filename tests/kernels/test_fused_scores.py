@@ -48,7 +48,8 @@ def doubled(args):
     "B, S, r, s, D, n_rep, T, bias",
     [
         (2, 37, 5, 2, 8, 3, 1, True),  # stories260k's head_dim 8: the pairs padded to 16
-        (1, 70, 33, 1, 64, 2, 2, False),  # a rank over one reconstruction step, two query tokens
+        (1, 70, 33, 1, 64, 2, 2, False),  # two token tiles, two query tokens
+        (2, 40, 100, 2, 64, 2, 1, True),  # a rank over one reconstruction step (64 latents)
         (2, 16, 48, 2, 32, 1, 1, True),  # shakespeare-llama's head_dim, group of 2
         (3, 9, 16, 3, 80, 1, 1, False),  # head_dim 80: 40 pairs padded to 64
         (1, 1, 1, 1, 64, 3, 1, True),  # one cached token of rank 1 (SmolLM2's head_dim, GQA 3)
