@@ -40,7 +40,7 @@ def _scores_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
     ACCURATE_TRIG: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # b · stride can pass 2³¹ elements on long, wide batches
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) token slots
     offs_d = tl.arange(0, HALF_P)  # (HALF_P,) rotation pairs, padded to a power of two
     mask_s, mask_d = offs_s < S, offs_d < HALF
