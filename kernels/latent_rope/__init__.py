@@ -9,6 +9,7 @@ tensors under ``TRITON_INTERPRET=1`` (the tests); elsewhere the torch reference,
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -35,10 +36,15 @@ def reconstruct_rope_keys(
     return reconstruct_rope_keys_ref(h, up, bias, cos, sin, head_dim)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether the Triton kernels run on tensors of ``device``: CUDA with Triton installed, or the CPU under
     ``TRITON_INTERPRET=1`` (set before the kernels are first used)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return False
     if device.type == "cuda":
         return True

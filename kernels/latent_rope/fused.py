@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# The tiling: tiles of 64 tokens, 64 latents per reconstruction step, 4 warps were among the fastest of the 12
-# tilings benchmarks/fused_decode.py --tiles timed on an H100 (SmolLM2's and Llama-3.2-1B's shapes, bf16,
-# batch 8, 1K to 16K tokens); docs/fused-decode.md has the table.
+# The tiling (64 tokens, 64 latents per reconstruction step, 4 warps) was chosen from the 12 tilings
+# benchmarks/fused_decode.py --tiles timed on an H100 (SmolLM2's and Llama-3.2-1B's shapes, bf16, batch 8,
+# 1K to 16K tokens); docs/fused-decode.md has the table and how noisy those timings were.
 BLOCK_S = 64  # cached tokens per program
 BLOCK_R = 64  # latents per step of the reconstruction
 NUM_WARPS = 4
