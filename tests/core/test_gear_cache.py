@@ -31,15 +31,11 @@ from tests.support.latents import (
     RANKS_V,
     check_saved_with_cache,
     each_call,
+    filled_store,
     replaced_latents,
     stepwise,
+    store_view,
     tiny_compressed,
-)
-from tests.support.latents import (
-    filled_store as _filled,
-)
-from tests.support.latents import (
-    store_view as _view,
 )
 from tests.support.models import tiny_model
 
@@ -95,9 +91,9 @@ def test_the_residual_factors_are_its_truncated_svd() -> None:
 
 def test_without_corrections_gear_is_the_quantized_storage() -> None:
     h_k, h_v = _latents()
-    plain = _filled(QuantizedStorage(bits=2), h_k, h_v, [10, 1, 1, 12])
-    gear = _filled(GearStorage(bits=2, outliers=0, rank=0, buffer=0), h_k, h_v, [10, 1, 1, 12])
-    assert all(torch.equal(a, b) for a, b in zip(_view(plain), _view(gear)))
+    plain = filled_store(QuantizedStorage(bits=2), h_k, h_v, [10, 1, 1, 12])
+    gear = filled_store(GearStorage(bits=2, outliers=0, rank=0, buffer=0), h_k, h_v, [10, 1, 1, 12])
+    assert all(torch.equal(a, b) for a, b in zip(store_view(plain), store_view(gear)))
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -106,9 +102,8 @@ def test_each_correction_lowers_the_error_of_plain_quantization(bits: int) -> No
     truth = torch.cat([h_k, h_v], dim=-1)
 
     def error(storage: dict) -> float:
-        got = torch.cat(
-            _view(_filled({"name": "gear", "bits": bits, "buffer": 0} | storage, h_k, h_v, [64])), -1
-        )
+        store = filled_store({"name": "gear", "bits": bits, "buffer": 0} | storage, h_k, h_v, [64])
+        got = torch.cat(store_view(store), -1)
         return ((got - truth).norm() / truth.norm()).item()
 
     quantized, outliers = error({"outliers": 0, "rank": 0}), error({"outliers": 1, "rank": 0})
@@ -119,12 +114,12 @@ def test_each_correction_lowers_the_error_of_plain_quantization(bits: int) -> No
 
 def test_the_buffer_compresses_whole_buffers_and_keeps_the_rest_as_given() -> None:
     h_k, h_v = _latents(tokens=30)
-    store = _filled(GearStorage(bits=2, buffer=4), h_k, h_v, [10])
+    store = filled_store(GearStorage(bits=2, buffer=4), h_k, h_v, [10])
     assert store.chunk_sizes == [8] and store.recent["k"].shape[1] == 2 and len(store) == 10
-    k, v = _view(store)
+    k, v = store_view(store)
     assert torch.equal(k[:, 8:], h_k[:, 8:10]) and torch.equal(v[:, 8:], h_v[:, 8:10])  # the buffer: as given
-    one_chunk = _filled(GearStorage(bits=2, buffer=0), h_k, h_v, [8])
-    assert torch.equal(k[:, :8], _view(one_chunk)[0])  # the 8 oldest: compressed together
+    one_chunk = filled_store(GearStorage(bits=2, buffer=0), h_k, h_v, [8])
+    assert torch.equal(k[:, :8], store_view(one_chunk)[0])  # the 8 oldest: compressed together
     for t in range(10, 30):
         store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
     assert store.chunk_sizes == [8, 4, 4, 4, 4, 4] and store.recent["k"].shape[1] == 2 and len(store) == 30
@@ -134,19 +129,19 @@ def test_the_buffer_compresses_whole_buffers_and_keeps_the_rest_as_given() -> No
 def test_crop_batch_operations_and_a_sliding_window_keep_chunks_aligned() -> None:
     h_k, h_v = _latents(batch=3, tokens=30)
     storage = GearStorage(bits=3, buffer=4)
-    store = _filled(storage, h_k, h_v, [10, *[1] * 20])
-    full = _view(store)
+    store = filled_store(storage, h_k, h_v, [10, *[1] * 20])
+    full = store_view(store)
     nbytes = _nbytes(store)
     store.crop(9)  # 21 tokens left: chunks [8, 4, 4, 4, 1]
     assert store.chunk_sizes == [8, 4, 4, 4, 1] and len(store) == 21
-    assert all(torch.equal(a, b[:, :21]) for a, b in zip(_view(store), full))
+    assert all(torch.equal(a, b[:, :21]) for a, b in zip(store_view(store), full))
     store.select(torch.tensor([2, 0]))
-    assert all(torch.equal(a, b[[2, 0], :21]) for a, b in zip(_view(store), full))
+    assert all(torch.equal(a, b[[2, 0], :21]) for a, b in zip(store_view(store), full))
     store.reorder(torch.tensor([1, 1]))
-    assert all(torch.equal(a, b[[0, 0], :21]) for a, b in zip(_view(store), full))
+    assert all(torch.equal(a, b[[0, 0], :21]) for a, b in zip(store_view(store), full))
     store.keep_last(6)  # the last 6: 1 of the third chunk, 4, 1
     assert store.chunk_sizes == [1, 4, 1] and store.bases["v"][0].shape[1] == 3
-    assert all(torch.equal(a, b[[0, 0], 15:21]) for a, b in zip(_view(store), full))
+    assert all(torch.equal(a, b[[0, 0], 15:21]) for a, b in zip(store_view(store), full))
     assert _nbytes(store) < nbytes / 4  # the dropped chunks' bases are gone too
     store.reset()
     assert len(store) == 0 and store.chunk_sizes == [] and store.bases == {}

@@ -25,15 +25,11 @@ from tests.support.latents import (
     RANKS_V,
     check_saved_with_cache,
     each_call,
+    filled_store,
     replaced_latents,
     stepwise,
+    store_view,
     tiny_compressed,
-)
-from tests.support.latents import (
-    filled_store as _filled,
-)
-from tests.support.latents import (
-    store_view as _view,
 )
 from tests.support.models import tiny_model
 
@@ -81,15 +77,15 @@ def test_low_ranks_and_cut() -> None:
 @pytest.mark.parametrize("options", [{"low": 1.0}, {"keep": 1.0}, {"low": 0.0, "keep": 1.0, "sink": 0}])
 def test_with_nothing_cut_the_store_gives_back_the_latents_exactly(options: dict) -> None:
     h_k, h_v = _latents(tokens=30)
-    store = _filled({"name": "tale", "buffer": 4} | options, h_k, h_v, [10, *[1] * 20])
-    k, v = _view(store)
+    store = filled_store({"name": "tale", "buffer": 4} | options, h_k, h_v, [10, *[1] * 20])
+    k, v = store_view(store)
     assert torch.equal(k, h_k) and torch.equal(v, h_v)
 
 
 def test_the_tokens_kept_whole_are_the_sinks_and_the_most_significant() -> None:
     h_k, h_v = _latents(tokens=24)
-    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
-    k, v = _view(store)
+    store = filled_store(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
+    k, v = store_view(store)
     for got, truth, ranks in ((k, h_k, RANKS_K), (v, h_v, RANKS_V)):
         tail = (truth - _low_only(truth, ranks, 0.5)).pow(2).sum(-1)  # (B, T): what the low level drops
         for b, whole in enumerate(_whole_tokens(got, truth, ranks, 0.5)):
@@ -101,21 +97,21 @@ def test_the_tokens_kept_whole_are_the_sinks_and_the_most_significant() -> None:
 def test_the_whole_cache_is_re_ranked_as_tokens_come_in() -> None:
     h_k, h_v = _latents(batch=1, tokens=16)
     h_k[:, 12:] *= 10.0  # the last chunk's tokens are far more significant than any before
-    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=0, buffer=4), h_k, h_v, [8])
+    store = filled_store(TaleStorage(low=0.5, keep=0.25, sink=0, buffer=4), h_k, h_v, [8])
     assert len(store.kept["k"]["index"][0]) == 2  # 8 compressed: 2 kept whole
     first = set(store.kept["k"]["index"][0].tolist())
     for t in range(8, 16):
         store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
-    k, _ = _view(store)
+    k, _ = store_view(store)
     whole = _whole_tokens(k, h_k, RANKS_K, 0.5)[0]
     assert whole == {12, 13, 14, 15} and not first & whole  # round(0.25 · 16) = 4: all of the last chunk
 
 
 def test_the_buffer_keeps_the_newest_tokens_as_computed_until_whole_buffers_are_cut() -> None:
     h_k, h_v = _latents(tokens=30)
-    store = _filled(TaleStorage(low=0.25, keep=0.0, sink=0, buffer=4), h_k, h_v, [10])
+    store = filled_store(TaleStorage(low=0.25, keep=0.0, sink=0, buffer=4), h_k, h_v, [10])
     assert store._encoded() == 8 and store.recent["k"].shape[1] == 2 and len(store) == 10
-    k, v = _view(store)
+    k, v = store_view(store)
     assert torch.equal(k[:, 8:], h_k[:, 8:10]) and torch.equal(v[:, :8], _low_only(h_v[:, :8], RANKS_V, 0.25))
     for t in range(10, 13):
         store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
@@ -125,18 +121,19 @@ def test_the_buffer_keeps_the_newest_tokens_as_computed_until_whole_buffers_are_
 @pytest.mark.parametrize("bits", [None, 3])
 def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned(bits) -> None:
     h_k, h_v = _latents(batch=3, tokens=40, seed=3)
-    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=4, bits=bits), h_k, h_v, [12, *[1] * 18])
-    full = _view(store)  # 28 compressed, 2 in the buffer
+    storage = TaleStorage(low=0.5, keep=0.25, sink=2, buffer=4, bits=bits)
+    store = filled_store(storage, h_k, h_v, [12, *[1] * 18])
+    full = store_view(store)  # 28 compressed, 2 in the buffer
     store.crop(7)  # 23 tokens left
-    assert len(store) == 23 and all(torch.equal(a, b[:, :23]) for a, b in zip(_view(store), full))
+    assert len(store) == 23 and all(torch.equal(a, b[:, :23]) for a, b in zip(store_view(store), full))
     assert (store.kept["k"]["index"] < 23).all()
     store.select(torch.tensor([2, 0]))
-    assert all(torch.equal(a, b[[2, 0], :23]) for a, b in zip(_view(store), full))
+    assert all(torch.equal(a, b[[2, 0], :23]) for a, b in zip(store_view(store), full))
     store.reorder(torch.tensor([1, 1, 0]))
-    assert all(torch.equal(a, b[[0, 0, 2], :23]) for a, b in zip(_view(store), full))
+    assert all(torch.equal(a, b[[0, 0, 2], :23]) for a, b in zip(store_view(store), full))
     store.keep_last(9)  # tokens 14..22 of the sequence: the sinks are gone
     assert store.offset == 14 and len(store) == 9
-    assert all(torch.equal(a, b[[0, 0, 2], 14:23]) for a, b in zip(_view(store), full))
+    assert all(torch.equal(a, b[[0, 0, 2], 14:23]) for a, b in zip(store_view(store), full))
     spare = store.kept["v"]["significance"] == float("-inf")
     assert spare.any() and all(  # a row's spare slots hold zeros (quantized: zero scale and zero-point)
         not t[spare].any() for name, t in store.kept["v"].items() if name.startswith("tail_")
@@ -144,7 +141,7 @@ def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned(
     for t in range(30, 40):  # new tokens after the slide: none is a sink, every row re-ranks
         store.append(h_k[[0, 0, 2], t : t + 1], h_v[[0, 0, 2], t : t + 1])
     held = torch.cat([torch.arange(14, 23), torch.arange(30, 40)])  # the sequence's tokens the store holds
-    k, v = _view(store)
+    k, v = store_view(store)
     assert store._encoded() == 17 and torch.equal(k[:, -2:], h_k[[0, 0, 2], 38:40])  # 2 in the buffer
     assert (
         store.kept["k"]["index"].shape[1] >= 4
@@ -161,12 +158,12 @@ def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned(
 def test_after_a_crop_that_took_the_whole_tokens_new_ones_are_ranked_among_what_is_left() -> None:
     h_k, h_v = _latents(batch=1, tokens=40, seed=5)
     h_k[:, 20:30] *= 10.0  # the whole tokens are all among the last ones
-    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=0, buffer=0), h_k, h_v, [30])
+    store = filled_store(TaleStorage(low=0.5, keep=0.25, sink=0, buffer=0), h_k, h_v, [30])
     assert set(store.kept["k"]["index"][0].tolist()) >= {20, 21}
     store.crop(12)  # 18 left: the kept keys went with the crop (spare slots or none)
     for t in range(30, 40):
         store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
-    k, _ = _view(store)
+    k, _ = store_view(store)
     truth = torch.cat([h_k[:, :18], h_k[:, 30:40]], dim=1)
     (whole,) = _whole_tokens(k, truth, RANKS_K, 0.5)
     # only new tokens could be kept whole: the old tails are gone
@@ -175,8 +172,8 @@ def test_after_a_crop_that_took_the_whole_tokens_new_ones_are_ranked_among_what_
 
 def test_quantized_levels_are_each_block_rotated_then_quantized() -> None:
     h_k, h_v = _latents(tokens=24)
-    exact = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
-    store = _filled(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0, bits=3), h_k, h_v, [24])
+    exact = filled_store(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
+    store = filled_store(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0, bits=3), h_k, h_v, [24])
     for kind, h, ranks in (("k", h_k, RANKS_K), ("v", h_v, RANKS_V)):
         assert torch.equal(store.kept[kind]["index"], exact.kept[kind]["index"])  # ranked on exact tails
         head, tail = cut(h, ranks, low_ranks(ranks, 0.5))
@@ -198,7 +195,8 @@ def test_quantized_levels_are_each_block_rotated_then_quantized() -> None:
     truth = torch.cat([h_k, h_v], dim=-1)
 
     def error(bits):
-        got = torch.cat(_view(_filled(TaleStorage(keep=1.0, buffer=0, bits=bits), h_k, h_v, [24])), -1)
+        store = filled_store(TaleStorage(keep=1.0, buffer=0, bits=bits), h_k, h_v, [24])
+        got = torch.cat(store_view(store), -1)
         return ((got - truth).norm() / truth.norm()).item()
 
     assert error(2) > error(3) > error(4) > error(8) > 0 == error(None)
