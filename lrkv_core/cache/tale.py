@@ -75,10 +75,13 @@ def join(
 
 
 @functools.cache
-def block_rotation(widths: tuple[int, ...]) -> torch.Tensor:
-    """Block-diagonal orthogonal matrix (Σ w × Σ w) float32: per block of width w, the normalised Hadamard
-    matrix of order w where :mod:`lrkv_core.rotation` builds one, else a random orthogonal one seeded by w.
-    A constant of the widths, like the code (so no cache holds or counts it)."""
+def block_rotation(widths: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Block-diagonal orthogonal matrix (Σ w × Σ w) float32 on ``device``: per block of width w, the
+    normalised Hadamard matrix of order w where :mod:`lrkv_core.rotation` builds one, else a random orthogonal
+    one seeded by w. A constant of the widths, like the code (so no cache holds or counts it); built once per
+    device, not copied at every step."""
+    if torch.device(device).type != "cpu":
+        return block_rotation(widths).to(device)
     return torch.block_diag(*(rotation_matrix(w, "auto", seed=w)[0] for w in widths)).float()
 
 
@@ -151,7 +154,7 @@ class TaleStore(LatentStore):
         blocks = tuple(w for w in widths if w)
         if self.bits is None or not blocks:
             return {"latents": x}
-        q = quantize(x.float() @ block_rotation(blocks).to(x.device), blocks, self.bits)
+        q = quantize(x.float() @ block_rotation(blocks, x.device), blocks, self.bits)
         return {"codes": pack_codes(q.codes, self.bits), "scale": q.scale, "zero": q.zero}
 
     def _read(self, stored: Mapping[str, torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
@@ -161,7 +164,7 @@ class TaleStore(LatentStore):
         blocks = tuple(w for w in widths if w)
         codes = unpack_codes(stored["codes"], self.bits, sum(blocks))
         x = dequantize(QuantizedRows(codes, stored["scale"], stored["zero"]), blocks, torch.float32)
-        return (x @ block_rotation(blocks).to(x.device).T).to(self.dtype)
+        return (x @ block_rotation(blocks, x.device).T).to(self.dtype)
 
     def _tail_widths(self, kind: str) -> tuple[int, ...]:
         return tuple(r - lo for r, lo in zip(self._ranks(kind), self.lows[kind]))
