@@ -25,7 +25,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lrkv_core.attention import LatentAttention
+from lrkv_core.attention import LatentAttention, set_fused_decode
 from lrkv_core.cache import cache_kwargs, cache_nbytes, output_cache
 from lrkv_core.convert import CompressionConfig, convert
 from lrkv_core.dtypes import parse_dtype
@@ -65,12 +65,6 @@ def ms_per_step(model, prompt: torch.Tensor, steps: int) -> tuple[float, int]:
         out = model(nxt, **cache_kwargs(output_cache(out)), use_cache=True)
     sync(prompt.device)
     return (time.perf_counter() - start) * 1e3 / steps, cache_nbytes(output_cache(out))
-
-
-def set_fused(model, value: bool | None) -> None:
-    for m in model.modules():
-        if isinstance(m, LatentAttention):
-            m.fused_decode = value
 
 
 TILES = [(bs, br, w) for bs in (32, 64, 128) for br in (32, 64) for w in (4, 8)]  # block_s, block_r, warps
@@ -154,7 +148,7 @@ def main() -> None:
     warm = torch.randint(0, config.vocab_size, (args.batch, contexts[0]), device=device)
     for fused in (False, None):  # untimed: first launches, allocator growth, Triton's compilation
         ms_per_step(original, warm, 2)
-        set_fused(compressed, fused)
+        set_fused_decode(compressed, fused)
         ms_per_step(compressed, warm, 2)
     for S in contexts:
         prompt = torch.randint(0, config.vocab_size, (args.batch, S), device=device)
@@ -162,10 +156,10 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, so drift on the machine hits the three alike
             ms, base_bytes = ms_per_step(original, prompt, args.steps)
             runs["original"].append(ms)
-            set_fused(compressed, False)
+            set_fused_decode(compressed, False)
             ms, lat_bytes = ms_per_step(compressed, prompt, args.steps)
             runs["torch"].append(ms)
-            set_fused(compressed, None)
+            set_fused_decode(compressed, None)
             runs["fused"].append(ms_per_step(compressed, prompt, args.steps)[0])
         base, unfused, fused = (statistics.median(runs[k]) for k in ("original", "torch", "fused"))
         tokens = args.batch * (S + args.steps + 1)

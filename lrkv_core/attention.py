@@ -237,3 +237,12 @@ class LatentAttention(LatentAttentionBase):
         B, S, _ = h_k.shape
         k = up(h_k).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, s, S, D)
         return apply_rope(k, cos, sin)
+
+
+def set_fused_decode(model: nn.Module, value: bool | None) -> list[LatentAttention]:
+    """Set :attr:`LatentAttention.fused_decode` on every RoPE latent attention of ``model`` (None: the
+    default, the kernel on CUDA); returns those modules."""
+    modules = [m for m in model.modules() if isinstance(m, LatentAttention)]
+    for m in modules:
+        m.fused_decode = value
+    return modules

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core.attention import LatentAttention
+from lrkv_core.attention import set_fused_decode
 from lrkv_core.convert import CompressionConfig, plan_conversion
 from tests.support.inputs import greedy, ids_for, left_padded
 from tests.support.latents import stepwise
@@ -61,16 +61,14 @@ def test_generate_on_cuda_uses_the_fused_kernel(dtype, cache):
     equals the unfused path's (in float32; in bfloat16 the logits agree to its precision)."""
     model = tiny_model("llama", 2)
     comp = convert(model, ids_for(8, 24, seed=3), ratio=0.5, cache=cache).to("cuda", dtype)
-    attn = [m for m in comp.modules() if isinstance(m, LatentAttention)]
-    assert all(m.decodes_fused(torch.zeros(1, 4, 1, 8, device="cuda", dtype=dtype)) for m in attn)
+    attn = set_fused_decode(comp, None)
+    assert attn and all(m.decodes_fused(torch.zeros(1, 4, 1, 8, device="cuda", dtype=dtype)) for m in attn)
     ids, mask = (t.cuda() for t in left_padded((9, 4, 7)))
     fused = greedy(comp, ids, mask, max_new_tokens=12)
-    for m in attn:
-        m.fused_decode = False
+    set_fused_decode(comp, False)
     unfused = greedy(comp, ids, mask, max_new_tokens=12)
     stepped, _ = stepwise(comp, ids_for(2, 14).cuda(), prefix=4)
-    for m in attn:
-        del m.fused_decode
+    set_fused_decode(comp, None)
     stepped_fused, _ = stepwise(comp, ids_for(2, 14).cuda(), prefix=4)
     if dtype == torch.float32:
         assert torch.equal(fused, unfused)

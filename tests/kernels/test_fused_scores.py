@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lrkv_core.attention import LatentAttention
+from lrkv_core.attention import LatentAttention, set_fused_decode
 from lrkv_kernels.latent_rope import latent_rope_scores, latent_rope_scores_ref, triton_runs_on
 from tests.support.inputs import PAD, greedy, ids_for, left_padded
 from tests.support.latents import stepwise
@@ -87,16 +87,12 @@ def test_positions_far_out_keep_float32_accuracy():
 
 @contextlib.contextmanager
 def fused(model, value: bool | None):
-    """Every latent attention of ``model`` with ``fused_decode = value``."""
-    modules = [m for m in model.modules() if isinstance(m, LatentAttention)]
-    assert modules
-    for m in modules:
-        m.fused_decode = value
+    """Every latent attention of ``model`` with ``fused_decode = value``, then back to the default."""
+    assert set_fused_decode(model, value)
     try:
         yield
     finally:
-        for m in modules:
-            del m.fused_decode  # back to the class default
+        set_fused_decode(model, None)
 
 
 def calls_kernel(model, monkeypatch) -> list[int]:
