@@ -129,16 +129,14 @@ def main() -> None:
             with args.jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def planned(ratio: float):
-        return plan_conversion(model, rows, replace(base, ratio=ratio), statistics=stats)
-
     def compressed(ratio: float):
-        conversion = planned(ratio)
-        return conversion.apply(copy.deepcopy(model)), conversion.plan.achieved_ratio
+        """A compressed copy of the model at ``ratio`` and its conversion."""
+        conversion = plan_conversion(model, rows, replace(base, ratio=ratio), statistics=stats)
+        return conversion.apply(copy.deepcopy(model)), conversion
 
     emit({"model": "original", "cache": "—", "achieved_ratio": 1.0} | measure(model, windows, args))
-    conversion = planned(args.ratio)
-    lrkv, achieved = conversion.apply(copy.deepcopy(model)), conversion.plan.achieved_ratio
+    lrkv, conversion = compressed(args.ratio)
+    achieved = conversion.plan.achieved_ratio
     dense = measure(lrkv, windows, args)
     emit({"model": f"lrkv {args.ratio}", "cache": "dense", "achieved_ratio": achieved} | dense)
     positions = 4 * LrkvFormat.of(lrkv.config).n_layers  # int32 positions per token, in every latent cache
@@ -154,22 +152,22 @@ def main() -> None:
             row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, whole tokens at random"}
             emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
         share = (tale["kv_bytes_per_token"] - positions) / (dense["kv_bytes_per_token"] - positions)
-        same, same_achieved = compressed(args.ratio * share)
+        same, same_conversion = compressed(args.ratio * share)
         row = {"model": f"lrkv {args.ratio * share:.4f}", "cache": f"dense, bytes of {label}"}
-        emit(row | {"achieved_ratio": same_achieved} | measure(same, windows, args))
+        emit(row | {"achieved_ratio": same_conversion.plan.achieved_ratio} | measure(same, windows, args))
     if args.bits:  # quantized levels, next to quantized whole latents (rotation auto) of the same plan
         rotated = replace(conversion, config=replace(conversion.config, rotation="auto"))
         rotated = rotated.apply(copy.deepcopy(model))
-    for bits in args.bits:
-        for residual in sorted({0, args.buffer // 2}):  # the window tale's buffer holds on average
-            rotated.config.lrkv["cache"] = {"name": "quantized", "bits": bits, "residual": residual}
-            row = {"model": f"lrkv {args.ratio}, rotation auto", "cache": f"quantized {bits} bits"}
-            row["cache"] += f", residual {residual}" if residual else ""
-            emit(row | {"achieved_ratio": achieved} | measure(rotated, windows, args))
-        for label, storage in variants(args):
-            lrkv.config.lrkv["cache"] = storage | {"bits": bits}
-            row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, {bits} bits"}
-            emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
+        for bits in args.bits:
+            for residual in sorted({0, args.buffer // 2}):  # the window tale's buffer holds on average
+                rotated.config.lrkv["cache"] = {"name": "quantized", "bits": bits, "residual": residual}
+                row = {"model": f"lrkv {args.ratio}, rotation auto", "cache": f"quantized {bits} bits"}
+                row["cache"] += f", residual {residual}" if residual else ""
+                emit(row | {"achieved_ratio": achieved} | measure(rotated, windows, args))
+            for label, storage in variants(args):
+                lrkv.config.lrkv["cache"] = storage | {"bits": bits}
+                row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, {bits} bits"}
+                emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
     lrkv.config.lrkv["cache"] = {"name": "dense"}
     minutes = (time.perf_counter() - start) / 60
     n_decode = min(args.decode_windows, windows.shape[0])
