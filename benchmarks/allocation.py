@@ -159,6 +159,11 @@ def main() -> None:
     p.add_argument("--first", type=int, default=16, help="windows of the rise column (issue 8: 16)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluation windows (default: all)")
     p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
+    p.add_argument(
+        "--decomposition", type=json.loads, default="whitened",
+        help='every row\'s decomposition, a name or recipe form as JSON (default: whitened; e.g. '
+        '\'{"name": "whitened", "values": "output"}\')',
+    )  # fmt: skip
     p.add_argument("--ratios", default="0.7,0.5,0.3")
     p.add_argument(
         "--settings", default=None, help="labels of the rows to run, separated by ; (default: all)"
@@ -213,6 +218,7 @@ def main() -> None:
             config = CompressionConfig(
                 ratio=ratio,
                 group_size=args.group_size,
+                decomposition=args.decomposition,
                 rank_multiple=s.rank_multiple,
                 allocator=s.allocator,
                 refine_steps=s.refine_steps,
@@ -222,8 +228,8 @@ def main() -> None:
             )
             factors = None
             if any(STATISTICS.get(n).uses_factors for n in s.statistics):  # full spectra
-                plain = CompressionConfig(group_size=args.group_size)
-                factors, _ = decompose_model(model, rows, plain, statistics=given)
+                full = CompressionConfig(group_size=args.group_size, decomposition=args.decomposition)
+                factors, _ = decompose_model(model, rows, full, statistics=given)
             for name, options in s.statistics.items():
                 key = f" after gram {gram_rows}" if STATISTICS.get(name).uses_factors else ""
                 if options.get("n_samples", 0) >= len(rows):
@@ -240,6 +246,7 @@ def main() -> None:
                 "model": args.model,
                 "table": args.table,
                 "setting": s.label,
+                "decomposition": config.decomposition.to_dict(),
                 "allocator": config.allocator.to_dict(),
                 "ratio": ratio,
                 "seed": args.seed,

@@ -11,7 +11,7 @@ functions directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -201,13 +201,14 @@ def collect_statistics(
 
 
 @torch.no_grad()
-def model_layer_weights(model: nn.Module, layer: int, *, query: bool = False) -> LayerWeights:
-    """The layer's k/v (and q) projection weights, read from a loaded model, on the CPU: decompositions
-    run there in float64 beside the statistics (collected on the model's device, returned on the CPU)."""
+def model_layer_weights(model: nn.Module, layer: int, reads: Collection[str] = ()) -> LayerWeights:
+    """The layer's k/v projection weights (and those of ``reads``: "q", "o"), read from a loaded model, on
+    the CPU: decompositions run there in float64 beside the statistics (collected on the model's device,
+    returned on the CPU)."""
     adapter = get_adapter(model.config)
     attn = adapter.attention(model, layer)
-    weight = {p: getattr(attn, getattr(adapter, f"{p}_name")).weight.detach().cpu() for p in "qkv"}
-    return LayerWeights(weight["k"], weight["v"], weight["q"] if query else None)
+    weights = {p: getattr(attn, getattr(adapter, f"{p}_name")).weight for p in {"k", "v", *reads}}
+    return LayerWeights(**{p: w.detach().cpu() for p, w in weights.items()})
 
 
 @dataclass
@@ -252,11 +253,11 @@ def decompose_model(
     needs = config.decomposition.needs
     todo = [s for s in config.needed_statistics() if s.name in needs and s.name not in given]
     stats = given | collect_statistics(model, calibration, todo, batch_size=batch_size, progress=progress)
-    query = config.decomposition.uses_query(adapter.rope)
+    reads = config.decomposition.reads(adapter.rope)
     factors = [
         decompose_layer(
             layer,
-            model_layer_weights(model, layer, query=query),
+            model_layer_weights(model, layer, reads),
             {name: values[layer] for name, values in stats.items()},
             n_kv_heads=shape.Hkv,
             head_dim=shape.D,

@@ -16,11 +16,16 @@ that picks the subspace:
   ``U_k`` (D × D) shared by the KV heads of a layer (:func:`fit_shared_basis`), applied per head and
   interleaved across a group's heads (:func:`fit_on_shared_basis`).
 
+- whitened SVD with an output metric (lrkv, ``whitened`` with ``values="output"``): the error measured
+  after a map of the group's outputs, ``‖R (W_g − W_r) X‖_F`` with ``R² = M`` (for values, what o_proj makes
+  of them: :func:`value_output_metrics`); the SVD of ``R W_g S`` (:func:`fit_group` with ``output``).
+
 Every method keeps the full ordered spectrum, so rank search and per-token levels are prefixes
-(:func:`truncate`). The up-projection is orthonormal in all of them, so one rule holds throughout: with
-``a_j`` the j-th row of ``down``, ``sigma_j² = a_j M a_jᵀ`` is the energy of latent j in the method's
-metric M (``G`` for whitened and pca, ``I`` for plain), and dropping latents r.. costs exactly
-``Σ_{j≥r} σ_j²`` (:func:`truncation_error`). Everything is computed in float64.
+(:func:`truncate`). The up-projection is orthonormal in all of them (in the output metric's inner product
+``Bᵀ M B = I`` where there is one), so one rule holds throughout: with ``a_j`` the j-th row of ``down``,
+``sigma_j² = a_j G a_jᵀ`` is the energy of latent j in the method's metric (``G`` for whitened and pca,
+``I`` for plain), and dropping latents r.. costs exactly ``Σ_{j≥r} σ_j²`` (:func:`truncation_error`).
+Everything is computed in float64.
 """
 
 from __future__ import annotations
@@ -87,12 +92,12 @@ class GroupFactors:
 
     sigma : (m,) importance of each latent, in latent order: ``sigma_j² = a_j M a_jᵀ``, the energy of latent
         j in the method's metric M, so a prefix of rank r loses ``Σ_{j≥r} σ_j²``. For the SVD methods these
-        are the singular values of ``W S`` (descending; m = min(s·D, d)); for pca values the square roots
-        of the output covariance's eigenvalues (descending; m = s·D); for pca keys the square roots of each
-        head's captured variance along each shared direction (m = s·D; descending within each direction's
-        block of s latents, see :func:`fit_on_shared_basis`).
-    down : (m, d) rows of ``A = Uᵀ W``, most important first.
-    up : (s·D, m) columns of ``B = U`` (orthonormal).
+        are the singular values of ``W S`` (``R W S`` with an output metric; descending; m = min(s·D, d));
+        for pca values the square roots of the output covariance's eigenvalues (descending; m = s·D); for
+        pca keys the square roots of each head's captured variance along each shared direction (m = s·D;
+        descending within each direction's block of s latents, see :func:`fit_on_shared_basis`).
+    down : (m, d) rows of ``A = Uᵀ W`` (``Uᵀ R W`` with an output metric), most important first.
+    up : (s·D, m) columns of ``B = U`` (orthonormal; ``R⁻¹ U`` with an output metric, see :func:`fit_group`).
     """
 
     sigma: torch.Tensor
@@ -104,24 +109,78 @@ class GroupFactors:
         return int(self.sigma.numel())
 
 
+@dataclass
+class OutputMetric:
+    """``R = M^½`` and ``R⁻¹`` of a PSD metric ``M`` (s·D × s·D) on a group's outputs: the error ``δ`` of the
+    group's projection costs ``δᵀ M δ`` (:func:`value_output_metrics`)."""
+
+    root: torch.Tensor
+    inv_root: torch.Tensor
+
+
+def fit_output_metric(metric: torch.Tensor) -> OutputMetric:
+    """Square root of an output metric and its inverse, in float64, eigenvalues clamped at ``1e-10·max``
+    (directions the metric ignores stay invertible, so the factors remain exact at full rank)."""
+    evals, evecs = _eigh_descending(metric.to(torch.float64))
+    if not torch.isfinite(evals).all() or evals[0] <= 0:
+        raise ValueError("output metric is zero or not finite")
+    evals = evals.clamp_min(1e-10 * evals[0])
+    return OutputMetric((evecs * evals.sqrt()) @ evecs.T, (evecs / evals.sqrt()) @ evecs.T)
+
+
 @torch.no_grad()
-def fit_group(weight: torch.Tensor, whitening: Whitening | None = None) -> GroupFactors:
+def fit_group(
+    weight: torch.Tensor, whitening: Whitening | None = None, output: OutputMetric | None = None
+) -> GroupFactors:
     """Factor one group slice of k_proj/v_proj.
 
     Parameters
     ----------
     weight : (s·D, d) rows of the projection for the group's KV heads.
     whitening : the layer input's whitening (whitened SVD), or None for plain SVD.
+    output : a metric on the group's outputs, or None (every output direction counts the same). With
+        ``M = R²``, the SVD of ``R W S`` gives ``B = R⁻¹ U``, ``A = Uᵀ R W``: truncating to rank r minimises
+        ``‖R (W − B_r A_r) X‖_F`` (the same Eckart–Young argument on the two-sided weighted matrix), and
+        ``B A = W`` at full rank. ``B`` is then orthonormal in the metric (``Bᵀ M B = I``), not in the
+        Euclidean sense.
     """
     w = weight.to(torch.float64)
-    m = w @ whitening.S if whitening is not None else w  # (s·D, d)
+    left = output.root @ w if output is not None else w  # (s·D, d)
+    m = left @ whitening.S if whitening is not None else left  # (s·D, d)
     U, sigma, _ = torch.linalg.svd(m, full_matrices=False)  # U (s·D, m), sigma (m,)
     # B = U, A = Uᵀ W: the same rank-r product as Palu's (U Σ^½)(Σ^½ Vᵀ S⁻¹), since
     # U_r U_rᵀ W = U_r Σ_r V_rᵀ S⁻¹, with the latent rescaled by Σ^½. An orthonormal up-projection keeps
     # S⁻¹ out of the runtime factors, so float32 rounding stays at the level of the original k/v_proj.
-    up = U  # (s·D, m)
-    down = U.T @ w  # (m, d)
+    up = output.inv_root @ U if output is not None else U  # (s·D, m)
+    down = U.T @ left  # (m, d)
     return GroupFactors(sigma=sigma, down=down, up=up)
+
+
+@torch.no_grad()
+def value_output_metrics(o_weight: torch.Tensor, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Per KV head, the metric of a value error as o_proj sees it: ``M_j = W̄_jᵀ W̄_j`` (D × D) with
+    ``W̄_j = Σ_h W_o,h`` (d × D) over the query heads h that read KV head j.
+
+    A change ``δ`` of a value row reaches the attention output of head h as ``W_o,h (p_h δ)``; if the heads
+    sharing KV head j weigh the row alike (``p_h`` the same), the output moves by ``W̄_j p δ``, so
+    ``‖W̄_j δ‖² = δᵀ M_j δ`` is what the error costs (per unit attention weight). Directions o_proj maps
+    to little, or that the heads of a GQA group cancel, cost little.
+
+    Parameters
+    ----------
+    o_weight : (d, H·D) the layer's o_proj weight, query heads in order (head h reads KV head
+        ``h // (H / Hkv)``).
+
+    Returns
+    -------
+    (Hkv, D, D) float64.
+    """
+    d, width = o_weight.shape
+    if width % (n_kv_heads * head_dim):
+        raise ValueError(f"o_proj input width {width} is not a multiple of Hkv·D = {n_kv_heads * head_dim}")
+    w = o_weight.to(torch.float64).reshape(d, n_kv_heads, width // (n_kv_heads * head_dim), head_dim)
+    summed = w.sum(2)  # (d, Hkv, D): W̄_j
+    return torch.einsum("dji,djk->jik", summed, summed)
 
 
 def _eigh_descending(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

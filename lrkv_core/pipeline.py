@@ -8,7 +8,7 @@ step of the in-memory API (:mod:`lrkv_core.convert`) with file I/O.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from transformers import AutoConfig
@@ -77,12 +77,13 @@ def _layer_stats(stats: StatPaths, layer: int) -> dict[str, Any]:
     return {name: load_statistic(path, layer) for name, path in stats.items()}
 
 
-def read_layer_weights(model_dir: str, layer: int, *, query: bool = False) -> LayerWeights:
-    """The layer's k/v (and q) projection weights, read from the safetensors files without the model."""
+def read_layer_weights(model_dir: str, layer: int, reads: Collection[str] = ()) -> LayerWeights:
+    """The layer's k/v projection weights (and those of ``reads``: "q", "o"), read from the safetensors
+    files without the model."""
     adapter = get_adapter(AutoConfig.from_pretrained(model_dir))
-    names = {p: adapter.weight_name(layer, p) + ".weight" for p in ("qkv" if query else "kv")}
+    names = {p: adapter.weight_name(layer, p) + ".weight" for p in {"k", "v", *reads}}
     t = read_tensors(model_dir, list(names.values()))
-    return LayerWeights(t[names["k"]], t[names["v"]], t[names["q"]] if query else None)
+    return LayerWeights(**{p: t[name] for p, name in names.items()})
 
 
 def decompose_file(
@@ -99,7 +100,7 @@ def decompose_file(
     adapter = get_adapter(config)
     shape = adapter.shape(config)
     method = DECOMPOSITIONS.create(decomposition)
-    weights = read_layer_weights(model_dir, layer, query=method.uses_query(adapter.rope))
+    weights = read_layer_weights(model_dir, layer, method.reads(adapter.rope))
     factors = decompose_layer(
         layer,
         weights,

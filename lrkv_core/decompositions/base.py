@@ -23,11 +23,13 @@ Groups = dict[str, list[GroupFactors]]  # kind -> one GroupFactors per group
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """The projection weights of one layer a decomposition may read: (Hkv·D, d) k/v, (H·D, d) q."""
+    """The projection weights of one layer a decomposition may read: (Hkv·D, d) k/v, (H·D, d) q and
+    (d, H·D) o (q and o only where the decomposition :meth:`~Decomposition.reads` them)."""
 
     k: torch.Tensor
     v: torch.Tensor
     q: torch.Tensor | None = None
+    o: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,10 @@ class Decomposition(Method, ABC):
 
     needs: ClassVar[frozenset[str]] = frozenset()  # calibration statistics it reads, e.g. {"gram"}
 
-    def uses_query(self, rope: bool) -> bool:
-        """Whether fitting also reads the layer's q_proj weight (given the model's RoPE handling)."""
-        return False
+    def reads(self, rope: bool) -> frozenset[str]:
+        """The layer's projections fitting reads besides k and v: ``"q"`` (q_proj), ``"o"`` (o_proj), given
+        the model's RoPE handling."""
+        return frozenset()
 
     @abstractmethod
     def fit(

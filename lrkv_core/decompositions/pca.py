@@ -29,8 +29,8 @@ class Pca(Decomposition):
     name: ClassVar[str] = "pca"
     needs: ClassVar[frozenset[str]] = frozenset({"gram"})
 
-    def uses_query(self, rope: bool) -> bool:
-        return not rope
+    def reads(self, rope: bool) -> frozenset[str]:
+        return frozenset() if rope else frozenset({"q"})
 
     def fit(
         self, weights: LayerWeights, stats: Mapping[str, Any], slices: list[slice], head_dim: int

@@ -35,7 +35,12 @@ CASES = [
     for group_size in sorted({1, 2, hkv})
 ]
 IDS = [f"{arch}-hkv{hkv}-s{s}" for arch, hkv, s in CASES]
-METHODS = ("whitened", "plain", "pca")
+METHODS = (
+    "whitened",
+    pytest.param({"name": "whitened", "values": "output"}, id="whitened-output"),
+    "plain",
+    "pca",
+)
 
 
 def model_for(arch: str, hkv: int, seed: int = 0):

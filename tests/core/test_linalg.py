@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from lrkv_core.convert import CompressionConfig, decompose_model
 from lrkv_core.decompositions import (
     DECOMPOSITIONS,
     LayerWeights,
@@ -12,7 +14,18 @@ from lrkv_core.decompositions import (
     load_layer_factors,
     save_layer_factors,
 )
-from lrkv_core.linalg import fit_group, fit_whitening, group_slices, truncate, truncation_error
+from lrkv_core.linalg import (
+    fit_group,
+    fit_output_metric,
+    fit_whitening,
+    group_slices,
+    truncate,
+    truncation_error,
+    value_output_metrics,
+)
+from lrkv_core.pipeline import decompose_file
+from lrkv_core.statistics import Gram, collect_gram, save_statistic
+from tests.support.models import tiny_model_dir
 
 D_IN, D_OUT, N_TOKENS = 7, 5, 400
 RANKS = range(1, D_OUT + 1)
@@ -101,6 +114,73 @@ def test_whitened_beats_plain_svd_on_anisotropic_activations(rank: int) -> None:
         assert _fro2((w - q @ q.T @ w) @ x) >= err_whitened * (1 - 1e-12)
 
 
+def _output_metric(seed: int = 4) -> torch.Tensor:
+    """(5, 5) an anisotropic PSD metric on the outputs, as ``W̄ᵀ W̄`` of a (9, 5) map."""
+    gen = torch.Generator().manual_seed(seed)
+    o = torch.randn(9, D_OUT, generator=gen, dtype=torch.float64) * torch.logspace(0, -2, D_OUT)
+    return o.T @ o
+
+
+@pytest.mark.parametrize("rank", RANKS)
+def test_output_metric_truncation_is_optimal_in_the_two_sided_error(rank: int) -> None:
+    """With an output metric M = R², the rank-r factors minimise ‖R (W − W_r) X‖_F, which equals the tail
+    Σ_{i>r} σ_i² of R W S's spectrum: below the whitened factors' error in that metric and below any other
+    rank-r map's; exact at full rank."""
+    w, x, metric = _weight(), _activations(), _output_metric()
+    wh, out = fit_whitening(x @ x.T), fit_output_metric(metric)
+    assert torch.allclose(out.root @ out.root, metric, rtol=1e-10, atol=1e-12 * float(metric.abs().max()))
+    f = fit_group(w, wh, out)
+    a, b = truncate(f, rank)
+
+    def cost(err: torch.Tensor) -> float:
+        return float(torch.einsum("in,ij,jn->", err @ x, metric, err @ x))
+
+    err = cost(w - b @ a)
+    assert err == pytest.approx(truncation_error(f.sigma, rank), rel=1e-9, abs=1e-12 * cost(w))
+    assert torch.allclose(f.sigma, torch.linalg.svdvals(out.root @ w @ wh.S), rtol=1e-12)
+    assert torch.allclose(b.T @ metric @ b, torch.eye(rank, dtype=torch.float64), atol=1e-9)
+    if rank == D_OUT:
+        assert (b @ a - w).abs().max() <= 1e-10
+        return
+    a_w, b_w = truncate(fit_group(w, wh), rank)
+    assert err < cost(w - b_w @ a_w)  # the whitened factors minimise another error
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(20):  # no other rank-r map B' A' (least-squares A' for a random B') does better
+        bq = torch.randn(D_OUT, rank, generator=gen, dtype=torch.float64)
+        aq = torch.linalg.lstsq(out.root @ bq, out.root @ w).solution
+        assert cost(w - bq @ aq) >= err * (1 - 1e-12)
+
+
+def test_value_output_metric_is_what_o_proj_makes_of_a_value_error() -> None:
+    """GQA, 6 query heads on 2 KV heads of D = 3: a change δ of KV head j's value moves the attention output
+    (heads weighing the row alike) by Σ_h W_o,h δ over j's query heads; its squared norm is δᵀ M_j δ."""
+    gen = torch.Generator().manual_seed(5)
+    d, h, hkv, head_dim = 8, 6, 2, 3
+    o_weight = torch.randn(d, h * head_dim, generator=gen, dtype=torch.float64)
+    metrics = value_output_metrics(o_weight.float(), hkv, head_dim)
+    assert metrics.shape == (hkv, head_dim, head_dim) and metrics.dtype == torch.float64
+    for j in range(hkv):
+        delta = torch.randn(head_dim, generator=gen, dtype=torch.float64)
+        heads = torch.zeros(h, head_dim, dtype=torch.float64)
+        heads[j * 3 : (j + 1) * 3] = delta  # query heads 3j..3j+2 read KV head j
+        moved = o_weight @ heads.flatten()
+        assert float(delta @ metrics[j] @ delta) == pytest.approx(float(moved @ moved), rel=1e-5)
+    with pytest.raises(ValueError, match="not a multiple of Hkv·D"):
+        value_output_metrics(o_weight[:, :-1], hkv, head_dim)
+
+
+def test_output_metric_rejects_a_zero_metric_and_stays_invertible_when_singular() -> None:
+    with pytest.raises(ValueError, match="output metric is zero"):
+        fit_output_metric(torch.zeros(3, 3))
+    singular = torch.diag(torch.tensor([4.0, 1.0, 0.0], dtype=torch.float64))
+    out = fit_output_metric(singular)
+    assert torch.isfinite(out.inv_root).all()
+    assert torch.allclose(out.root @ out.inv_root, torch.eye(3, dtype=torch.float64), atol=1e-9)
+    w, x = _weight()[:3], _activations()
+    f = fit_group(w, fit_whitening(x @ x.T), out)  # exact at full rank, though M ignores a direction
+    assert (f.up @ f.down - w).abs().max() <= 1e-8
+
+
 def test_error_is_monotone_in_rank_and_zero_at_full_rank() -> None:
     x = _activations()
     f = fit_group(_weight(), fit_whitening(x @ x.T))
@@ -172,24 +252,29 @@ def test_truncate_bounds() -> None:
             truncate(f, bad)
 
 
-@pytest.mark.parametrize("method", sorted(DECOMPOSITIONS.names()))
+@pytest.mark.parametrize(
+    "method", [*sorted(DECOMPOSITIONS.names()), {"name": "whitened", "values": "output"}], ids=str
+)
 @pytest.mark.parametrize("group_size", [1, 2, 4])
-def test_decompose_layer_factors_each_group_exactly(method: str, group_size: int) -> None:
-    """Hkv=4 heads of D=3 rows from d=7 inputs; group width s·D may exceed d (then the SVDs' max rank is d;
-    pca's factors stay square, max rank s·D, the extra directions carrying zero variance)."""
+def test_decompose_layer_factors_each_group_exactly(method: str | dict, group_size: int) -> None:
+    """Hkv=4 heads of D=3 rows from d=7 inputs (8 query heads for o_proj); group width s·D may exceed d
+    (then the SVDs' max rank is d; pca's factors stay square, max rank s·D, the extra directions carrying
+    zero variance)."""
     gen = torch.Generator().manual_seed(2)
     w_k, w_v = (torch.randn(12, D_IN, generator=gen) for _ in range(2))
+    w_o = torch.randn(D_IN, 24, generator=gen)
     x = _activations()
     layer = decompose_layer(
-        3, LayerWeights(w_k, w_v), {"gram": x @ x.T}, n_kv_heads=4, head_dim=3, group_size=group_size,
+        3, LayerWeights(w_k, w_v, o=w_o), {"gram": x @ x.T}, n_kv_heads=4, head_dim=3, group_size=group_size,
         decomposition=method,
     )  # fmt: skip
-    assert layer.layer == 3 and layer.group_size == group_size and layer.method == method
+    name = method if isinstance(method, str) else method["name"]
+    assert layer.layer == 3 and layer.group_size == group_size and layer.method == name
     for kind, w in (("k", w_k), ("v", w_v)):
         groups = layer.groups[kind]
         assert len(groups) == 4 // group_size
         for sl, f in zip(group_slices(4, 3, group_size), groups, strict=True):
-            assert f.max_rank == (group_size * 3 if method == "pca" else min(group_size * 3, D_IN))
+            assert f.max_rank == (group_size * 3 if name == "pca" else min(group_size * 3, D_IN))
             assert (f.up @ f.down - w[sl].double()).abs().max() <= 1e-10
 
 
@@ -200,6 +285,12 @@ def test_decompose_layer_rejects_unknown_method_and_missing_gram() -> None:
         decompose_layer(0, LayerWeights(w, w), decomposition="palu", **kw)
     with pytest.raises(ValueError, match="whitened SVD needs the gram statistic"):
         decompose_layer(0, LayerWeights(w, w), decomposition="whitened", **kw)
+    output = {"name": "whitened", "values": "output"}
+    with pytest.raises(ValueError, match="values must be 'projection' or 'output', got 'o_proj'"):
+        decompose_layer(0, LayerWeights(w, w), decomposition={"name": "whitened", "values": "o_proj"}, **kw)
+    x = _activations()
+    with pytest.raises(ValueError, match="reads o_proj's weight"):
+        decompose_layer(0, LayerWeights(w, w), {"gram": x @ x.T}, decomposition=output, **kw)
     plain = decompose_layer(0, LayerWeights(w, w), decomposition="plain", **kw)
     assert plain.info == {"whitening": "none", "damping": 0}
 
@@ -217,3 +308,30 @@ def test_layer_factors_roundtrip_through_safetensors(tmp_path) -> None:
     for kind in ("k", "v"):
         for f, g in zip(layer.groups[kind], back.groups[kind], strict=True):
             assert torch.equal(f.sigma, g.sigma) and torch.equal(f.down, g.down) and torch.equal(f.up, g.up)
+
+
+def test_the_pipeline_reads_o_proj_for_values_measured_after_it(tmp_path) -> None:
+    """``decompose_file`` (the flow's path, weights read from safetensors) gives the factors the in-memory
+    ``decompose_model`` gives, for a decomposition that reads o_proj (GQA: 4 query heads, 2 KV heads)."""
+    model_dir = tiny_model_dir(tmp_path, "llama", 2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    grams, n = collect_gram(model, rows)
+    save_statistic(Gram(), grams, {"n_tokens": n}, tmp_path / "gram.safetensors")
+    method = {"name": "whitened", "values": "output"}
+    config = CompressionConfig(group_size=2, decomposition=method)
+    in_memory, _ = decompose_model(model, statistics={"gram": grams}, config=config)
+    for layer, expected in enumerate(in_memory):
+        out = tmp_path / f"f{layer}.safetensors"
+        decompose_file(
+            str(model_dir), {"gram": str(tmp_path / "gram.safetensors")}, layer, str(out), group_size=2,
+            decomposition=method,
+        )  # fmt: skip
+        got = load_layer_factors(out)
+        for kind in ("k", "v"):
+            for a, b in zip(got.groups[kind], expected.groups[kind], strict=True):
+                torch.testing.assert_close(a.up, b.up, rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(a.down, b.down, rtol=1e-9, atol=1e-9)
+    projection = decompose_model(model, statistics={"gram": grams}, config=CompressionConfig(group_size=2))[0]
+    assert not torch.allclose(projection[0].groups["v"][0].up, in_memory[0].groups["v"][0].up)
+    torch.testing.assert_close(projection[0].groups["k"][0].up, in_memory[0].groups["k"][0].up)

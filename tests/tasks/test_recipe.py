@@ -29,6 +29,10 @@ def test_methods_come_from_the_registries_with_strict_options():
     assert r.compression.allocator.skip_threshold == 5.0  # options are typed from the method's dataclass
     assert r.model_dump(mode="json")["compression"]["allocator"] == {"name": "lorc", "skip_threshold": 5.0}
     assert load_recipe(None, {"compression.decomposition": "pca"}).compression.decomposition.name == "pca"
+    output = load_recipe(None, {"compression.decomposition": {"name": "whitened", "values": "output"}})
+    assert output.compression.decomposition.values == "output"
+    with pytest.raises(ValidationError, match="values: Input should be 'projection' or 'output'"):
+        load_recipe(None, {"compression.decomposition": {"name": "whitened", "values": "o"}})
     with pytest.raises(ValidationError, match="unknown allocator 'typo'; choose from"):
         load_recipe(None, {"compression.allocator": "typo"})
     with pytest.raises(ValidationError, match=r"allocator 'lorc': skip: Unexpected keyword argument"):
