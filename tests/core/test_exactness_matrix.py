@@ -38,6 +38,7 @@ IDS = [f"{arch}-hkv{hkv}-s{s}" for arch, hkv, s in CASES]
 METHODS = (
     "whitened",
     pytest.param({"name": "whitened", "values": "output"}, id="whitened-output"),
+    pytest.param({"name": "whitened", "values": "attention"}, id="whitened-attention"),
     "plain",
     "pca",
 )

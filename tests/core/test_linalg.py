@@ -286,11 +286,14 @@ def test_decompose_layer_rejects_unknown_method_and_missing_gram() -> None:
     with pytest.raises(ValueError, match="whitened SVD needs the gram statistic"):
         decompose_layer(0, LayerWeights(w, w), decomposition="whitened", **kw)
     output = {"name": "whitened", "values": "output"}
-    with pytest.raises(ValueError, match="values must be 'projection' or 'output', got 'o_proj'"):
+    with pytest.raises(ValueError, match="values must be one of projection, output, attention, got 'o_proj'"):
         decompose_layer(0, LayerWeights(w, w), decomposition={"name": "whitened", "values": "o_proj"}, **kw)
     x = _activations()
     with pytest.raises(ValueError, match="reads o_proj's weight"):
         decompose_layer(0, LayerWeights(w, w), {"gram": x @ x.T}, decomposition=output, **kw)
+    attention = {"name": "whitened", "values": "attention"}
+    with pytest.raises(ValueError, match="values='attention' needs the attention_gram statistic"):
+        decompose_layer(0, LayerWeights(w, w, o=w.T), {"gram": x @ x.T}, decomposition=attention, **kw)
     plain = decompose_layer(0, LayerWeights(w, w), decomposition="plain", **kw)
     assert plain.info == {"whitening": "none", "damping": 0}
 

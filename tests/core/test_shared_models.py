@@ -49,6 +49,7 @@ class Setup:
     grams: list[torch.Tensor]
     tokenizer: object | None
     windows: torch.Tensor  # (N, T) evaluation token ids
+    rows: torch.Tensor | None = None  # (N, T) calibration rows (the Grams come from the first 16)
 
 
 # ---------------------------------------------------------------------------------------------- stories260k
@@ -137,9 +138,10 @@ def shakespeare(one_thread) -> Setup:
     _need(SHAKESPEARE, SHAKESPEARE_TRAIN, SHAKESPEARE_VALID)
     model, tok = load_model(SHAKESPEARE)
     stream = token_sequences(parse_dataset_spec(f"text:{SHAKESPEARE_TRAIN}"), tok)[0]
-    grams, _ = collect_gram(model, stream[: 16 * 256].view(16, 256))  # 16 windows of 256 tokens
+    rows = stream[: 64 * 256].view(64, 256)  # 64 windows of 256 tokens
+    grams, _ = collect_gram(model, rows[:16])  # most tests calibrate on the first 16
     windows = eval_windows(f"text:{SHAKESPEARE_VALID}", tok, seq_len=256, max_windows=8)
-    return Setup(model, grams, tok, windows)
+    return Setup(model, grams, tok, windows, rows)
 
 
 @pytest.fixture(scope="module")
@@ -200,19 +202,21 @@ def test_shakespeare_half_ratio_memory_and_perplexity(
     assert shakespeare_ppl < ppl < 2 * shakespeare_ppl, (shakespeare_ppl, ppl)
 
 
-def test_shakespeare_values_measured_after_o_proj_lose_less(shakespeare, shakespeare_ppl, compress) -> None:
-    """Uniform ranks at 0.5, groups of 2: whitened SVD with the values' error measured after o_proj
-    (``values="output"``) against Palu's (at v_proj's output), same ranks, 8 validation windows.
-    Measured: perplexity rise +0.432 (output) against +0.527 (projection)."""
+def test_shakespeare_values_measured_after_the_attention_lose_less(
+    shakespeare, shakespeare_ppl, compress
+) -> None:
+    """Uniform ranks at 0.5, groups of 2, calibrated on 64 windows: whitened SVD with the values' error
+    measured at v_proj's output (Palu's), after o_proj, and after the attention and o_proj, on 8 validation
+    windows. Measured rises: +0.458, +0.401, +0.342 (from 16 windows: +0.527, +0.432, +0.427)."""
     rises = {}
-    for values in ("projection", "output"):
-        method = {"name": "whitened", "values": values}
+    for values in ("projection", "output", "attention"):
         comp, plan = compress(
-            shakespeare.model, 2, ratio=0.5, grams=shakespeare.grams, rank_multiple=8, method=method
-        )
+            shakespeare.model, 2, ratio=0.5, rows=shakespeare.rows, rank_multiple=8,
+            method={"name": "whitened", "values": values},
+        )  # fmt: skip
         assert plan.achieved_ratio == 0.5
         rises[values] = prefill_perplexity(comp, shakespeare.windows)["ppl"] - shakespeare_ppl
-    assert 0 < rises["output"] < 0.9 * rises["projection"], rises
+    assert 0 < rises["attention"] < 0.9 * rises["output"] < 0.9 * 0.9 * rises["projection"], rises
 
 
 def test_shakespeare_save_load_keeps_the_tokenizer(shakespeare, compress, tmp_path) -> None:

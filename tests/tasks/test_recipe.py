@@ -31,7 +31,9 @@ def test_methods_come_from_the_registries_with_strict_options():
     assert load_recipe(None, {"compression.decomposition": "pca"}).compression.decomposition.name == "pca"
     output = load_recipe(None, {"compression.decomposition": {"name": "whitened", "values": "output"}})
     assert output.compression.decomposition.values == "output"
-    with pytest.raises(ValidationError, match="values: Input should be 'projection' or 'output'"):
+    with pytest.raises(
+        ValidationError, match="values: Input should be 'projection', 'output' or 'attention'"
+    ):
         load_recipe(None, {"compression.decomposition": {"name": "whitened", "values": "o"}})
     with pytest.raises(ValidationError, match="unknown allocator 'typo'; choose from"):
         load_recipe(None, {"compression.allocator": "typo"})

@@ -1,0 +1,109 @@
+"""``attention_gram``: the Gram of the inputs the attention mixes values from, ``Σ_h Σ_m x̄_{h,m} x̄_{h,m}ᵀ``.
+
+Head h's output at position m reads the values through its attention weights,
+``Σ_n p_{h,mn} v_n = W_v x̄_{h,m}`` with ``x̄_{h,m} = Σ_n p_{h,mn} x_n`` the attention-weighted mix of the
+v_proj inputs. An error ``δW`` of v_proj reaches that output as ``δW x̄_{h,m}``, not ``δW x_n``: the value
+error that matters is weighted by the Gram of the mixed inputs, summed over the layer's query heads (what
+``whitened`` with ``values="attention"`` whitens the values with). Per batch row it is ``Xᵀ C X`` with
+``C = Σ_h P_hᵀ P_h`` (T × T), accumulated in float64. The attention weights come from running the model with
+eager attention for this pass (other implementations do not return them); the implementation is restored
+afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..adapters import get_adapter
+from .base import STATISTICS, LayerValue, Progress, Statistic
+
+
+@torch.no_grad()
+def collect_attention_gram(
+    model: nn.Module,
+    rows: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[torch.Tensor], int]:
+    """Gram matrices of the attention-mixed v_proj inputs of every layer (see the module docstring).
+
+    Parameters
+    ----------
+    rows : (N, T) calibration token ids.
+
+    Returns
+    -------
+    grams : L tensors (d, d) float64, ``Σ_h Σ_m x̄_{h,m} x̄_{h,m}ᵀ``.
+    n_tokens : number of positions m accumulated per layer (each counted once, all heads summed).
+    """
+    adapter = get_adapter(model.config)
+    shape = adapter.shape(model.config)
+    device = next(model.parameters()).device
+    grams = [torch.zeros(shape.d, shape.d, dtype=torch.float64, device=device) for _ in range(shape.L)]
+    counts = [0] * shape.L
+    inputs: dict[int, torch.Tensor] = {}
+
+    def keep_input(i: int):
+        def hook(_module: nn.Module, args: tuple) -> None:
+            inputs[i] = args[0]
+
+        return hook
+
+    def accumulate(i: int):
+        def hook(_module: nn.Module, _args: tuple, out: Any) -> None:
+            weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if weights is None:
+                raise RuntimeError(
+                    f"layer {i}'s attention returned no attention weights under eager attention"
+                )
+            p = weights.to(torch.float64)  # (B, H, T, T)
+            x = inputs.pop(i).to(torch.float64)  # (B, T, d)
+            mix = torch.einsum("bhmt,bhms->bts", p, p)  # C = Σ_h P_hᵀ P_h, (B, T, T)
+            grams[i] += torch.einsum("btd,bts,bse->de", x, mix, x)
+            counts[i] += x.shape[0] * x.shape[1]
+
+        return hook
+
+    handles = []
+    for i in range(shape.L):
+        attn = adapter.attention(model, i)
+        handles.append(getattr(attn, adapter.v_name).register_forward_pre_hook(keep_input(i)))
+        handles.append(attn.register_forward_hook(accumulate(i)))
+    implementation = model.config._attn_implementation
+    was_training = model.training
+    model.eval()
+    model.set_attn_implementation("eager")
+    try:
+        n = rows.shape[0]
+        for start in range(0, n, batch_size):
+            model(rows[start : start + batch_size].to(device), use_cache=False)
+            if progress:
+                progress(min(start + batch_size, n), n)
+    finally:
+        for h in handles:
+            h.remove()
+        model.set_attn_implementation(implementation)
+        model.train(was_training)
+    return [g.cpu() for g in grams], counts[0]
+
+
+@STATISTICS.register
+@dataclass(frozen=True)
+class AttentionGram(Statistic):
+    """Σ x̄ x̄ᵀ of the attention-mixed v_proj inputs (float64): what values='attention' whitens with"""
+
+    name: ClassVar[str] = "attention_gram"
+
+    def collect(
+        self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
+    ) -> tuple[list[LayerValue], dict[str, Any]]:
+        grams, n_tokens = collect_attention_gram(
+            model, self.rows(rows), batch_size=batch_size, progress=progress
+        )
+        return grams, {"n_tokens": n_tokens}

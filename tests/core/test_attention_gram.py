@@ -1,0 +1,84 @@
+"""The attention-mixed Gram (statistic ``attention_gram``) and whitened SVD that measures the values' error
+after the attention and o_proj (``values="attention"``), on tiny models of every supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrkv_core.adapters import get_adapter
+from lrkv_core.convert import CompressionConfig, decompose_model
+from lrkv_core.statistics import STATISTICS, collect_attention_gram
+from tests.support.models import SLIDING_WINDOW, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ARCHS = {"llama": 2, "mistral": 2, "qwen2": 2, "opt": 4}  # KV heads (OPT: MHA)
+
+
+def _model(arch: str):
+    extra = {"sliding_window": SLIDING_WINDOW} if arch == "mistral" else {}
+    return tiny_model(arch, ARCHS[arch], **extra)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_gram_is_the_gram_of_the_attention_weighted_inputs(arch: str) -> None:
+    """Σ_h Σ_m x̄ x̄ᵀ with x̄_{h,m} = Σ_n p_{h,mn} x_n, from the attention weights the model outputs
+    (``output_attentions``, eager), over rows longer than Mistral's sliding window; the model's attention
+    implementation is left as it was."""
+    model = _model(arch)
+    implementation = model.config._attn_implementation
+    rows = torch.randint(3, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    grams, n_tokens = collect_attention_gram(model, rows, batch_size=2)
+    assert model.config._attn_implementation == implementation and n_tokens == 36
+
+    adapter = get_adapter(model.config)
+    inputs = {}
+    handles = [
+        getattr(adapter.attention(model, i), adapter.v_name).register_forward_pre_hook(
+            lambda _m, args, i=i: inputs.__setitem__(i, args[0])
+        )
+        for i in range(2)
+    ]
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(rows, output_attentions=True, use_cache=False)
+    finally:
+        model.set_attn_implementation(implementation)
+        for h in handles:
+            h.remove()
+    for i in range(2):
+        mixed = torch.einsum("bhmt,btd->bhmd", out.attentions[i].double(), inputs[i].double())
+        expected = torch.einsum("bhmd,bhme->de", mixed, mixed)
+        assert (grams[i] - expected).abs().max() <= 1e-12 * expected.abs().max()
+        # the mixing matters: it is not the plain Gram of the inputs
+        plain = torch.einsum("btd,bte->de", inputs[i].double(), inputs[i].double())
+        assert (grams[i] / grams[i].trace() - plain / plain.trace()).abs().max() > 1e-3
+
+
+def test_values_attention_collects_the_statistic_and_whitens_the_values_with_it() -> None:
+    """``needs`` names the statistic, ``decompose_model`` collects it, keys are untouched (plain whitened
+    SVD) and the value factors change with it; full rank stays exact."""
+    model = _model("llama")
+    rows = torch.randint(3, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    configs = {
+        values: CompressionConfig(group_size=2, decomposition={"name": "whitened", "values": values})
+        for values in ("output", "attention")
+    }
+    assert configs["attention"].decomposition.needs == {"gram", "attention_gram"}
+    assert configs["output"].decomposition.needs == {"gram"}
+    needed = [s.name for s in configs["attention"].needed_statistics()]
+    assert needed == ["attention_gram", "gram", "kl_response"]  # kl_response: the default allocator's
+    assert isinstance(STATISTICS.create("attention_gram"), STATISTICS.get("attention_gram"))
+    factors, stats = decompose_model(model, rows, configs["attention"])
+    assert set(stats) == {"gram", "attention_gram"}
+    output, _ = decompose_model(model, rows, configs["output"], statistics={"gram": stats["gram"]})
+    for got, other in zip(factors, output, strict=True):
+        torch.testing.assert_close(got.groups["k"][0].up, other.groups["k"][0].up)
+        assert not torch.allclose(got.groups["v"][0].up, other.groups["v"][0].up)
+        weight = get_adapter(model.config).attention(model, got.layer).v_proj.weight.double()
+        assert (got.groups["v"][0].up @ got.groups["v"][0].down - weight).abs().max() <= 1e-10
+        assert got.info["value_whitening"] in ("cholesky", "cholesky+damping", "eigh")
+    with pytest.raises(ValueError, match=r"need calibration statistics \['attention_gram'\]"):
+        decompose_model(model, None, configs["attention"], statistics={"gram": stats["gram"]})
