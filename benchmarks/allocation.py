@@ -146,6 +146,11 @@ def paired_interval(
     return [low, high]
 
 
+def _method(text: str) -> str | dict:
+    """A method's name (``whitened``) or its recipe form as JSON (``{"name": ..., ...}``)."""
+    return json.loads(text) if text.lstrip().startswith("{") else text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -160,9 +165,9 @@ def main() -> None:
     p.add_argument("--max-windows", type=int, default=None, help="evaluation windows (default: all)")
     p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
     p.add_argument(
-        "--decomposition", type=json.loads, default="whitened",
-        help='every row\'s decomposition, a name or recipe form as JSON (default: whitened; e.g. '
-        '\'{"name": "whitened", "values": "output"}\')',
+        "--decomposition", type=_method, default="whitened",
+        help='every row\'s decomposition, a name or recipe form as JSON (default: whitened, values measured '
+        'after the attention; Palu\'s: \'{"name": "whitened", "values": "projection"}\')',
     )  # fmt: skip
     p.add_argument("--ratios", default="0.7,0.5,0.3")
     p.add_argument(
@@ -226,6 +231,9 @@ def main() -> None:
                 refine_radius=s.refine_radius,
                 refine_objective=s.refine_objective,
             )
+            for name in sorted(config.decomposition.needs - {"gram"}):  # e.g. attention_gram, on every row
+                given[name], spent = statistic({"name": name})
+                seconds += spent
             factors = None
             if any(STATISTICS.get(n).uses_factors for n in s.statistics):  # full spectra
                 full = CompressionConfig(group_size=args.group_size, decomposition=args.decomposition)

@@ -24,9 +24,9 @@ def ablate_flow(recipe: AblateRecipe, out_dir: str | None = None) -> dict:
         try:
             result = convert_flow(point)
         except ValueError as e:  # e.g. a ratio that rounds to rank 0 for this group size
-            rows.append(ablation_row(comp.model_dump(mode="json"), None, str(e)))
+            rows.append(ablation_row(comp, None, str(e)))
             continue
-        rows.append(ablation_row(comp.model_dump(mode="json"), result))
+        rows.append(ablation_row(comp, result))
     store = open_store(recipe.base.store).root
     summary = summarize_ablation(rows, recipe.model_dump(mode="json"), store, out_dir)
     return {"rows": rows, **summary}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 
@@ -28,13 +29,14 @@ COLUMNS = [
 ]
 
 
-def ablation_row(compression: dict, result: dict | None, error: str | None = None) -> dict:
-    """One table row from a convert-flow result (or the error that stopped it)."""
+def ablation_row(compression: Any, result: dict | None, error: str | None = None) -> dict:
+    """One table row from a grid point's compression section and its convert-flow result (or the error
+    that stopped it)."""
     row = {
-        "decomposition": method_label(compression["decomposition"]),
-        "group_size": compression["group_size"],
-        "allocator": method_label(compression["allocator"]),
-        "ratio": compression["ratio"],
+        "decomposition": method_label(compression.decomposition),
+        "group_size": compression.group_size,
+        "allocator": method_label(compression.allocator),
+        "ratio": compression.ratio,
     }
     if result is None:
         return row | {"error": error}

@@ -6,6 +6,7 @@ The methods a recipe may name (decomposition, allocator, statistics) come from l
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
 from lrkv_core.lora import RecoveryConfig
 from lrkv_core.refine import REFINE_OBJECTIVE, REFINE_RADIUS
+from lrkv_core.registry import Method
 from lrkv_core.statistics import STATISTICS
 
 from .refs import STORE_FORMS, is_s3, local_dir
@@ -289,7 +291,12 @@ class AblateRecipe(Strict):
 
 
 def method_label(method: Any) -> str:
-    """``lorc`` or ``lorc(skip_threshold=1e9)``: a registered method's name with its options, for tables."""
-    form = method.to_dict() if hasattr(method, "to_dict") else dict(method)
+    """``lorc`` or ``lorc(skip_threshold=1e9)``: a method's name with the options that differ from their
+    defaults (a registered method object; a plain ``{"name": ..., **options}`` dict shows every option)."""
+    if isinstance(method, Method):
+        default = {f.name: f.default for f in dataclasses.fields(method)}  # MISSING where none
+        form = {k: v for k, v in method.to_dict().items() if k == "name" or v != default.get(k)}
+    else:
+        form = dict(method)
     options = ", ".join(f"{k}={v}" for k, v in form.items() if k != "name" and v is not None)
     return f"{form['name']}({options})" if options else form["name"]

@@ -41,9 +41,10 @@ def make_tiny() -> Callable[..., PreTrainedModel]:
 
 @pytest.fixture
 def compress() -> Callable[..., tuple[PreTrainedModel, RankPlan]]:
-    """``compress(model, group_size, ratio=1.0, rows=None, grams=None, rank_multiple=1, method="whitened")``.
+    """``compress(model, group_size, ratio=1.0, rows=None, stats=None, rank_multiple=1, method="whitened")``.
 
-    Calibrates on ``rows`` (default: 8 random rows of 24 tokens) unless ``grams`` are given, decomposes every
+    Calibrates on ``rows`` (default: 8 random rows of 24 tokens) unless ``stats`` (name → per-layer
+    statistics, e.g. ``{"gram": [...], "attention_gram": [...]}``) are given, decomposes every
     layer, allocates uniform ranks and compresses a deep copy: the model passed in is never modified.
     Returns ``(compressed, plan)``.
     """
@@ -53,11 +54,11 @@ def compress() -> Callable[..., tuple[PreTrainedModel, RankPlan]]:
         group_size: int,
         ratio: float = 1.0,
         rows: torch.Tensor | None = None,
-        grams: list[torch.Tensor] | None = None,
+        stats: dict[str, list[torch.Tensor]] | None = None,
         rank_multiple: int = 1,
         method: str = "whitened",
     ) -> tuple[PreTrainedModel, RankPlan]:
-        if grams is None and rows is None:
+        if stats is None and rows is None:
             gen = torch.Generator().manual_seed(123)
             rows = torch.randint(3, model.config.vocab_size, (8, 24), generator=gen)
         config = CompressionConfig(
@@ -67,7 +68,6 @@ def compress() -> Callable[..., tuple[PreTrainedModel, RankPlan]]:
             decomposition=method,
             allocator="uniform",
         )
-        stats = {"gram": grams} if grams is not None else None
         conversion = plan_conversion(model, rows, config, statistics=stats)
         return conversion.apply(copy.deepcopy(model)), conversion.plan
 

@@ -5,9 +5,9 @@ Head h's output at position m reads the values through its attention weights,
 v_proj inputs. An error ``δW`` of v_proj reaches that output as ``δW x̄_{h,m}``, not ``δW x_n``: the value
 error that matters is weighted by the Gram of the mixed inputs, summed over the layer's query heads (what
 ``whitened`` with ``values="attention"`` whitens the values with). Per batch row it is ``Xᵀ C X`` with
-``C = Σ_h P_hᵀ P_h`` (T × T), accumulated in float64. The attention weights come from running the model with
-eager attention for this pass (other implementations do not return them); the implementation is restored
-afterwards.
+``C = Σ_h P_hᵀ P_h`` (T × T, in float32), accumulated in float64. The attention weights come from running
+the model with eager attention for this pass (other implementations do not return them); the
+implementation is restored afterwards.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from .base import STATISTICS, LayerValue, Progress, Statistic
+from .base import STATISTICS, LayerValue, Progress, Statistic, forward_rows
 
 
 @torch.no_grad()
@@ -62,9 +62,9 @@ def collect_attention_gram(
                 raise RuntimeError(
                     f"layer {i}'s attention returned no attention weights under eager attention"
                 )
-            p = weights.to(torch.float64)  # (B, H, T, T)
+            p = weights.float()  # (B, H, T, T); C in float32, no float64 copy of the weights
             x = inputs.pop(i).to(torch.float64)  # (B, T, d)
-            mix = torch.einsum("bhmt,bhms->bts", p, p)  # C = Σ_h P_hᵀ P_h, (B, T, T)
+            mix = torch.einsum("bhmt,bhms->bts", p, p).double()  # C = Σ_h P_hᵀ P_h, (B, T, T)
             grams[i] += torch.einsum("btd,bts,bse->de", x, mix, x)
             counts[i] += x.shape[0] * x.shape[1]
 
@@ -76,20 +76,11 @@ def collect_attention_gram(
         handles.append(getattr(attn, adapter.v_name).register_forward_pre_hook(keep_input(i)))
         handles.append(attn.register_forward_hook(accumulate(i)))
     implementation = model.config._attn_implementation
-    was_training = model.training
-    model.eval()
     model.set_attn_implementation("eager")
     try:
-        n = rows.shape[0]
-        for start in range(0, n, batch_size):
-            model(rows[start : start + batch_size].to(device), use_cache=False)
-            if progress:
-                progress(min(start + batch_size, n), n)
+        forward_rows(model, rows, handles, batch_size=batch_size, progress=progress)
     finally:
-        for h in handles:
-            h.remove()
         model.set_attn_implementation(implementation)
-        model.train(was_training)
     return [g.cpu() for g in grams], counts[0]
 
 

@@ -65,6 +65,26 @@ class Statistic(Method, ABC):
 STATISTICS: Registry[Statistic] = Registry("statistic", Statistic)
 
 
+def forward_rows(
+    model: nn.Module, rows: torch.Tensor, handles: list, *, batch_size: int, progress: Progress
+) -> None:
+    """Run ``model`` (eval mode, no cache) over ``rows`` in batches for its hooks to accumulate, reporting
+    progress; the hooks in ``handles`` are removed and the train mode restored, even on error."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        n = rows.shape[0]
+        for start in range(0, n, batch_size):
+            model(rows[start : start + batch_size].to(device), use_cache=False)
+            if progress:
+                progress(min(start + batch_size, n), n)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+
+
 def save_statistic(stat: Statistic, values: list[LayerValue], meta: dict[str, Any], path: str | Path) -> None:
     """Safetensors: ``{layer}`` for tensor values, ``{layer}.{key}`` for dict values; header as JSON."""
     tensors, keys = {}, None

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from .base import STATISTICS, LayerValue, Progress, Statistic
+from .base import STATISTICS, LayerValue, Progress, Statistic, forward_rows
 
 
 @torch.no_grad()
@@ -54,18 +54,7 @@ def collect_gram(
         getattr(adapter.attention(model, i), adapter.k_name).register_forward_pre_hook(make_hook(i))
         for i in range(shape.L)
     ]
-    was_training = model.training
-    model.eval()
-    try:
-        n = rows.shape[0]
-        for start in range(0, n, batch_size):
-            model(rows[start : start + batch_size].to(device), use_cache=False)
-            if progress:
-                progress(min(start + batch_size, n), n)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    forward_rows(model, rows, handles, batch_size=batch_size, progress=progress)
     return [g.cpu() for g in grams], counts[0]
 
 

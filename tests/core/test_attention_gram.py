@@ -51,7 +51,7 @@ def test_attention_gram_is_the_gram_of_the_attention_weighted_inputs(arch: str) 
     for i in range(2):
         mixed = torch.einsum("bhmt,btd->bhmd", out.attentions[i].double(), inputs[i].double())
         expected = torch.einsum("bhmd,bhme->de", mixed, mixed)
-        assert (grams[i] - expected).abs().max() <= 1e-12 * expected.abs().max()
+        assert (grams[i] - expected).abs().max() <= 1e-6 * expected.abs().max()  # C is summed in float32
         # the mixing matters: it is not the plain Gram of the inputs
         plain = torch.einsum("btd,bte->de", inputs[i].double(), inputs[i].double())
         assert (grams[i] / grams[i].trace() - plain / plain.trace()).abs().max() > 1e-3

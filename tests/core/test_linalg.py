@@ -28,6 +28,7 @@ from lrkv_core.statistics import Gram, collect_gram, save_statistic
 from tests.support.models import tiny_model_dir
 
 D_IN, D_OUT, N_TOKENS = 7, 5, 400
+PALU = {"name": "whitened", "values": "projection"}  # whitened SVD of the projections (Palu's)
 RANKS = range(1, D_OUT + 1)
 
 
@@ -201,7 +202,8 @@ def test_singular_gram_takes_the_damping_path_and_stays_exact_at_full_rank() -> 
     w = _weight()
     f = fit_group(w, wh)
     assert (f.up @ f.down - w).abs().max() <= 1e-10
-    layer = decompose_layer(0, LayerWeights(w, w), {"gram": gram}, n_kv_heads=1, head_dim=D_OUT, group_size=1)
+    kw = dict(n_kv_heads=1, head_dim=D_OUT, group_size=1, decomposition=PALU)
+    layer = decompose_layer(0, LayerWeights(w, w), {"gram": gram}, **kw)
     assert layer.info == {"whitening": "cholesky+damping", "damping": wh.damping}
 
 
@@ -253,7 +255,9 @@ def test_truncate_bounds() -> None:
 
 
 @pytest.mark.parametrize(
-    "method", [*sorted(DECOMPOSITIONS.names()), {"name": "whitened", "values": "output"}], ids=str
+    "method",
+    [*sorted(DECOMPOSITIONS.names()), PALU, {"name": "whitened", "values": "output"}],
+    ids=str,
 )
 @pytest.mark.parametrize("group_size", [1, 2, 4])
 def test_decompose_layer_factors_each_group_exactly(method: str | dict, group_size: int) -> None:
@@ -263,9 +267,10 @@ def test_decompose_layer_factors_each_group_exactly(method: str | dict, group_si
     gen = torch.Generator().manual_seed(2)
     w_k, w_v = (torch.randn(12, D_IN, generator=gen) for _ in range(2))
     w_o = torch.randn(D_IN, 24, generator=gen)
-    x = _activations()
+    x, mixed = _activations(), _activations(seed=5)
+    stats = {"gram": x @ x.T, "attention_gram": mixed @ mixed.T}
     layer = decompose_layer(
-        3, LayerWeights(w_k, w_v, o=w_o), {"gram": x @ x.T}, n_kv_heads=4, head_dim=3, group_size=group_size,
+        3, LayerWeights(w_k, w_v, o=w_o), stats, n_kv_heads=4, head_dim=3, group_size=group_size,
         decomposition=method,
     )  # fmt: skip
     name = method if isinstance(method, str) else method["name"]
@@ -302,9 +307,8 @@ def test_layer_factors_roundtrip_through_safetensors(tmp_path) -> None:
     gen = torch.Generator().manual_seed(3)
     w_k, w_v = (torch.randn(8, D_IN, generator=gen) for _ in range(2))
     x = _activations()
-    layer = decompose_layer(
-        1, LayerWeights(w_k, w_v), {"gram": x @ x.T}, n_kv_heads=2, head_dim=4, group_size=1
-    )
+    kw = dict(n_kv_heads=2, head_dim=4, group_size=1, decomposition=PALU)
+    layer = decompose_layer(1, LayerWeights(w_k, w_v), {"gram": x @ x.T}, **kw)
     save_layer_factors(layer, tmp_path / "layer1.safetensors")
     back = load_layer_factors(tmp_path / "layer1.safetensors")
     assert (back.layer, back.group_size, back.method, back.info) == (1, 1, "whitened", layer.info)
@@ -335,6 +339,7 @@ def test_the_pipeline_reads_o_proj_for_values_measured_after_it(tmp_path) -> Non
             for a, b in zip(got.groups[kind], expected.groups[kind], strict=True):
                 torch.testing.assert_close(a.up, b.up, rtol=1e-9, atol=1e-9)
                 torch.testing.assert_close(a.down, b.down, rtol=1e-9, atol=1e-9)
-    projection = decompose_model(model, statistics={"gram": grams}, config=CompressionConfig(group_size=2))[0]
+    config = CompressionConfig(group_size=2, decomposition=PALU)
+    projection = decompose_model(model, statistics={"gram": grams}, config=config)[0]
     assert not torch.allclose(projection[0].groups["v"][0].up, in_memory[0].groups["v"][0].up)
     torch.testing.assert_close(projection[0].groups["k"][0].up, in_memory[0].groups["k"][0].up)

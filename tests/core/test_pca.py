@@ -19,6 +19,9 @@ HKV, D, D_IN, N_TOKENS = 4, 4, 16, 600
 GROUP_SIZES = (1, 2, HKV)
 
 
+PALU = {"name": "whitened", "values": "projection"}  # whitened SVD of the projections (Palu's)
+
+
 def _activations(seed: int = 0) -> torch.Tensor:
     """(d, N) activations with per-direction scales spanning 3 decades, in a random basis."""
     gen = torch.Generator().manual_seed(seed)
@@ -33,7 +36,7 @@ def _weights(n_kv: int = HKV, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor
     return tuple(torch.randn(n_kv * D, D_IN, generator=gen, dtype=torch.float64) for _ in range(2))
 
 
-def _layer(method: str, group_size: int, n_kv: int = HKV, x: torch.Tensor | None = None):
+def _layer(method: str | dict, group_size: int, n_kv: int = HKV, x: torch.Tensor | None = None):
     x = _activations() if x is None else x
     w_k, w_v = _weights(n_kv)
     kw = dict(n_kv_heads=n_kv, head_dim=D, group_size=group_size, decomposition=method)
@@ -111,7 +114,7 @@ def test_pca_needs_the_gram() -> None:
 def test_value_subspace_is_whitened_svds(group_size: int) -> None:
     """Eigenvectors of W G Wᵀ = left singular vectors of W S: the same product at every rank."""
     pca, _, w_v, _ = _layer("pca", group_size)
-    whitened, *_ = _layer("whitened", group_size)
+    whitened, *_ = _layer(PALU, group_size)
     for f, g in zip(pca.groups["v"], whitened.groups["v"], strict=True):
         assert torch.allclose(f.sigma, g.sigma, rtol=1e-9, atol=0)
         assert (f.sigma[:-1] >= f.sigma[1:]).all()
@@ -166,7 +169,7 @@ def test_key_latents_interleave_heads_direction_by_direction(group_size: int) ->
 def test_single_head_key_error_is_the_sum_of_dropped_eigenvalues() -> None:
     """One KV head: the shared basis is that head's PCA; dropping directions costs their eigenvalues."""
     layer, w_k, _, x = _layer("pca", 1, n_kv=1)
-    whitened, *_ = _layer("whitened", 1, n_kv=1)
+    whitened, *_ = _layer(PALU, 1, n_kv=1)
     (f,) = layer.groups["k"]
     evals = torch.linalg.eigvalsh(w_k @ x @ x.T @ w_k.T).flip(0)  # (D,)
     for rank in range(1, D + 1):
@@ -183,8 +186,8 @@ def test_shared_key_basis_costs_at_least_the_per_head_optimum(k: int) -> None:
     """k shared directions per head ≥ each head's own best k (whitened, s=1) ≥ the joint best k·Hkv."""
     x = _activations()
     pca = {s: _layer("pca", s)[0] for s in GROUP_SIZES}
-    per_head, w_k, _, _ = _layer("whitened", 1)
-    joint, *_ = _layer("whitened", HKV)
+    per_head, w_k, _, _ = _layer(PALU, 1)
+    joint, *_ = _layer(PALU, HKV)
 
     def total(layer, s: int, rank: int) -> float:
         slices = group_slices(HKV, D, s)

@@ -20,7 +20,7 @@ from lrkv_core import load_compressed, load_model, save_compressed
 from lrkv_core.adapters import get_adapter
 from lrkv_core.data import eval_windows, parse_dataset_spec, read_token_rows, token_sequences
 from lrkv_core.evaluate import kv_bytes_per_token, prefill_perplexity
-from lrkv_core.statistics import collect_gram
+from lrkv_core.statistics import collect_attention_gram, collect_gram
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,10 +43,14 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def _stats(model: nn.Module, rows: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    return {"gram": collect_gram(model, rows)[0], "attention_gram": collect_attention_gram(model, rows)[0]}
+
+
 @dataclass
 class Setup:
     model: nn.Module  # the original, fp32; never modified (compress copies)
-    grams: list[torch.Tensor]
+    stats: dict[str, list[torch.Tensor]]  # the default decomposition's: gram and attention_gram
     tokenizer: object | None
     windows: torch.Tensor  # (N, T) evaluation token ids
     rows: torch.Tensor | None = None  # (N, T) calibration rows (the Grams come from the first 16)
@@ -60,8 +64,8 @@ def stories(one_thread) -> Setup:
     _need(STORIES, STORIES_CALIB, STORIES_VALID)
     model, tokenizer = load_model(STORIES)
     assert tokenizer is None
-    grams, _ = collect_gram(model, read_token_rows(STORIES_CALIB)[:32])  # 32 rows × 256 tokens
-    return Setup(model, grams, None, read_token_rows(STORIES_VALID)[:4, :64])
+    stats = _stats(model, read_token_rows(STORIES_CALIB)[:32])  # 32 rows × 256 tokens
+    return Setup(model, stats, None, read_token_rows(STORIES_VALID)[:4, :64])
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +76,7 @@ def stories64(stories) -> nn.Module:
 
 @pytest.mark.parametrize("group_size", [1, 2, 4])
 def test_stories_full_rank_float64_is_exact(stories, stories64, compress, group_size) -> None:
-    comp, plan = compress(stories64, group_size, grams=stories.grams)
+    comp, plan = compress(stories64, group_size, stats=stories.stats)
     assert plan.achieved_ratio == 1.0 and comp.dtype == torch.float64
     adapter = get_adapter(comp.config)
     captured: dict[str, list[torch.Tensor]] = {"orig": [], "comp": []}
@@ -99,7 +103,7 @@ def test_stories_full_rank_float64_is_exact(stories, stories64, compress, group_
 def test_stories_full_rank_fp32_is_within_the_noise_floor(stories, stories64, compress, group_size) -> None:
     """Measured on 4 rows × 64 tokens: compressed fp32 vs original fp32 9e-5 (no margin to 1e-4), hence the
     flash-attention rule ``max|c32 − ref64| ≤ 2·max|orig32 − ref64| + 1e-4`` and top-1 agreement."""
-    comp, _ = compress(stories.model, group_size, grams=stories.grams)
+    comp, _ = compress(stories.model, group_size, stats=stories.stats)
     with torch.no_grad():
         ref64 = stories64(stories.windows).logits
         orig32 = stories.model(stories.windows).logits
@@ -116,7 +120,7 @@ def test_stories_full_rank_fp32_is_within_the_noise_floor(stories, stories64, co
 
 @pytest.mark.parametrize("group_size", [1, 2, 4])
 def test_stories_greedy_generation_and_save_load(stories, compress, tmp_path, group_size) -> None:
-    comp, _ = compress(stories.model, group_size, grams=stories.grams)
+    comp, _ = compress(stories.model, group_size, stats=stories.stats)
     bos = torch.tensor([[1]])
     kwargs = dict(max_new_tokens=50, do_sample=False, pad_token_id=0)
     expected = stories.model.generate(bos, **kwargs)
@@ -139,9 +143,9 @@ def shakespeare(one_thread) -> Setup:
     model, tok = load_model(SHAKESPEARE)
     stream = token_sequences(parse_dataset_spec(f"text:{SHAKESPEARE_TRAIN}"), tok)[0]
     rows = stream[: 64 * 256].view(64, 256)  # 64 windows of 256 tokens
-    grams, _ = collect_gram(model, rows[:16])  # most tests calibrate on the first 16
+    stats = _stats(model, rows[:16])  # most tests calibrate on the first 16
     windows = eval_windows(f"text:{SHAKESPEARE_VALID}", tok, seq_len=256, max_windows=8)
-    return Setup(model, grams, tok, windows, rows)
+    return Setup(model, stats, tok, windows, rows)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +160,7 @@ def _generate_prompts(model: nn.Module, tok, prompts: list[str]) -> torch.Tensor
 
 @pytest.mark.parametrize("group_size", [1, 2])
 def test_shakespeare_full_rank_logits_and_generation(shakespeare, compress, group_size) -> None:
-    comp, plan = compress(shakespeare.model, group_size, grams=shakespeare.grams, rank_multiple=8)
+    comp, plan = compress(shakespeare.model, group_size, stats=shakespeare.stats, rank_multiple=8)
     assert plan.achieved_ratio == 1.0
     windows = shakespeare.windows[:4]
     with torch.no_grad():
@@ -184,7 +188,7 @@ def test_shakespeare_half_ratio_memory_and_perplexity(
     shakespeare, shakespeare_ppl, compress, group_size
 ) -> None:
     """Measured: KV bytes ratio 0.5078 (latents + int32 positions); ppl 19.53 → 21.03 (s=1), 20.06 (s=2)."""
-    comp, plan = compress(shakespeare.model, group_size, ratio=0.5, grams=shakespeare.grams, rank_multiple=8)
+    comp, plan = compress(shakespeare.model, group_size, ratio=0.5, stats=shakespeare.stats, rank_multiple=8)
     assert plan.achieved_ratio == 0.5
     one = shakespeare.windows[:1]
     orig_bytes = kv_bytes_per_token(shakespeare.model, one)["kv_bytes_per_token"]
@@ -220,7 +224,7 @@ def test_shakespeare_values_measured_after_the_attention_lose_less(
 
 
 def test_shakespeare_save_load_keeps_the_tokenizer(shakespeare, compress, tmp_path) -> None:
-    comp, _ = compress(shakespeare.model, 2, ratio=0.5, grams=shakespeare.grams, rank_multiple=8)
+    comp, _ = compress(shakespeare.model, 2, ratio=0.5, stats=shakespeare.stats, rank_multiple=8)
     save_compressed(comp, tmp_path / "m", tokenizer=shakespeare.tokenizer)
     loaded, tok = load_model(tmp_path / "m")
     assert tok is not None and tok("ROMEO:")["input_ids"] == shakespeare.tokenizer("ROMEO:")["input_ids"]
@@ -240,7 +244,7 @@ def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakesp
 
     model, rows = shakespeare.model, shakespeare.windows  # 8 × 256 tokens
     config = CompressionConfig(group_size=2)
-    factors, _ = decompose_model(model, rows, config, statistics={"gram": shakespeare.grams})
+    factors, _ = decompose_model(model, rows, config, statistics=shakespeare.stats)
     curves, _ = collect_kl_response(model, rows, factors, batch_size=4, draws=4)
     weights = PlanWeights(model, factors)
     estimated, measured = [], []

@@ -32,10 +32,12 @@ def test_task_chain_produces_an_exact_full_rank_model(setup):
     assert gram.meta["n_tokens"] == 8 * 32 and gram.meta["statistic"] == {"name": "gram", "n_samples": None}
     fisher = t.collect_statistic.fn(model, calib, {"name": "fisher", "per_row": False}, "float32", 4, store)
     assert fisher.meta["n_samples"] == 2 and fisher.meta["per_row"] is False  # batches of 4
-    layers = [
-        t.decompose_layer.fn(model, {"gram": gram}, i, 2, {"name": "whitened"}, store) for i in range(2)
-    ]
+    mixed = t.collect_statistic.fn(model, calib, {"name": "attention_gram"}, "float32", 4, store)
+    assert mixed.meta["n_tokens"] == 8 * 32 and mixed.uri != gram.uri
+    stats = {"gram": gram, "attention_gram": mixed}
+    layers = [t.decompose_layer.fn(model, stats, i, 2, {"name": "whitened"}, store) for i in range(2)]
     assert [f.meta["layer"] for f in layers] == [0, 1] and layers[0].meta["info"]["whitening"] == "cholesky"
+    assert layers[0].meta["info"]["value_whitening"] == "cholesky"  # the default: values after the attention
     summaries = [t.summarize_layer.fn(f, {"fisher": fisher}, ["error_curves"], store) for f in layers]
     assert summaries[1].meta == {"layer": 1, "features": ["error_curves"]}
     plan = t.plan_ranks.fn(model, summaries, 1.0, 2, 8, {"name": "fisher-greedy"}, store)
@@ -78,7 +80,7 @@ def test_build_model_fuses_the_rotation_and_records_the_quantized_cache(setup):
     model = t.resolve_model.fn(str(setup["model_dir"]))
     calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
     gram = t.collect_statistic.fn(model, calib, {"name": "gram"}, "float32", 4, store)
-    whitened = {"name": "whitened"}
+    whitened = {"name": "whitened", "values": "projection"}
     layers = [t.decompose_layer.fn(model, {"gram": gram}, i, 2, whitened, store) for i in range(2)]
     summaries = [t.summarize_layer.fn(f, {}, [], store) for f in layers]
     plan = t.plan_ranks.fn(model, summaries, 0.5, 2, 8, {"name": "uniform"}, store)

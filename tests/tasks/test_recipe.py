@@ -4,7 +4,7 @@ from pydantic import ValidationError
 from lrkv_core.allocation import DEFAULT_ALLOCATOR, Allocator
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import Decomposition
-from lrkv_tasks.recipe import ConvertRecipe, flatten, load_recipe
+from lrkv_tasks.recipe import ConvertRecipe, flatten, load_recipe, method_label
 from tests.support.models import tiny_config
 
 
@@ -22,6 +22,7 @@ def test_defaults_are_the_embedded_quickstart():
     config = r.compression.to_config()
     assert (config.refine_steps, config.refine_rows, config.refine_radius) == (3, 32, 4)
     assert config.refine_objective == CompressionConfig().refine_objective == "nll"
+    assert r.compression.decomposition.to_dict() == {"name": "whitened", "values": "attention"}
 
 
 def test_methods_come_from_the_registries_with_strict_options():
@@ -43,6 +44,17 @@ def test_methods_come_from_the_registries_with_strict_options():
         load_recipe(None, {"compression.allocator": {"name": "lorc", "skip_threshold": -1}})
     with pytest.raises(ValidationError, match="statistic 'fisher': per_rows"):
         load_recipe(None, {"compression.statistics": [{"name": "fisher", "per_rows": False}]})
+
+
+def test_method_labels_name_the_options_that_differ_from_the_defaults():
+    """Table and tag labels: ``whitened`` for the default, ``whitened(values=projection)`` otherwise; a plain
+    dict (no defaults known) shows every option."""
+    palu = load_recipe(None, {"compression.decomposition": {"name": "whitened", "values": "projection"}})
+    assert method_label(palu.compression.decomposition) == "whitened(values=projection)"
+    assert method_label(ConvertRecipe().compression.decomposition) == "whitened"
+    lorc = load_recipe(None, {"compression.allocator": {"name": "lorc", "skip_threshold": 5}}).compression
+    assert method_label(lorc.allocator) == "lorc(skip_threshold=5.0)"
+    assert method_label({"name": "whitened", "values": "attention"}) == "whitened(values=attention)"
 
 
 def test_the_quantized_cache_and_the_rotation_are_recipe_fields():
