@@ -11,8 +11,9 @@ see :func:`lrkv_core.linalg.fit_group`.
   o_proj maps to little are cut first. Reads o_proj's weight.
 - ``"attention"``: after the attention and o_proj, ``‖R (W − W_r) X̄‖_F``: as ``"output"``, but whitened with
   the Gram of the attention-mixed inputs ``x̄ = Σ_n p_n x_n`` that the heads read values through
-  (statistic ``attention_gram``, one more calibration pass with eager attention). The default: it loses
-  the least on both benchmark models at every ratio measured (docs/decomposition.md).
+  (statistic ``attention_gram``, one more calibration pass with eager attention). The default: with uniform
+  ranks it loses the least of the three on both benchmark models at every ratio measured, and with the
+  allocators less than ``"projection"`` in most cells (docs/decomposition.md).
 
 The fused model's form is the same for all three (``B_v`` folds into o_proj either way).
 """
