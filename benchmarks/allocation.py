@@ -231,8 +231,8 @@ def main() -> None:
                 refine_radius=s.refine_radius,
                 refine_objective=s.refine_objective,
             )
-            for name in sorted(config.decomposition.needs - {"gram"}):  # e.g. attention_gram, on every row
-                given[name], spent = statistic({"name": name})
+            for name in sorted(config.decomposition.needs - {"gram"}):  # e.g. attention_gram, on gram's rows
+                given[name], spent = statistic(gram_spec | {"name": name})
                 seconds += spent
             factors = None
             if any(STATISTICS.get(n).uses_factors for n in s.statistics):  # full spectra

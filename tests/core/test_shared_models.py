@@ -18,9 +18,10 @@ from torch import nn
 
 from lrkv_core import load_compressed, load_model, save_compressed
 from lrkv_core.adapters import get_adapter
+from lrkv_core.convert import CompressionConfig, collect_statistics
 from lrkv_core.data import eval_windows, parse_dataset_spec, read_token_rows, token_sequences
 from lrkv_core.evaluate import kv_bytes_per_token, prefill_perplexity
-from lrkv_core.statistics import collect_attention_gram, collect_gram
+from lrkv_core.statistics import STATISTICS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,7 +45,9 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _stats(model: nn.Module, rows: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-    return {"gram": collect_gram(model, rows)[0], "attention_gram": collect_attention_gram(model, rows)[0]}
+    """The statistics the default decomposition reads (gram and attention_gram)."""
+    needs = [STATISTICS.create(name) for name in sorted(CompressionConfig().decomposition.needs)]
+    return collect_statistics(model, rows, needs)
 
 
 @dataclass
@@ -238,7 +241,7 @@ def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakesp
     """The second-order curves from one gradient pass against the KL measured by cutting one group in the
     real model (measured 2026-11-23 with 64 rows: within 10–25 % per point; here 8 rows, 4 label draws).
     Second order holds for small cuts: layer 0's values cut to 16 of 64 (measured KL 0.11) it puts at 0.06."""
-    from lrkv_core.convert import CompressionConfig, decompose_model
+    from lrkv_core.convert import decompose_model
     from lrkv_core.refine import PlanWeights, measured_kl, single_cut
     from lrkv_core.statistics import collect_kl_response
 
