@@ -56,7 +56,7 @@ DECOMPOSITIONS: Registry[Decomposition] = Registry("decomposition", Decompositio
 def require_stat(stats: Mapping[str, Any], name: str, method: str) -> Any:
     """The layer's statistic ``name``, or a clear error saying ``method`` needs it."""
     if stats.get(name) is None:
-        raise ValueError(f"{method} needs the {name} statistic of the k/v_proj inputs (collect it first)")
+        raise ValueError(f"{method} needs the {name} statistic (collect it first)")
     return stats[name]
 
 

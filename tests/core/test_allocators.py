@@ -235,7 +235,7 @@ def test_at_full_rank_no_allocator_reads_features() -> None:
         assert plan.details == {"every_group_at_max_rank": True}
         needed = CompressionConfig(ratio=1.0, allocator=name).needed_statistics()
         # the decomposition's (whitened, values measured after the attention)
-        assert needed == [STATISTICS.create("attention_gram"), STATISTICS.create("gram")]
+        assert needed == [STATISTICS.create(n) for n in ("attention_gram", "gram", "output_fisher")]
     assert "kl_response" in {s.name for s in CompressionConfig(ratio=0.99).needed_statistics()}
 
 
@@ -245,7 +245,7 @@ def test_factors_alone_collect_only_what_the_decomposition_reads(make_tiny, one_
     rows = torch.randint(3, 61, (8, 16), generator=torch.Generator().manual_seed(0))
     config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, allocator="kl")
     factors, stats = decompose_model(model, rows, config)
-    assert set(stats) == {"gram", "attention_gram"}  # no kl_response: it only prices ranks
+    assert set(stats) == {"gram", "attention_gram", "output_fisher"}  # no kl_response: it only prices ranks
     planned = plan_conversion(model, rows, config, statistics=stats)
     assert "kl_response" in {s.name for s in config.needed_statistics()}  # what the plan collects
     assert planned.plan.achieved_ratio == 0.5

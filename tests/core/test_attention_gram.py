@@ -58,12 +58,14 @@ def test_attention_gram_is_the_gram_of_the_attention_weighted_inputs(arch: str) 
 
 
 def test_values_attention_collects_the_statistic_and_whitens_the_values_with_it() -> None:
-    """``needs`` names the statistic, ``decompose_model`` collects it, keys are untouched (plain whitened
-    SVD) and the value factors change with it; full rank stays exact."""
+    """``needs`` names the statistic, ``decompose_model`` collects it, keys are untouched (Palu's whitened
+    SVD here) and the value factors change with it; full rank stays exact."""
     model = _model("llama")
     rows = torch.randint(3, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
     configs = {
-        values: CompressionConfig(group_size=2, decomposition={"name": "whitened", "values": values})
+        values: CompressionConfig(
+            group_size=2, decomposition={"name": "whitened", "values": values, "keys": "projection"}
+        )
         for values in ("output", "attention")
     }
     assert configs["attention"].decomposition.needs == {"gram", "attention_gram"}

@@ -37,8 +37,9 @@ CASES = [
 IDS = [f"{arch}-hkv{hkv}-s{s}" for arch, hkv, s in CASES]
 METHODS = (
     "whitened",
-    pytest.param({"name": "whitened", "values": "output"}, id="whitened-output"),
-    pytest.param({"name": "whitened", "values": "attention"}, id="whitened-attention"),
+    pytest.param({"name": "whitened", "values": "projection", "keys": "projection"}, id="whitened-palu"),
+    pytest.param({"name": "whitened", "values": "output", "keys": "projection"}, id="whitened-output"),
+    pytest.param({"name": "whitened", "values": "attention", "keys": "projection"}, id="whitened-attention"),
     "plain",
     "pca",
 )

@@ -71,7 +71,7 @@ def test_config_has_the_lrkv_section_and_no_pickle_is_written(compressed, tmp_pa
     assert section["lrkv_version"] == lrkv_core.__version__ and section["format_version"] == FORMAT_VERSION
     assert section["achieved_ratio"] == plan.achieved_ratio == 0.5
     assert section["target_ratio"] == 0.5
-    assert section["decomposition"] == {"name": "whitened", "values": "attention"}
+    assert section["decomposition"] == {"name": "whitened", "values": "attention", "keys": "fisher"}
     assert section["allocator"] == {"name": "uniform"} and section["cache"] == {"name": "dense"}
     assert (out / "README.md").read_text() == "# my card\n"
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:

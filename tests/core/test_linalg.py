@@ -28,7 +28,11 @@ from lrkv_core.statistics import Gram, collect_gram, save_statistic
 from tests.support.models import tiny_model_dir
 
 D_IN, D_OUT, N_TOKENS = 7, 5, 400
-PALU = {"name": "whitened", "values": "projection"}  # whitened SVD of the projections (Palu's)
+PALU = {
+    "name": "whitened",
+    "values": "projection",
+    "keys": "projection",
+}  # whitened SVD of the projections (Palu's)
 RANKS = range(1, D_OUT + 1)
 
 
@@ -256,7 +260,7 @@ def test_truncate_bounds() -> None:
 
 @pytest.mark.parametrize(
     "method",
-    [*sorted(DECOMPOSITIONS.names()), PALU, {"name": "whitened", "values": "output"}],
+    [*sorted(DECOMPOSITIONS.names()), PALU, {"name": "whitened", "values": "output", "keys": "projection"}],
     ids=str,
 )
 @pytest.mark.parametrize("group_size", [1, 2, 4])
@@ -268,7 +272,12 @@ def test_decompose_layer_factors_each_group_exactly(method: str | dict, group_si
     w_k, w_v = (torch.randn(12, D_IN, generator=gen) for _ in range(2))
     w_o = torch.randn(D_IN, 24, generator=gen)
     x, mixed = _activations(), _activations(seed=5)
-    stats = {"gram": x @ x.T, "attention_gram": mixed @ mixed.T}
+    g = torch.randn(12, 40, generator=gen, dtype=torch.float64)  # stands in for the k/v output gradients
+    stats = {
+        "gram": x @ x.T,
+        "attention_gram": mixed @ mixed.T,
+        "output_fisher": {"k": g @ g.T, "v": g @ g.T},
+    }
     layer = decompose_layer(
         3, LayerWeights(w_k, w_v, o=w_o), stats, n_kv_heads=4, head_dim=3, group_size=group_size,
         decomposition=method,
@@ -290,13 +299,13 @@ def test_decompose_layer_rejects_unknown_method_and_missing_gram() -> None:
         decompose_layer(0, LayerWeights(w, w), decomposition="palu", **kw)
     with pytest.raises(ValueError, match="whitened SVD needs the gram statistic"):
         decompose_layer(0, LayerWeights(w, w), decomposition="whitened", **kw)
-    output = {"name": "whitened", "values": "output"}
+    output = {"name": "whitened", "values": "output", "keys": "projection"}
     with pytest.raises(ValueError, match="values must be one of projection, output, attention, got 'o_proj'"):
         decompose_layer(0, LayerWeights(w, w), decomposition={"name": "whitened", "values": "o_proj"}, **kw)
     x = _activations()
     with pytest.raises(ValueError, match="reads o_proj's weight"):
         decompose_layer(0, LayerWeights(w, w), {"gram": x @ x.T}, decomposition=output, **kw)
-    attention = {"name": "whitened", "values": "attention"}
+    attention = {"name": "whitened", "values": "attention", "keys": "projection"}
     with pytest.raises(ValueError, match="values='attention' needs the attention_gram statistic"):
         decompose_layer(0, LayerWeights(w, w, o=w.T), {"gram": x @ x.T}, decomposition=attention, **kw)
     plain = decompose_layer(0, LayerWeights(w, w), decomposition="plain", **kw)
@@ -325,7 +334,7 @@ def test_the_pipeline_reads_o_proj_for_values_measured_after_it(tmp_path) -> Non
     rows = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     grams, n = collect_gram(model, rows)
     save_statistic(Gram(), grams, {"n_tokens": n}, tmp_path / "gram.safetensors")
-    method = {"name": "whitened", "values": "output"}
+    method = {"name": "whitened", "values": "output", "keys": "projection"}
     config = CompressionConfig(group_size=2, decomposition=method)
     in_memory, _ = decompose_model(model, statistics={"gram": grams}, config=config)
     for layer, expected in enumerate(in_memory):

@@ -10,7 +10,7 @@ import torch
 from lrkv_core.allocation import allocate_ranks, plan_from_summaries, summarize_layer
 from lrkv_core.convert import model_layer_weights
 from lrkv_core.decompositions import decompose_layer
-from lrkv_core.statistics import collect_attention_gram, collect_gram
+from lrkv_core.statistics import collect_attention_gram, collect_gram, collect_output_fisher
 from tests.support.spectra import (
     GROUP_SIZE,
     HEAD_DIM,
@@ -101,12 +101,13 @@ def test_lorc_reads_the_weights_condition_numbers_whatever_the_decomposition(mak
     model = make_tiny("llama", 2)  # L=2, Hkv=2, D=8, d=32
     rows = torch.randint(3, 61, (8, 16), generator=torch.Generator().manual_seed(0))
     grams, mixed = collect_gram(model, rows)[0], collect_attention_gram(model, rows)[0]
+    fisher = collect_output_fisher(model, rows)[0]
     plans = {}
     for method in ("plain", "whitened", "pca"):
         summaries = []
         for i in range(2):
             kw = dict(n_kv_heads=2, head_dim=8, group_size=1, decomposition=method)
-            stats = {"gram": grams[i], "attention_gram": mixed[i]}
+            stats = {"gram": grams[i], "attention_gram": mixed[i], "output_fisher": fisher[i]}
             factors = decompose_layer(i, model_layer_weights(model, i, reads=("o",)), stats, **kw)
             summaries.append(summarize_layer(factors, features=["weight_condition"]))
         expected = []

@@ -19,7 +19,11 @@ HKV, D, D_IN, N_TOKENS = 4, 4, 16, 600
 GROUP_SIZES = (1, 2, HKV)
 
 
-PALU = {"name": "whitened", "values": "projection"}  # whitened SVD of the projections (Palu's)
+PALU = {
+    "name": "whitened",
+    "values": "projection",
+    "keys": "projection",
+}  # whitened SVD of the projections (Palu's)
 
 
 def _activations(seed: int = 0) -> torch.Tensor:

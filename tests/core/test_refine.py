@@ -87,7 +87,7 @@ def shakespeare(one_thread):
     # show. On the default (values="attention") uniform is already closer; measured there: the nll step
     # estimates correlate 0.80 with the measured changes (kl 0.95+), and 2 nll steps leave the loss of
     # unseen rows where it was (2.66713 against 2.66709).
-    decomposition = {"name": "whitened", "values": "projection"}
+    decomposition = {"name": "whitened", "values": "projection", "keys": "projection"}
     config = CompressionConfig(ratio=0.5, allocator="uniform", decomposition=decomposition)
     conv = plan_conversion(model, rows, config)
     return model, rows, conv

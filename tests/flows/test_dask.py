@@ -70,8 +70,8 @@ def test_convert_on_a_dask_cluster_matches_threads_and_shares_their_cached_resul
     assert all(row["seconds"] is not None for row in dask["timings"])  # read back from the API
     # every task ran on the cluster's workers, none in this process (the default kl: refine_plan too)
     assert ran["decompose_layer"] == ran["summarize_layer"] == 2  # the tiny model's 2 layers
-    # gram, attention_gram (the default decomposition's) and kl_response (the default allocator's)
-    assert ran["collect_statistic"] == 3 and ran["evaluate"] == 2 and ran["refine_plan"] == 1
+    # gram, attention_gram, output_fisher (the default decomposition's), kl_response (the default allocator's)
+    assert ran["collect_statistic"] == 4 and ran["evaluate"] == 2 and ran["refine_plan"] == 1
     assert sum(ran.values()) == len(dask["timings"])
 
     threads = convert_flow(on_threads)

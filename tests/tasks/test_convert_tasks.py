@@ -34,7 +34,9 @@ def test_task_chain_produces_an_exact_full_rank_model(setup):
     assert fisher.meta["n_samples"] == 2 and fisher.meta["per_row"] is False  # batches of 4
     mixed = t.collect_statistic.fn(model, calib, {"name": "attention_gram"}, "float32", 4, store)
     assert mixed.meta["n_tokens"] == 8 * 32 and mixed.uri != gram.uri
-    stats = {"gram": gram, "attention_gram": mixed}
+    keys = t.collect_statistic.fn(model, calib, {"name": "output_fisher"}, "float32", 4, store)
+    assert keys.meta["n_tokens"] == 8 * 31 and keys.meta["labels"] == "sampled"
+    stats = {"gram": gram, "attention_gram": mixed, "output_fisher": keys}
     layers = [t.decompose_layer.fn(model, stats, i, 2, {"name": "whitened"}, store) for i in range(2)]
     assert [f.meta["layer"] for f in layers] == [0, 1] and layers[0].meta["info"]["whitening"] == "cholesky"
     assert layers[0].meta["info"]["value_whitening"] == "cholesky"  # the default: values after the attention
@@ -80,7 +82,7 @@ def test_build_model_fuses_the_rotation_and_records_the_quantized_cache(setup):
     model = t.resolve_model.fn(str(setup["model_dir"]))
     calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
     gram = t.collect_statistic.fn(model, calib, {"name": "gram"}, "float32", 4, store)
-    whitened = {"name": "whitened", "values": "projection"}
+    whitened = {"name": "whitened", "values": "projection", "keys": "projection"}
     layers = [t.decompose_layer.fn(model, {"gram": gram}, i, 2, whitened, store) for i in range(2)]
     summaries = [t.summarize_layer.fn(f, {}, [], store) for f in layers]
     plan = t.plan_ranks.fn(model, summaries, 0.5, 2, 8, {"name": "uniform"}, store)

@@ -22,7 +22,11 @@ def test_defaults_are_the_embedded_quickstart():
     config = r.compression.to_config()
     assert (config.refine_steps, config.refine_rows, config.refine_radius) == (3, 32, 4)
     assert config.refine_objective == CompressionConfig().refine_objective == "nll"
-    assert r.compression.decomposition.to_dict() == {"name": "whitened", "values": "attention"}
+    assert r.compression.decomposition.to_dict() == {
+        "name": "whitened",
+        "values": "attention",
+        "keys": "fisher",
+    }
 
 
 def test_methods_come_from_the_registries_with_strict_options():
