@@ -167,7 +167,8 @@ def main() -> None:
     p.add_argument(
         "--decomposition", type=_method, default="whitened",
         help='every row\'s decomposition, a name or recipe form as JSON (default: whitened, values measured '
-        'after the attention; Palu\'s: \'{"name": "whitened", "values": "projection"}\')',
+        'after the attention, keys weighed by the loss; Palu\'s: '
+        '\'{"name": "whitened", "values": "projection", "keys": "projection"}\')',
     )  # fmt: skip
     p.add_argument("--ratios", default="0.7,0.5,0.3")
     p.add_argument(
