@@ -8,7 +8,10 @@ see :func:`lrkv_core.linalg.fit_group`.
 - ``"projection"`` (Palu's, exactly): at k_proj's output, ``‖(W − W_r) X‖_F``.
 - ``"fisher"``: by the loss, ``‖R (W − W_r) X‖_F`` with ``R² = M`` the group's block of the Fisher of the
   k_proj outputs (statistic ``output_fisher``, one gradient pass): the K-FAC second-order loss change, so
-  key directions the scores, the softmax and the later layers are least sensitive to are cut first.
+  key directions the scores, the softmax and the later layers are least sensitive to are cut first. The
+  default: on both benchmark models it lowers the held-out rise in 35 of the 42 (split, ratio, allocator)
+  cells measured against ``"projection"``, most for the allocators that cut keys deep
+  (docs/decomposition.md).
 
 ``values`` says where the values' error is measured:
 
