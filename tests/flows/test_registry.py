@@ -53,7 +53,14 @@ def _recipe(tmp_path, store, mlflow_uri, ratio, **extra):
     overrides = {
         "model": str(model_dir),
         "calibration": {"dataset": data, "n_samples": 8, "seq_len": 32, "batch_size": 4},
-        "compression": {"ratio": ratio, "group_size": 2, "rank_multiple": 8},
+        # Palu's keys: with them the 0.5 conversion of this random model has a lower perplexity than the full
+        # rank one, which the gate test below relies on (with the default keys it measured 126.5 vs 122.8)
+        "compression": {
+            "ratio": ratio,
+            "group_size": 2,
+            "rank_multiple": 8,
+            "decomposition": {"name": "whitened", "keys": "projection"},
+        },
         "eval": {"dataset": data, "seq_len": 32, "max_windows": 4, "decode_prefix": 16, "decode_windows": 1},
         "tracking": {"mlflow_uri": mlflow_uri, "experiment": "registry-test"},
         "store": store,
