@@ -27,9 +27,7 @@ from torch import nn
 from ..adapters import get_adapter
 from .base import STATISTICS, LayerValue, Progress, Statistic
 from .gradients import kv_gradient_passes, sampled_targets
-
-KINDS = ("k", "v")
-LABELS = ("sampled", "data")
+from .response import KINDS, LABELS
 
 
 def collect_output_fisher(
