@@ -11,9 +11,12 @@ Protocol: ``--n-samples`` windows of ``--seq-len`` tokens drawn from ``--calibra
 adds to a conversion). Each row plans, fuses the factors into a copy of the model (the deployed latent
 attention) and measures prefill perplexity on every non-overlapping ``--seq-len`` window of ``--eval``, one
 window at a time: ``rise`` is over the original on the first ``--first`` windows (issue 8's protocol),
-``rise_all`` on all of them. ``vs_half_palu`` is a 95 % paired bootstrap interval (windows resampled) of
-``rise − ½ · rise(fisher)`` at the same ratio: below zero, the row has at most half of Palu-style Fisher's
-rise; ``vs_uniform`` the same for ``rise − rise(uniform)``.
+``rise_all`` on all of them; ``kl`` the mean per-token KL of the compressed model's next-token
+distributions from the original's on the first windows (how far it moved, whichever way; a rise can be
+negative where the cut happens to fit the held-out text better, a KL cannot). ``vs_half_palu`` is
+a 95 % paired bootstrap interval (windows resampled) of ``rise − ½ · rise(fisher)`` at the same ratio: below
+zero, the row has at most half of Palu-style Fisher's rise; ``vs_uniform`` the same for
+``rise − rise(uniform)``.
 
     S=../shared/data/shakespeare
     OMP_NUM_THREADS=1 python benchmarks/allocation.py --model ../shared/models/shakespeare-llama \\
@@ -127,6 +130,13 @@ def window_nll(model, windows: torch.Tensor) -> torch.Tensor:
     """(N,) mean next-token NLL of each window, each in one forward pass through a fresh cache."""
     return torch.tensor(
         [evaluate.prefill_perplexity(model, w[None])["nll"] for w in windows], dtype=torch.float64
+    )
+
+
+def window_kl(original, model, windows: torch.Tensor) -> torch.Tensor:
+    """(N,) mean per-token KL(original ‖ model) of each window, each in one forward pass."""
+    return torch.tensor(
+        [evaluate.kl_and_agreement(original, model, w[None])["kl"] for w in windows], dtype=torch.float64
     )
 
 
@@ -250,9 +260,12 @@ def main() -> None:
             compressed = conversion.apply(copy.deepcopy(model))
             plan_seconds = time.perf_counter() - start
             nll = window_nll(compressed, windows)
+            kl = window_kl(model, compressed, windows[: args.first])
             del compressed
             row = {
                 "model": args.model,
+                "calibration": args.calibration,
+                "eval": args.eval,
                 "table": args.table,
                 "setting": s.label,
                 "decomposition": config.decomposition.to_dict(),
@@ -262,6 +275,7 @@ def main() -> None:
                 "kept": conversion.plan.achieved_ratio,
                 "rise": rise(nll[: args.first], base[: args.first]),
                 "rise_all": rise(nll, base),
+                "kl": float(kl.mean()),
                 "statistics_s": seconds,
                 "plan_and_fuse_s": plan_seconds,
                 "windows": [args.first, len(windows)],
@@ -280,6 +294,7 @@ def main() -> None:
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{ratio} {s.label}: rise {row['rise']:+.4f} (all {row['rise_all']:+.4f}), "
+                  f"KL {row['kl']:.5f}, "
                   f"{seconds:.1f} s of statistics", flush=True)  # fmt: skip
     args.out.with_suffix(".md").write_text(markdown(table, base, args.first) + "\n")
 
@@ -290,9 +305,9 @@ def markdown(table: list[dict[str, Any]], base: torch.Tensor, first: int) -> str
         f"Original prefill PPL {float(base[:first].mean().exp()):.4f} on the first {first} windows, "
         f"{float(base.mean().exp()):.4f} on all {len(base)}.",
         "",
-        f"| ratio | setting | kept | rise ({first} windows) | rise (all) | − ½ Palu's rise (95 % CI) | "
-        "− uniform's (95 % CI) | statistics s |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| ratio | setting | kept | rise ({first} windows) | rise (all) | KL ({first} windows) | "
+        "− ½ Palu's rise (95 % CI) | − uniform's (95 % CI) | statistics s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         cells = [
@@ -300,7 +315,7 @@ def markdown(table: list[dict[str, Any]], base: torch.Tensor, first: int) -> str
         ]
         lines.append(
             f"| {r['ratio']} | {r['setting']} | {r['kept']:.4f} | {r['rise']:+.4f} | {r['rise_all']:+.4f} | "
-            f"{cells[0]} | {cells[1]} | {r['statistics_s']:.1f} |"
+            f"{r['kl']:.5f} | {cells[0]} | {cells[1]} | {r['statistics_s']:.1f} |"
         )
     return "\n".join(lines)
 
