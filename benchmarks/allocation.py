@@ -16,7 +16,8 @@ distributions from the original's on the first windows (how far it moved, whiche
 negative where the cut happens to fit the held-out text better, a KL cannot). ``vs_half_palu`` is
 a 95 % paired bootstrap interval (windows resampled) of ``rise − ½ · rise(fisher)`` at the same ratio: below
 zero, the row has at most half of Palu-style Fisher's rise; ``vs_uniform`` the same for
-``rise − rise(uniform)``.
+``rise − rise(uniform)``. Each row keeps the per-window NLLs (``nll``, the original's ``base_nll``), so
+rows of different runs on the same text can be compared pairwise (``benchmarks/against_palu.py``).
 
     S=../shared/data/shakespeare
     OMP_NUM_THREADS=1 python benchmarks/allocation.py --model ../shared/models/shakespeare-llama \\
@@ -281,6 +282,8 @@ def main() -> None:
                 "windows": [args.first, len(windows)],
                 "ranks": conversion.plan.ranks,
                 "refine": conversion.plan.details.get("refine"),
+                "nll": nll.tolist(),  # per window: rows of other runs on the same text compare pairwise
+                "base_nll": base.tolist(),  # the original's, window by window
             }
             if s.reference:
                 reference[(ratio, s.reference)] = nll
