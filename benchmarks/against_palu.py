@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,25 @@ def markdown(results: list[dict], setting: str) -> str:
                 f"| {Path(model).name} | {text.rsplit('/', 1)[-1]} | {seed} | {ratio} | {m['windows']} | "
                 f"{m['rise']:+.4f} | {m['bar']:+.4f} | {'yes' if m['rise'] <= m['bar'] else '**no**'} | "
                 f"[{ci[0]:+.4f}, {ci[1]:+.4f}] | {m['uniform']:+.4f} | [{cu[0]:+.4f}, {cu[1]:+.4f}] |"
+            )
+    means = defaultdict(list)  # (model, text, ratio, window set) -> results over calibration draws
+    for res in results:
+        model, _, _, text, ratio = res["cell"]
+        for name in ("first", "all"):
+            means[(model, text, ratio, name)].append(res[name])
+    if any(len(v) > 1 for v in means.values()):
+        lines += [
+            "",
+            "Mean over calibration draws:",
+            "",
+            "| model | held-out text | ratio | windows | draws | mean rise | mean bar | met |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for (model, text, ratio, _), ms in means.items():
+            rise_, bar = (sum(m[k] for m in ms) / len(ms) for k in ("rise", "bar"))
+            lines.append(
+                f"| {Path(model).name} | {text.rsplit('/', 1)[-1]} | {ratio} | {ms[0]['windows']} | "
+                f"{len(ms)} | {rise_:+.4f} | {bar:+.4f} | {'yes' if rise_ <= bar else '**no**'} |"
             )
     lines.append("")
     for model, text in dict.fromkeys((res["cell"][0], res["cell"][3]) for res in results):
