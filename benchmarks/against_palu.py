@@ -9,8 +9,8 @@ rise), whether the bar is met, and 95 % paired bootstrap intervals (windows resa
 ``rise − ½ · rise(Palu)`` and ``rise − rise(uniform)``: an interval that holds zero is a difference the
 held-out text cannot tell from a resampling of its windows.
 
-    python benchmarks/against_palu.py /tmp/s18/shakespeare-*.jsonl \\
-        --out docs/allocation/shakespeare-against-palu.md
+    python benchmarks/against_palu.py docs/decomposition/shakespeare-keys-fisher-kl.jsonl \\
+        docs/decomposition/shakespeare-palu-kl.jsonl --out docs/decomposition/shakespeare-against-palu.md
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def compare(rows: list[dict], setting: str, reference: dict, first: int) -> list
         base, nll, p, u = (torch.tensor(x, dtype=torch.float64)
                            for x in (r["base_nll"], r["nll"], ref["nll"], uni["nll"]))  # fmt: skip
         result = {"cell": _cell(r)}
-        for name, n in (("first", first), ("all", len(base))):
+        for name, n in (("first", min(first, len(base))), ("all", len(base))):
             result[name] = {
                 "windows": n,
                 "rise": rise(nll[:n], base[:n]),
@@ -140,7 +140,13 @@ def main() -> None:
     p.add_argument("--first", type=int, default=16, help="windows of issue 8's protocol")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
     args = p.parse_args()
-    rows = [json.loads(line) for f in args.files for line in f.read_text().splitlines() if line.strip()]
+    rows = []
+    for f in args.files:
+        for number, line in enumerate(f.read_text().splitlines(), 1):
+            try:
+                rows += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{f}:{number}: not a JSON line of benchmarks/allocation.py ({e})") from None
     results = compare(rows, args.setting, args.reference_decomposition, args.first)
     if not results:
         raise SystemExit(f"no row of {args.setting!r} has a Palu reference and a uniform row to compare with")
