@@ -100,7 +100,8 @@ def settings(table: str, rows: int) -> list[Setting]:
             # the rows' own next-token loss (docs/allocation.md: objective); more rows and steps, other
             # starting plans (docs/allocation.md: starting plan)
             on_loss("kl", "kl", kl()),
-            *(on_loss("kl", "kl", kl(), steps, n) for steps, n in ((3, 64), (3, 128), (6, 32), (6, 128))),
+            *(on_loss("kl", "kl", kl(), steps, n) for steps, n in ((3, 64), (3, 128), (3, 256), (6, 32))),
+            on_loss("kl", "kl", kl(), 6, 128),
             on_loss("uniform", "uniform", {}),
             on_loss("fisher (Palu's rule)", "fisher", fisher()),
             on_loss("eigen", "eigen", {}),
