@@ -148,6 +148,8 @@ def main() -> None:
     args = p.parse_args()
     rows = []
     for f in args.files:
+        if not f.is_file():
+            raise SystemExit(f"{f}: no such file")
         for number, line in enumerate(f.read_text().splitlines(), 1):
             try:
                 rows += [json.loads(line)] if line.strip() else []
