@@ -11,11 +11,12 @@ Protocol: ``--n-samples`` windows of ``--seq-len`` tokens drawn from ``--calibra
 adds to a conversion). Each row plans, fuses the factors into a copy of the model (the deployed latent
 attention) and measures prefill perplexity on every non-overlapping ``--seq-len`` window of ``--eval``, one
 window at a time: ``rise`` is over the original on the first ``--first`` windows (issue 8's protocol),
-``rise_all`` on all of them; ``kl`` the mean per-token KL of the compressed model's next-token
-distributions from the original's on the first windows (how far it moved, whichever way; a rise can be
-negative where the cut happens to fit the held-out text better, a KL cannot). ``vs_half_palu`` is
-a 95 % paired bootstrap interval (windows resampled) of ``rise − ½ · rise(fisher)`` at the same ratio: below
-zero, the row has at most half of Palu-style Fisher's rise; ``vs_uniform`` the same for
+``rise_all`` on all of them (``--eval`` given again: every plan is also measured on that text, one row per
+text, without planning again: a plan depends on the calibration only); ``kl`` the mean per-token KL of the
+compressed model's next-token distributions from the original's on the first windows (how far it moved,
+whichever way; a rise can be negative where the cut happens to fit the held-out text better, a KL cannot).
+``vs_half_palu`` is a 95 % paired bootstrap interval (windows resampled) of ``rise − ½ · rise(fisher)`` at
+the same ratio: below zero, the row has at most half of Palu-style Fisher's rise; ``vs_uniform`` the same for
 ``rise − rise(uniform)``. Each row keeps the per-window NLLs (``nll``, the original's ``base_nll``), so
 rows of different runs on the same text can be compared pairwise (``benchmarks/against_palu.py``).
 
@@ -167,7 +168,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--calibration", required=True, help="dataset spec the statistics are drawn from")
-    p.add_argument("--eval", required=True, help="dataset spec of held-out text")
+    p.add_argument(
+        "--eval", required=True, action="append",
+        help="dataset spec of held-out text; again for more texts, each plan measured on each",
+    )  # fmt: skip
     p.add_argument("--table", choices=("allocators", "factors"), default="allocators")
     p.add_argument("--n-samples", type=int, default=256, help="calibration windows drawn ('all rows')")
     p.add_argument("--rows", type=int, default=256, help="calibration rows of every statistic unless changed")
@@ -203,11 +207,13 @@ def main() -> None:
     rows = calibration_windows(
         args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed
     )
-    windows = eval_windows(args.eval, tok, seq_len=args.seq_len, max_windows=args.max_windows)
-    started = time.perf_counter()
-    base = window_nll(model, windows)
-    print(f"original: prefill PPL {float(base.mean().exp()):.4f} on {len(windows)} windows "
-          f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+    texts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # eval spec -> (windows, the original's NLLs)
+    for spec in dict.fromkeys(args.eval):
+        windows = eval_windows(spec, tok, seq_len=args.seq_len, max_windows=args.max_windows)
+        started = time.perf_counter()
+        texts[spec] = (windows, window_nll(model, windows))
+        print(f"original on {spec}: prefill PPL {float(texts[spec][1].mean().exp()):.4f} on {len(windows)} "
+              f"windows ({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
 
     collected: dict[str, tuple[list, float]] = {}
 
@@ -223,7 +229,7 @@ def main() -> None:
         return collected[name]
 
     table: list[dict[str, Any]] = []
-    reference: dict[tuple[float, str], torch.Tensor] = {}  # (ratio, "fisher"|"uniform") -> window NLLs
+    reference: dict[tuple[str, float, str], torch.Tensor] = {}  # (eval, ratio, "fisher"|"uniform") -> NLLs
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ratio in [float(r) for r in args.ratios.split(",")]:
         for s in settings(args.table, args.rows):
@@ -261,50 +267,60 @@ def main() -> None:
             conversion = plan_conversion(model, rows, config, statistics=given)
             compressed = conversion.apply(copy.deepcopy(model))
             plan_seconds = time.perf_counter() - start
-            nll = window_nll(compressed, windows)
-            kl = window_kl(model, compressed, windows[: args.first])
+            for spec, (windows, base) in texts.items():
+                nll = window_nll(compressed, windows)
+                kl = window_kl(model, compressed, windows[: args.first])
+                row = {
+                    "model": args.model,
+                    "calibration": args.calibration,
+                    "eval": spec,
+                    "table": args.table,
+                    "setting": s.label,
+                    "decomposition": config.decomposition.to_dict(),
+                    "allocator": config.allocator.to_dict(),
+                    "ratio": ratio,
+                    "seed": args.seed,
+                    "kept": conversion.plan.achieved_ratio,
+                    "rise": rise(nll[: args.first], base[: args.first]),
+                    "rise_all": rise(nll, base),
+                    "kl": float(kl.mean()),
+                    "statistics_s": seconds,
+                    "plan_and_fuse_s": plan_seconds,
+                    "windows": [args.first, len(windows)],
+                    "ranks": conversion.plan.ranks,
+                    "refine": conversion.plan.details.get("refine"),
+                    "nll": nll.tolist(),  # per window: rows of other runs on the same text compare pairwise
+                    "base_nll": base.tolist(),  # the original's, window by window
+                }
+                if s.reference:
+                    reference[(spec, ratio, s.reference)] = nll
+                for ref_name, column, weight in (
+                    ("fisher", "vs_half_palu", 0.5),
+                    ("uniform", "vs_uniform", 1.0),
+                ):
+                    if (spec, ratio, ref_name) in reference and s.reference != ref_name:
+                        ref = reference[(spec, ratio, ref_name)]
+                        row[column] = paired_interval(
+                            nll[: args.first], ref[: args.first], base[: args.first], weight
+                        )
+                table.append(row)
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                on = f" on {spec}" if len(texts) > 1 else ""
+                print(f"{ratio} {s.label}{on}: rise {row['rise']:+.4f} (all {row['rise_all']:+.4f}), "
+                      f"KL {row['kl']:.5f}, "
+                      f"{seconds:.1f} s of statistics", flush=True)  # fmt: skip
             del compressed
-            row = {
-                "model": args.model,
-                "calibration": args.calibration,
-                "eval": args.eval,
-                "table": args.table,
-                "setting": s.label,
-                "decomposition": config.decomposition.to_dict(),
-                "allocator": config.allocator.to_dict(),
-                "ratio": ratio,
-                "seed": args.seed,
-                "kept": conversion.plan.achieved_ratio,
-                "rise": rise(nll[: args.first], base[: args.first]),
-                "rise_all": rise(nll, base),
-                "kl": float(kl.mean()),
-                "statistics_s": seconds,
-                "plan_and_fuse_s": plan_seconds,
-                "windows": [args.first, len(windows)],
-                "ranks": conversion.plan.ranks,
-                "refine": conversion.plan.details.get("refine"),
-                "nll": nll.tolist(),  # per window: rows of other runs on the same text compare pairwise
-                "base_nll": base.tolist(),  # the original's, window by window
-            }
-            if s.reference:
-                reference[(ratio, s.reference)] = nll
-            for ref_name, column, weight in (("fisher", "vs_half_palu", 0.5), ("uniform", "vs_uniform", 1.0)):
-                if (ratio, ref_name) in reference and s.reference != ref_name:
-                    ref = reference[(ratio, ref_name)]
-                    row[column] = paired_interval(
-                        nll[: args.first], ref[: args.first], base[: args.first], weight
-                    )
-            table.append(row)
-            with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(f"{ratio} {s.label}: rise {row['rise']:+.4f} (all {row['rise_all']:+.4f}), "
-                  f"KL {row['kl']:.5f}, "
-                  f"{seconds:.1f} s of statistics", flush=True)  # fmt: skip
-    args.out.with_suffix(".md").write_text(markdown(table, base, args.first) + "\n")
+    sections = [
+        (f"On `{spec}`:\n\n" if len(texts) > 1 else "")
+        + markdown([r for r in table if r["eval"] == spec], base, args.first)
+        for spec, (_, base) in texts.items()
+    ]
+    args.out.with_suffix(".md").write_text("\n\n".join(sections) + "\n")
 
 
 def markdown(table: list[dict[str, Any]], base: torch.Tensor, first: int) -> str:
-    """The rows as a markdown table, under the original's perplexities."""
+    """The rows of one text as a markdown table, under the original's perplexities."""
     lines = [
         f"Original prefill PPL {float(base[:first].mean().exp()):.4f} on the first {first} windows, "
         f"{float(base.mean().exp()):.4f} on all {len(base)}.",
