@@ -25,7 +25,7 @@ import torch
 from allocation import paired_interval, rise  # benchmarks/, the script's own directory
 
 PALU = {"name": "whitened", "values": "projection", "keys": "projection"}
-DEFAULT = "kl + 3 refine steps on 32 rows, nll"
+DEFAULT = "kl + 3 refine steps on 128 rows, nll"
 
 
 def _matches(decomposition: Any, wanted: dict) -> bool:

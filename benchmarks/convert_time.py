@@ -26,7 +26,7 @@ from lrkv_core.models import parse_device
 
 SETTINGS = {
     "uniform": dict(allocator="uniform"),  # the Gram and the decompositions: what every setting pays
-    "default": {},  # kl with 3 refinement steps on 32 rows
+    "default": {},  # kl with 3 refinement steps on 128 rows
 }
 
 

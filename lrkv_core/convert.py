@@ -82,7 +82,7 @@ class CompressionConfig:
     rotation: str = "none"
     rotation_seed: int = 0
     refine_steps: int | None = None
-    refine_rows: int = 32
+    refine_rows: int = 128
     refine_radius: int = REFINE_RADIUS
     refine_objective: str = REFINE_OBJECTIVE
 

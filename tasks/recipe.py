@@ -73,7 +73,7 @@ class PaluRecipe(Strict):
         "over calibration rows (each kept only if it lowers it); 0: the allocator's plan; null: the "
         "allocator's default (kl: 3, the others: 0)",
     )
-    refine_rows: int = Field(32, ge=1, description="calibration rows the refinement measures on")
+    refine_rows: int = Field(128, ge=1, description="calibration rows the refinement measures on")
     refine_radius: int = Field(
         REFINE_RADIUS,
         ge=1,

@@ -20,7 +20,7 @@ def test_defaults_are_the_embedded_quickstart():
     assert r.compression.allocator.name == CompressionConfig().allocator.name == DEFAULT_ALLOCATOR == "kl"
     assert r.compression.allocator.solver == "exact" and r.calibration.n_samples == 256
     config = r.compression.to_config()
-    assert (config.refine_steps, config.refine_rows, config.refine_radius) == (3, 32, 4)
+    assert (config.refine_steps, config.refine_rows, config.refine_radius) == (3, 128, 4)
     assert config.refine_objective == CompressionConfig().refine_objective == "nll"
     assert r.compression.decomposition.to_dict() == {
         "name": "whitened",
