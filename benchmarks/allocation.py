@@ -286,7 +286,7 @@ def main() -> None:
                     "kl": float(kl.mean()),
                     "statistics_s": seconds,
                     "plan_and_fuse_s": plan_seconds,
-                    "windows": [args.first, len(windows)],
+                    "windows": [min(args.first, len(windows)), len(windows)],
                     "ranks": conversion.plan.ranks,
                     "refine": conversion.plan.details.get("refine"),
                     "nll": nll.tolist(),  # per window: rows of other runs on the same text compare pairwise
@@ -321,6 +321,7 @@ def main() -> None:
 
 def markdown(table: list[dict[str, Any]], base: torch.Tensor, first: int) -> str:
     """The rows of one text as a markdown table, under the original's perplexities."""
+    first = min(first, len(base))
     lines = [
         f"Original prefill PPL {float(base[:first].mean().exp()):.4f} on the first {first} windows, "
         f"{float(base.mean().exp()):.4f} on all {len(base)}.",
