@@ -35,7 +35,7 @@ from .cache import CACHE_STORAGES, CacheStorage
 from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
 from .fuse import compress_model
 from .linalg import group_slices
-from .refine import OBJECTIVES, REFINE_OBJECTIVE, REFINE_RADIUS, refine_plan
+from .refine import OBJECTIVES, REFINE_OBJECTIVE, REFINE_RADIUS, REFINE_ROWS, refine_plan
 from .rotation import ROTATIONS
 from .statistics import STATISTICS, LayerValue, Statistic
 
@@ -82,7 +82,7 @@ class CompressionConfig:
     rotation: str = "none"
     rotation_seed: int = 0
     refine_steps: int | None = None
-    refine_rows: int = 128
+    refine_rows: int = REFINE_ROWS
     refine_radius: int = REFINE_RADIUS
     refine_objective: str = REFINE_OBJECTIVE
 

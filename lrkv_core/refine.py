@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .decompositions import LayerFactors
 
 Key = tuple[int, str]  # (layer, "k"|"v")
+REFINE_ROWS = 128  # calibration rows the loss is measured on (docs/decomposition.md: every plan at 0.5)
 REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md: radius)
 REFINE_OBJECTIVE = "nll"  # what the refinement lowers on its rows, "nll" or "kl" (docs/allocation.md)
 

@@ -18,7 +18,7 @@ from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
 from lrkv_core.lora import RecoveryConfig
-from lrkv_core.refine import REFINE_OBJECTIVE, REFINE_RADIUS
+from lrkv_core.refine import REFINE_OBJECTIVE, REFINE_RADIUS, REFINE_ROWS
 from lrkv_core.registry import Method
 from lrkv_core.statistics import STATISTICS
 
@@ -73,7 +73,7 @@ class PaluRecipe(Strict):
         "over calibration rows (each kept only if it lowers it); 0: the allocator's plan; null: the "
         "allocator's default (kl: 3, the others: 0)",
     )
-    refine_rows: int = Field(128, ge=1, description="calibration rows the refinement measures on")
+    refine_rows: int = Field(REFINE_ROWS, ge=1, description="calibration rows the refinement measures on")
     refine_radius: int = Field(
         REFINE_RADIUS,
         ge=1,
