@@ -204,12 +204,18 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model, tok = load_model(args.model)
-    rows = calibration_windows(
-        args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed
-    )
+    try:
+        rows = calibration_windows(
+            args.calibration, tok, n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed
+        )
+        held_out = {
+            spec: eval_windows(spec, tok, seq_len=args.seq_len, max_windows=args.max_windows)
+            for spec in dict.fromkeys(args.eval)
+        }
+    except (FileNotFoundError, ValueError) as e:  # a missing file, a bad spec: one line, no traceback
+        raise SystemExit(f"allocation.py: {e}") from None
     texts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # eval spec -> (windows, the original's NLLs)
-    for spec in dict.fromkeys(args.eval):
-        windows = eval_windows(spec, tok, seq_len=args.seq_len, max_windows=args.max_windows)
+    for spec, windows in held_out.items():
         started = time.perf_counter()
         texts[spec] = (windows, window_nll(model, windows))
         print(f"original on {spec}: prefill PPL {float(texts[spec][1].mean().exp()):.4f} on {len(windows)} "
