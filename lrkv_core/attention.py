@@ -27,7 +27,14 @@ from transformers import PretrainedConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from lrkv_kernels.latent_rope import apply_rope, latent_rope_scores, reconstruct_rope_keys, triton_runs_on
+from lrkv_kernels.latent_rope import (
+    LatentDecodeWeights,
+    additive_mask,
+    apply_rope,
+    latent_decode_attention,
+    reconstruct_rope_keys,
+    triton_runs_on,
+)
 
 from .adapters import ArchAdapter, AttnShape
 from .cache import LatentCache, LatentView, either_cache
@@ -137,10 +144,11 @@ class LatentAttentionBase(nn.Module):
 class LatentAttention(LatentAttentionBase):
     """Drop-in replacement for a RoPE attention module (Llama, Mistral, Qwen2), caching latents.
 
-    A decode step (one query token) on CUDA goes through Palu's fused kernel
-    (:func:`~lrkv_kernels.latent_rope.latent_rope_scores`): scores against keys rebuilt in registers, then
-    softmax and the value latents in torch. ``fused_decode`` chooses: None (default) on CUDA tensors where
-    Triton is installed, True always (on the CPU under ``TRITON_INTERPRET=1``, the tests), False never.
+    A decode step (one query token) on CUDA goes through the flash-decoding kernel
+    (:func:`~lrkv_kernels.latent_rope.latent_decode_attention`): the whole layer in one launch, keys rebuilt
+    in registers (Palu's fused reconstruction), online softmax, and the attention-weighted value latents.
+    ``fused_decode`` chooses: None (default) on CUDA tensors where Triton is installed, True always (on the
+    CPU under ``TRITON_INTERPRET=1``, the tests), False never.
     Everything else (prefill, training, a LoRA-wrapped ``k_up``, flash attention, a RoPE whose frequencies
     change with the length) rebuilds the keys and calls the model's attention interface.
     """
@@ -206,22 +214,27 @@ class LatentAttention(LatentAttentionBase):
     def fused_decode_attention(
         self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """One decode step's attention output (B, 1, H·r_v per group) from the fused scores kernel."""
-        B, nq = q.shape[0], self.q_heads_per_group
+        """One decode step's attention output (B, 1, H·r_v per group): every group in one flash-decoding
+        launch (:func:`~lrkv_kernels.latent_rope.latent_decode_attention`)."""
+        h_k, h_v = joined(view.keys), joined(view.values)  # (B, S, R_k), (B, S, R_v)
         rope = self.rotary_emb
-        outs = []
-        for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):
-            scores = latent_rope_scores(
-                q[:, g * nq : (g + 1) * nq], hk_g, up.weight, up.bias, view.positions, rope.inv_freq,
-                rope.attention_scaling, self.scaling,
-            )  # (B, nq, 1, S) float32  # fmt: skip
-            if attention_mask is not None:
-                mask = attention_mask[..., : scores.shape[-1]]
-                bool_mask = mask.dtype == torch.bool
-                scores = scores.masked_fill(~mask, float("-inf")) if bool_mask else scores + mask
-            probs = torch.softmax(scores, dim=-1).to(hv_g.dtype)
-            outs.append((probs @ hv_g.unsqueeze(1)).transpose(1, 2).reshape(B, 1, -1))  # (B, 1, nq·r_v)
-        return torch.cat(outs, dim=-1)
+        out = latent_decode_attention(
+            q[:, :, 0], h_k, h_v, self.decode_weights(h_k.dtype), view.positions, rope.inv_freq,
+            rope.attention_scaling, self.scaling, additive_mask(attention_mask, h_k.shape[1]),
+        )  # (B, Σ_g nq·r_v)  # fmt: skip
+        return out.unsqueeze(1)
+
+    def decode_weights(self, dtype: torch.dtype) -> LatentDecodeWeights:
+        """The key up-projections in the decode kernel's layout, rebuilt only when a weight changed."""
+        ups = [up.weight for up in self.k_up]
+        key = (dtype, *((w.data_ptr(), w._version) for w in ups))
+        if getattr(self, "_decode_weights_key", None) != key:
+            biases = [up.bias for up in self.k_up]
+            self._decode_weights = LatentDecodeWeights.build(
+                ups, biases, list(self.layout.ranks_v), self.q_heads_per_group, dtype
+            )
+            self._decode_weights_key = key
+        return self._decode_weights
 
     def rebuild_keys(
         self, up: nn.Module, h_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -237,6 +250,22 @@ class LatentAttention(LatentAttentionBase):
         B, S, _ = h_k.shape
         k = up(h_k).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, s, S, D)
         return apply_rope(k, cos, sin)
+
+
+def joined(groups: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Per-group latents (B, S, r_g) as one (B, S, Σ r_g) tensor: the tensor they are views of when they lie
+    side by side in it (the dense cache), else a copy."""
+    first = groups[0]
+    width = sum(g.shape[-1] for g in groups)
+    step = first.element_size()
+    side_by_side = first.stride(-1) == 1 and all(
+        g.stride() == first.stride()
+        and g.data_ptr() == first.data_ptr() + sum(x.shape[-1] for x in groups[:i]) * step
+        for i, g in enumerate(groups)
+    )
+    if side_by_side and first.stride(1) >= width:
+        return first.as_strided((*first.shape[:-1], width), first.stride())
+    return torch.cat(groups, dim=-1)
 
 
 def set_fused_decode(model: nn.Module, value: bool | None) -> list[LatentAttention]:

@@ -1,9 +1,11 @@
 """Rebuild keys from cached latents and apply RoPE: ``K = rope(H_k B_kᵀ + b_k)``.
 
-Palu fuses reconstruction, RoPE and q·K into one kernel. :func:`latent_rope_scores` is that kernel for a
-decode step (:mod:`lrkv_kernels.latent_rope.fused`, Triton): the scores of a group's query heads against
-keys rebuilt in registers, never written out. It runs on CUDA tensors where Triton is installed, and on CPU
-tensors under ``TRITON_INTERPRET=1`` (the tests); elsewhere the torch reference, which is the spec.
+Palu fuses reconstruction, RoPE and q·K into one kernel. :func:`latent_decode_attention` goes further for a
+decode step: a whole layer's attention (every group, scores, softmax and the value latents) in one
+flash-decoding launch (:mod:`lrkv_kernels.latent_rope.flash`). :func:`latent_rope_scores` is Palu's kernel
+for one group's scores (:mod:`lrkv_kernels.latent_rope.fused`, Triton): the scores of a group's query heads
+against keys rebuilt in registers, never written out. Both run on CUDA tensors where Triton is installed, and
+on CPU tensors under ``TRITON_INTERPRET=1`` (the tests); elsewhere their torch references, which are the spec.
 :func:`reconstruct_rope_keys` (keys materialised, any number of queries) stays the torch reference.
 """
 
@@ -15,6 +17,7 @@ import os
 
 import torch
 
+from .decode import LatentDecodeWeights, additive_mask, latent_decode_attention_ref
 from .reference import (
     apply_rope,
     latent_rope_scores_ref,
@@ -70,8 +73,36 @@ def latent_rope_scores(
     return latent_rope_scores_ref(q, h, up, bias, positions, inv_freq, attention_scaling, scaling)
 
 
+def latent_decode_attention(
+    q: torch.Tensor,
+    h_k: torch.Tensor,
+    h_v: torch.Tensor,
+    weights: LatentDecodeWeights,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dispatcher for :func:`latent_decode_attention_ref` (same arguments and result): the flash-decoding
+    Triton kernel where :func:`triton_runs_on` the tensors' device, else the reference."""
+    if triton_runs_on(q.device):
+        from .flash import latent_decode_attention_triton  # Triton reads TRITON_INTERPRET when imported
+
+        return latent_decode_attention_triton(
+            q, h_k, h_v, weights, positions, inv_freq, attention_scaling, scaling, mask
+        )
+    return latent_decode_attention_ref(
+        q, h_k, h_v, weights, positions, inv_freq, attention_scaling, scaling, mask
+    )
+
+
 __all__ = [
+    "LatentDecodeWeights",
+    "additive_mask",
     "apply_rope",
+    "latent_decode_attention",
+    "latent_decode_attention_ref",
     "latent_rope_scores",
     "latent_rope_scores_ref",
     "reconstruct_rope_keys",

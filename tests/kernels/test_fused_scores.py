@@ -1,5 +1,6 @@
-"""Palu's fused decode kernel: scores against keys rebuilt in registers equal the reference, and a latent
-model decoding through it gives the logits of the unfused path.
+"""Palu's fused scores kernel: scores against keys rebuilt in registers equal the reference; and a latent
+model decoding through the fused decode path (the flash-decoding kernel) gives the logits of the unfused
+path.
 
 Without a GPU the Triton kernel runs in Triton's interpreter on CPU tensors (tests/conftest.py sets
 ``TRITON_INTERPRET=1`` when no CUDA device is present); with one, the tests run on the GPU.
@@ -96,16 +97,17 @@ def fused(model, value: bool | None):
 
 
 def calls_kernel(model, monkeypatch) -> list[int]:
-    """Counts the fused kernel's calls (appended to the returned list) while ``model`` runs."""
+    """Counts the fused decode kernel's calls (appended to the returned list) while ``model`` runs."""
     import lrkv_core.attention as attention
 
     calls: list[int] = []
+    kernel = attention.latent_decode_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return latent_rope_scores(*args, **kwargs)
+        return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "latent_rope_scores", counted)
+    monkeypatch.setattr(attention, "latent_decode_attention", counted)
     return calls
 
 
@@ -133,7 +135,7 @@ def test_decode_through_the_kernel_gives_the_unfused_logits(
     calls = calls_kernel(comp, monkeypatch)
     with fused(comp, True):
         got, _ = stepwise(comp, ids, prefix=5)
-    assert len(calls) == 9 * 2 * (2 // group_size)  # 9 decode steps × 2 layers × groups, prefill unfused
+    assert len(calls) == 9 * 2  # 9 decode steps × 2 layers, every group in one launch; prefill unfused
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,250 @@
+"""Triton kernels: a whole layer's decode attention over latents, in one launch (flash-decoding).
+
+For a decode step (one query token per sequence), one program takes a batch row, a group of ``s`` KV heads
+and a split of the cached tokens. It walks its split in tiles of ``BLOCK_S`` tokens; for each tile it
+
+- computes the tile's RoPE tables once (cos/sin of the float32 angle ``position · inv_freq``, as HF's
+  rotary embedding does), shared by the group's KV heads;
+- rebuilds each KV head's keys in registers from the key latents (``h_k B_kᵀ + b_k``, over chunks of the
+  group's rank), rotates them and takes the scores of that head's query heads (``tl.dot``);
+- adds the attention mask, updates a running maximum and sum (online softmax), and accumulates the
+  attention-weighted **value latents** (``p · h_v``): values are never rebuilt, since ``B_v`` is folded
+  into ``o_proj``.
+
+Each program writes its split's partial sums; :func:`_combine_kernel` merges the splits of every query head
+into the layout ``o_proj`` reads (per group, head after head, ``r_v`` latents each). Splitting the sequence
+lets a long context use the whole GPU at small batch. The cache is read once, as latents; keys, scores and
+probabilities exist only in registers.
+
+Spec: :func:`lrkv_kernels.latent_rope.reference.latent_decode_attention_ref`. Imported lazily by the
+dispatcher: ``TRITON_INTERPRET=1`` must be set before this module is first imported for the kernels to run on
+CPU tensors (how the tests run them without a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .decode import LatentDecodeWeights
+
+BLOCK_R = 64  # key latents per step of the reconstruction
+NUM_WARPS = 4
+MIN_SPLIT_TILES = 4  # a split walks at least this many tiles, so its partial sums are worth their write
+
+
+@triton.jit
+def _flash_decode_kernel(
+    q_ptr, hk_ptr, hv_ptr, up_ptr, bias_ptr, pos_ptr, inv_freq_ptr, mask_ptr,
+    rk_ptr, rv_ptr, koff_ptr, voff_ptr,
+    acc_ptr, m_ptr, l_ptr,
+    S, split_len, n_rep, scaling, rope_scaling,
+    sq_b, sq_h, sq_d,
+    shk_b, shk_s, shk_r,
+    shv_b, shv_s, shv_r,
+    su_g, su_o, su_r,
+    sb_g,
+    sp_b, sp_s,
+    sm_b, sm_s,
+    G: tl.constexpr, S_HEADS: tl.constexpr, RK: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr,
+    NSPLIT: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, RV_P: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr, ACCURATE_TRIG: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // G).to(tl.int64)  # b · stride can pass 2³¹ elements on long, wide batches
+    g = pid % G
+    rk = tl.load(rk_ptr + g)
+    rv = tl.load(rv_ptr + g)
+    koff = tl.load(koff_ptr + g)
+    voff = tl.load(voff_ptr + g)
+
+    offs_h = tl.arange(0, NQ_P)  # the group's query heads, padded (tl.dot wants ≥ 16 rows)
+    mask_h = offs_h < NQ
+    kv_of = offs_h // n_rep  # the KV head of the group each query head reads, as repeat_kv pairs them
+    offs_d = tl.arange(0, HALF_P)  # rotation pairs, padded to a power of two
+    mask_d = offs_d < HALF
+    offs_rv = tl.arange(0, RV_P)
+    mask_rv = offs_rv < rv
+
+    q_rows = q_ptr + b * sq_b + (g * NQ + offs_h)[:, None] * sq_h
+    q_mask = mask_h[:, None] & mask_d[None, :]
+    q1 = tl.load(q_rows + offs_d[None, :] * sq_d, mask=q_mask, other=0.0).to(tl.float32) * scaling
+    q2 = tl.load(q_rows + (offs_d + HALF)[None, :] * sq_d, mask=q_mask, other=0.0).to(tl.float32) * scaling
+    inv_freq = tl.load(inv_freq_ptr + offs_d, mask=mask_d, other=0.0)
+
+    m_i = tl.full((NQ_P,), float("-inf"), tl.float32)
+    l_i = tl.zeros((NQ_P,), tl.float32)
+    acc = tl.zeros((NQ_P, RV_P), tl.float32)
+    start = split * split_len  # the last split may run past S: its tail is masked
+    for t in range(0, split_len // BLOCK_S):
+        offs_s = start + t * BLOCK_S + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < S
+        pos = tl.load(pos_ptr + b * sp_b + offs_s * sp_s, mask=mask_s, other=0).to(tl.float32)
+        angle = pos[:, None] * inv_freq[None, :]  # (BLOCK_S, HALF_P): float32 product, then cos/sin, as HF
+        if ACCURATE_TRIG:  # libdevice's cos/sin on a GPU (exact to an ulp at angles of thousands of radians)
+            cos, sin = libdevice.cos(angle), libdevice.sin(angle)
+        else:  # the interpreter (numpy's cos/sin) has no libdevice
+            cos, sin = tl.cos(angle), tl.sin(angle)
+        cos, sin = cos * rope_scaling, sin * rope_scaling
+
+        scores = tl.zeros((NQ_P, BLOCK_S), tl.float32)
+        for kv in tl.static_range(S_HEADS):
+            rows1 = kv * 2 * HALF + offs_d  # up rows of the KV head's first half (HF's half-split RoPE)
+            rows2 = rows1 + HALF
+            k1 = tl.zeros((BLOCK_S, HALF_P), dtype=tl.float32)
+            k2 = tl.zeros((BLOCK_S, HALF_P), dtype=tl.float32)
+            for r0 in tl.static_range(0, RK, BLOCK_R):  # the widest group's rank; narrower ones masked
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                mask_r = offs_r < rk
+                h = tl.load(
+                    hk_ptr + b * shk_b + offs_s[:, None] * shk_s + (koff + offs_r)[None, :] * shk_r,
+                    mask=mask_s[:, None] & mask_r[None, :], other=0.0,
+                )  # (BLOCK_S, BLOCK_R)  # fmt: skip
+                up_rows = up_ptr + g * su_g + offs_r[:, None] * su_r
+                up_mask = mask_r[:, None] & mask_d[None, :]
+                up1 = tl.load(up_rows + rows1[None, :] * su_o, mask=up_mask, other=0.0)
+                up2 = tl.load(up_rows + rows2[None, :] * su_o, mask=up_mask, other=0.0)
+                k1 = tl.dot(h, up1, k1, input_precision=PRECISION)  # (BLOCK_S, HALF_P)
+                k2 = tl.dot(h, up2, k2, input_precision=PRECISION)
+            if HAS_BIAS:
+                k1 += tl.load(bias_ptr + g * sb_g + rows1, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+                k2 += tl.load(bias_ptr + g * sb_g + rows2, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+            r1 = k1 * cos - k2 * sin  # rope(k) = k·cos + rotate_half(k)·sin, rotate_half(k1, k2) = (−k2, k1)
+            r2 = k2 * cos + k1 * sin
+            mine = (kv_of == kv)[:, None]  # this KV head's query heads; the others' rows stay zero
+            qa = tl.where(mine, q1, 0.0)
+            qb = tl.where(mine, q2, 0.0)
+            scores = tl.dot(qa, tl.trans(r1), scores, input_precision=PRECISION)  # (NQ_P, BLOCK_S)
+            scores = tl.dot(qb, tl.trans(r2), scores, input_precision=PRECISION)
+
+        if HAS_MASK:
+            add = tl.load(mask_ptr + b * sm_b + offs_s * sm_s, mask=mask_s, other=0.0)
+            scores += add[None, :]
+        scores = tl.where(mask_s[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row so far: nothing to shift
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])  # (NQ_P, BLOCK_S)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            hv_ptr + b * shv_b + offs_s[:, None] * shv_s + (voff + offs_rv)[None, :] * shv_r,
+            mask=mask_s[:, None] & mask_rv[None, :], other=0.0,
+        )  # (BLOCK_S, RV_P)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    row = (pid * NQ_P + offs_h) * NSPLIT + split  # partial sums laid out (B·G·NQ_P, NSPLIT[, RV_P])
+    tl.store(m_ptr + row, m_i)
+    tl.store(l_ptr + row, l_i)
+    tl.store(acc_ptr + row[:, None] * RV_P + offs_rv[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(
+    acc_ptr, m_ptr, l_ptr, rv_ptr, ooff_ptr, out_ptr,
+    so_b,
+    G: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P: tl.constexpr,
+    RV_P: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # one query head of one group and batch row
+    b = (pid // (G * NQ)).to(tl.int64)
+    g = (pid // NQ) % G
+    head = pid % NQ
+    row = (b * G + g) * NQ_P + head
+    offs_sp = tl.arange(0, NSPLIT_P)
+    mask_sp = offs_sp < NSPLIT
+    m = tl.load(m_ptr + row * NSPLIT + offs_sp, mask=mask_sp, other=float("-inf"))
+    l = tl.load(l_ptr + row * NSPLIT + offs_sp, mask=mask_sp, other=0.0)  # noqa: E741
+    m_max = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    offs_rv = tl.arange(0, RV_P)
+    rows = (row * NSPLIT + offs_sp)[:, None] * RV_P
+    acc = tl.load(acc_ptr + rows + offs_rv[None, :], mask=mask_sp[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    rv = tl.load(rv_ptr + g)
+    dst = out_ptr + b * so_b + tl.load(ooff_ptr + g) + head * rv + offs_rv
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_rv < rv)
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def splits_for(batch_groups: int, tiles: int, sms: int) -> int:
+    """How many splits of the sequence: enough programs to fill ``sms`` multiprocessors about twice, each
+    walking at least :data:`MIN_SPLIT_TILES` tiles."""
+    want = max(1, -(-2 * sms // max(batch_groups, 1)))
+    return max(1, min(want, tiles // MIN_SPLIT_TILES, 64))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: a couple of splits, so the tests merge partial sums
+
+
+def latent_decode_attention_triton(
+    q: torch.Tensor,
+    h_k: torch.Tensor,
+    h_v: torch.Tensor,
+    weights: LatentDecodeWeights,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    *,
+    n_splits: int | None = None,
+    block_s: int | None = None,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
+    """:func:`~lrkv_kernels.latent_rope.reference.latent_decode_attention_ref` in two launches (same
+    arguments; (B, width) in the latents' dtype). ``n_splits`` (splits of the sequence) and ``block_s``
+    (tokens per tile, a power of two ≥ 16) override the launch's defaults."""
+    B, H, D = q.shape
+    S = h_k.shape[1]
+    G = weights.up.shape[0]
+    s = weights.up.shape[1] // D
+    if D % 2 or weights.up.shape[1] != s * D or H % G or (H // G) % s:
+        raise ValueError(f"shapes do not pair: q {tuple(q.shape)}, up {tuple(weights.up.shape)}")
+    nq = H // G
+    out = torch.empty(B, weights.width, device=q.device, dtype=h_v.dtype)
+    if S == 0:
+        return out.fill_(float("nan"))  # a softmax over nothing, as torch's
+    rv_p = _pow2(weights.max_rank_v)
+    block_s = block_s or (64 if rv_p <= 128 else 32)
+    nq_p = _pow2(nq)
+    tiles = triton.cdiv(S, block_s)
+    n_splits = n_splits or splits_for(B * G, tiles, _multiprocessors(q.device))
+    split_len = triton.cdiv(tiles, n_splits) * block_s
+    n_splits = triton.cdiv(S, split_len)
+    acc = torch.empty(B * G * nq_p * n_splits, rv_p, device=q.device, dtype=torch.float32)
+    m = torch.empty(B * G * nq_p * n_splits, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)  # noqa: E741
+    if mask is not None:
+        mask = mask.to(torch.float32)
+    bias = weights.bias
+    precision = "ieee" if h_k.dtype == torch.float32 else "tf32"
+    _flash_decode_kernel[(B * G, n_splits)](
+        q, h_k, h_v, weights.up, weights.up if bias is None else bias, positions,
+        inv_freq.float().contiguous(), h_k if mask is None else mask,
+        weights.ranks_k, weights.ranks_v, weights.k_offsets, weights.v_offsets,
+        acc, m, l,
+        S, split_len, nq // s, float(scaling), float(attention_scaling),
+        *q.stride(), *h_k.stride(), *h_v.stride(), *weights.up.stride(),
+        0 if bias is None else bias.stride(0),
+        *positions.stride(), *((0, 0) if mask is None else mask.stride()),
+        G=G, S_HEADS=s, RK=weights.up.shape[2], NQ=nq, NQ_P=nq_p, NSPLIT=n_splits,
+        HALF=D // 2, HALF_P=_pow2(D // 2), RV_P=rv_p,
+        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_S=block_s, BLOCK_R=BLOCK_R,
+        PRECISION=precision, ACCURATE_TRIG=q.is_cuda, num_warps=num_warps,
+    )  # fmt: skip
+    _combine_kernel[(B * G * nq,)](
+        acc, m, l, weights.ranks_v, weights.out_offsets, out, out.stride(0),
+        G=G, NQ=nq, NQ_P=nq_p, NSPLIT=n_splits, NSPLIT_P=_pow2(n_splits, 1), RV_P=rv_p,
+    )  # fmt: skip
+    return out
