@@ -14,26 +14,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _interpreter_reads_scalars() -> None:
-    """Triton's interpreter turns a scalar into an index with ``int(array)``, which numpy ≥ 2.4 refuses for
-    the one-element arrays it holds scalars in, so a kernel's loop with a run-time trip count fails there
-    (compiled kernels are unaffected). Read the element instead."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_reads_scalars()
-
 import copy
 from collections.abc import Callable, Iterator
 

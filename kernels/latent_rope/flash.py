@@ -28,7 +28,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..interpreter import read_scalars_as_indices
 from .decode import LatentDecodeWeights
+
+read_scalars_as_indices()  # the sequence loop's trip count is a run-time value
 
 BLOCK_R = 64  # key latents per step of the reconstruction
 NUM_WARPS = 4

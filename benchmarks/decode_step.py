@@ -1,0 +1,486 @@
+"""A decode step at long context on a GPU: the original attention against lrkv's latents, whole steps captured
+in CUDA graphs so that the comparison measures the cache, not Python.
+
+For a real model's shape (random weights: no download; ``smollm2`` is SmolLM2-135M's, ``llama-8b``
+Llama-3.1-8B's) it builds the decoder stack twice from the same weights:
+
+- **original**: per layer RMSNorm, q/k/v projections, RoPE, the new key and value written into a preallocated
+  (static) cache, attention through torch's ``scaled_dot_product_attention`` (its flash kernel on a GPU, GQA
+  without repeating the KV heads), o_proj, RMSNorm and the SwiGLU MLP; then the final norm and the LM head;
+- **lrkv**: the same, with lrkv's decode path: ``k_down``/``v_down`` (data-free SVD of each group's
+  k/v projection at ``--ratio`` of the KV width, as ``plain`` gives), the new latents written into a static
+  latent cache, attention through the flash-decoding kernel over latents
+  (:func:`lrkv_kernels.latent_rope.latent_decode_attention`: keys rebuilt in registers, values folded into
+  o_proj), and the folded o_proj.
+
+Printed, per context: the attention of one layer alone (``triton.testing.do_bench`` medians: the original's
+SDPA; lrkv's kernel; Palu's per-group scores kernel with softmax and the value product in torch), with the
+bytes each reads and the bandwidth that makes; then a whole decode step of the stack (the cache prefilled to
+the context, one token written at the next position, attention over all of it; CUDA-graph replays timed with
+CUDA events, median of ``--repeats`` runs of ``--steps``); and the serving trade: within the memory the
+original's cache takes at ``--batch``, lrkv holds ``⌊1/ratio_bytes⌋`` times the batch, and tokens/s at each.
+Every row is also written as JSON to ``--out``.
+
+Before timing, the stack is checked at full rank (rank = the whole KV width) on a small prefix decoded token
+by token: lrkv's logits must equal the original's (float32), or the script stops.
+
+    python benchmarks/decode_step.py --shape smollm2 --context 16384,32768,65536 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+try:
+    import lrkv_kernels  # noqa: F401
+except ImportError:  # a checkout without the package installed: the kernels live in kernels/
+    spec = importlib.util.spec_from_file_location(
+        "lrkv_kernels", Path(__file__).resolve().parents[1] / "kernels" / "__init__.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["lrkv_kernels"] = module
+    spec.loader.exec_module(module)
+
+from lrkv_kernels.latent_rope import LatentDecodeWeights, latent_decode_attention, latent_rope_scores
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    d: int
+    H: int
+    Hkv: int
+    D: int
+    ffn: int
+    vocab: int
+    theta: float
+    group: int  # lrkv's default group size for this many KV heads (the largest divisor up to 4)
+
+
+SHAPES = {
+    "smollm2": Shape(30, 576, 9, 3, 64, 1536, 49152, 100000.0, 3),
+    "llama-8b": Shape(32, 4096, 32, 8, 128, 14336, 128256, 500000.0, 4),
+    "tiny": Shape(2, 64, 4, 2, 16, 128, 97, 10000.0, 2),  # the full-rank check on the CPU
+}
+
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+TILINGS = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (tokens per tile, warps) of the latent kernel
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Stack:
+    """The weights of a decoder stack (random, seeded) and the original's decode step over a static cache."""
+
+    def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        self.shape, self.device, self.dtype = shape, device, dtype
+        gen = torch.Generator(device).manual_seed(seed)
+        s = shape
+
+        def w(*dims):
+            return (torch.randn(*dims, generator=gen, device=device) / math.sqrt(dims[-1])).to(dtype)
+
+        self.embed = w(s.vocab, s.d)
+        self.layers = [
+            dict(
+                ln1=torch.ones(s.d, device=device, dtype=dtype),
+                ln2=torch.ones(s.d, device=device, dtype=dtype),
+                q=w(s.H * s.D, s.d),
+                k=w(s.Hkv * s.D, s.d),
+                v=w(s.Hkv * s.D, s.d),
+                o=w(s.d, s.H * s.D),
+                gate=w(s.ffn, s.d),
+                up=w(s.ffn, s.d),
+                down=w(s.d, s.ffn),
+            )  # fmt: skip
+            for _ in range(s.layers)
+        ]
+        self.norm = torch.ones(s.d, device=device, dtype=dtype)
+        self.inv_freq = 1.0 / s.theta ** (torch.arange(0, s.D, 2, device=device).float() / s.D)
+
+    def tables(self, position: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        angle = position * self.inv_freq  # float32, as HF's rotary embedding
+        emb = torch.cat((angle, angle))
+        return emb.cos().to(self.dtype).expand(batch, -1), emb.sin().to(self.dtype).expand(batch, -1)
+
+    def mlp_and_head(self, x: torch.Tensor, layer: dict, attn: torch.Tensor) -> torch.Tensor:
+        x = x + attn
+        h = rms_norm(x, layer["ln2"])
+        return x + (F.silu(h @ layer["gate"].T) * (h @ layer["up"].T)) @ layer["down"].T
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.norm) @ self.embed.T
+
+
+class Original:
+    """The original attention over a static cache K, V (per layer (B, Hkv, S_max, D))."""
+
+    def __init__(self, stack: Stack, batch: int, capacity: int, backend: str = "flash") -> None:
+        s, dev, dt = stack.shape, stack.device, stack.dtype
+        self.stack, self.backend = stack, backend
+        self.k = [torch.zeros(batch, s.Hkv, capacity, s.D, device=dev, dtype=dt) for _ in range(s.layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
+
+    def fill(self) -> None:
+        for t in (*self.k, *self.v):
+            t.normal_()
+
+    def choose(self, backend: str) -> None:
+        self.backend = backend
+
+    def attention(self, i: int, h: torch.Tensor, pos: int, cos, sin) -> torch.Tensor:
+        s, L = self.stack.shape, self.stack.layers[i]
+        B = h.shape[0]
+        q = rope((h @ L["q"].T).view(B, s.H, 1, s.D), cos[:, None, None], sin[:, None, None])
+        k = rope((h @ L["k"].T).view(B, s.Hkv, s.D), cos[:, None], sin[:, None])
+        self.k[i][:, :, pos] = k
+        self.v[i][:, :, pos] = (h @ L["v"].T).view(B, s.Hkv, s.D)
+        K, V = self.k[i][:, :, : pos + 1], self.v[i][:, :, : pos + 1]
+        if self.backend == "default":
+            out = F.scaled_dot_product_attention(q, K, V, enable_gqa=s.H != s.Hkv)  # (B, H, 1, D)
+        else:
+            with sdpa_kernel(BACKENDS[self.backend]):
+                out = F.scaled_dot_product_attention(q, K, V, enable_gqa=s.H != s.Hkv)
+        return out.reshape(B, -1) @ L["o"].T
+
+    def bytes_per_token(self) -> int:
+        s = self.stack.shape
+        return 2 * s.layers * s.Hkv * s.D * self.k[0].element_size()
+
+    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        cos, sin = self.stack.tables(pos, x.shape[0])
+        for i, L in enumerate(self.stack.layers):
+            x = self.stack.mlp_and_head(x, L, self.attention(i, rms_norm(x, L["ln1"]), pos, cos, sin))
+        return self.stack.logits(x)
+
+
+class Latent:
+    """lrkv's decode path over a static latent cache H_k (B, S_max, R_k), H_v (B, S_max, R_v) per layer: the
+    same stack, each group's k/v projections cut to ``rank`` by a data-free SVD, B_v folded into o_proj."""
+
+    def __init__(self, stack: Stack, rank: int, batch: int, capacity: int) -> None:
+        s, dev, dt = stack.shape, stack.device, stack.dtype
+        self.stack, self.rank = stack, rank
+        G, nq, n_rep = s.Hkv // s.group, s.H // (s.Hkv // s.group), s.H // s.Hkv
+        self.layers = []
+        for L in stack.layers:
+            k_down, v_down, ups, o_blocks = [], [], [], []
+            for g in range(G):
+                rows = slice(g * s.group * s.D, (g + 1) * s.group * s.D)
+                uk, sk, vk = torch.linalg.svd(L["k"][rows].float(), full_matrices=False)
+                uv, sv, vv = torch.linalg.svd(L["v"][rows].float(), full_matrices=False)
+                k_down.append(vk[:rank])
+                ups.append((uk[:, :rank] * sk[:rank]).to(dt))  # B_k (s·D, r)
+                v_down.append(vv[:rank])
+                b_v = uv[:, :rank] * sv[:rank]  # (s·D, r)
+                for h in range(g * nq, (g + 1) * nq):  # W_o,h B_v,g,h
+                    j = (h - g * nq) // n_rep
+                    o_blocks.append(L["o"][:, h * s.D : (h + 1) * s.D].float() @ b_v[j * s.D : (j + 1) * s.D])
+            self.layers.append(
+                dict(
+                    k_down=torch.cat(k_down).to(dt),
+                    v_down=torch.cat(v_down).to(dt),
+                    o=torch.cat(o_blocks, dim=1).to(dt),
+                    weights=LatentDecodeWeights.build(ups, [None] * G, [rank] * G, nq, dt),
+                )  # fmt: skip
+            )
+            self.layers[-1]["groups"] = self.layers[-1][
+                "weights"
+            ].groups()  # read once: no sync when captured
+        R = G * rank
+        self.hk = [torch.zeros(batch, capacity, R, device=dev, dtype=dt) for _ in range(s.layers)]
+        self.hv = [torch.zeros_like(h) for h in self.hk]
+        self.positions = torch.arange(capacity, device=dev, dtype=torch.int32).expand(batch, -1)
+        self.kernel = "dispatch"
+
+    def fill(self) -> None:
+        for t in (*self.hk, *self.hv):
+            t.normal_()
+
+    def choose(self, kernel) -> None:
+        """``(tokens per tile, warps)`` of the flash-decoding kernel, ``"dispatch"`` (its defaults through the
+        dispatcher, any device) or ``"palu-scores"``."""
+        self.kernel = kernel
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.stack.shape.layers * self.hk[0].shape[-1] * self.hk[0].element_size()
+
+    def attention(self, i: int, h: torch.Tensor, pos: int, cos, sin) -> torch.Tensor:
+        s, L, M = self.stack.shape, self.stack.layers[i], self.layers[i]
+        B = h.shape[0]
+        q = rope((h @ L["q"].T).view(B, s.H, s.D), cos[:, None], sin[:, None])
+        self.hk[i][:, pos] = h @ M["k_down"].T
+        self.hv[i][:, pos] = h @ M["v_down"].T
+        hk, hv, positions = self.hk[i][:, : pos + 1], self.hv[i][:, : pos + 1], self.positions[:, : pos + 1]
+        args = (q, hk, hv, M["weights"], positions, self.stack.inv_freq, 1.0, s.D**-0.5)
+        if self.kernel == "dispatch":
+            out = latent_decode_attention(*args)  # (B, Σ_g nq·r)
+        elif isinstance(self.kernel, tuple):
+            from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
+
+            out = latent_decode_attention_triton(*args, block_s=self.kernel[0], num_warps=self.kernel[1])
+        else:  # Palu's scores kernel per group, softmax and the value product in torch
+            outs, G = [], s.Hkv // s.group
+            nq = s.H // G
+            for g, (_, cols_v, up, _) in enumerate(M["groups"]):
+                cols_k = slice(g * self.rank, (g + 1) * self.rank)
+                scores = latent_rope_scores(
+                    q[:, g * nq : (g + 1) * nq, None], hk[..., cols_k], up, None, positions,
+                    self.stack.inv_freq, 1.0, s.D**-0.5,
+                )  # fmt: skip
+                probs = torch.softmax(scores, dim=-1).to(hv.dtype)
+                outs.append((probs @ hv[:, None, :, cols_v]).reshape(B, -1))
+            out = torch.cat(outs, dim=-1)
+        return out @ M["o"].T
+
+    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        cos, sin = self.stack.tables(pos, x.shape[0])
+        for i, L in enumerate(self.stack.layers):
+            x = self.stack.mlp_and_head(x, L, self.attention(i, rms_norm(x, L["ln1"]), pos, cos, sin))
+        return self.stack.logits(x)
+
+
+def check_full_rank(device: torch.device) -> float:
+    """lrkv at full rank decodes a prefix token by token to the original's logits (float32)."""
+    shape = SHAPES["tiny"] if device.type == "cpu" else SHAPES["smollm2"]
+    stack = Stack(shape, device, torch.float32, seed=1)
+    batch, steps = 2, 40
+    orig = Original(stack, batch, steps)
+    lat = Latent(stack, shape.group * shape.D, batch, steps)
+    ids = torch.randint(shape.vocab, (batch, steps), generator=torch.Generator().manual_seed(0)).to(device)
+    worst = 0.0
+    for t in range(steps):
+        x = stack.embed[ids[:, t]]
+        a, b = orig.step(x, t), lat.step(x, t)
+        worst = max(worst, float((a - b).abs().max() / a.abs().max()))
+    return worst
+
+
+def cuda_graph_ms(fn, steps: int, repeats: int) -> float:
+    """Median milliseconds per call of ``fn`` (no arguments) captured in a CUDA graph and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return statistics.median(times)
+
+
+def emit(out, row: dict) -> None:
+    print(json.dumps(row), flush=True)
+    if out is not None:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(set(SHAPES) - {"tiny"}), default="smollm2")
+    ap.add_argument("--context", default="16384,32768,65536")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--ratio", type=float, default=0.5, help="lrkv's KV width over the original's")
+    ap.add_argument("--group", type=int, default=None, help="KV heads per latent group (default: lrkv's)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", default="check,attention,step,serving")
+    ap.add_argument("--device", default="cuda", help="cpu: only the full-rank check (Triton's interpreter)")
+    ap.add_argument("--out", type=Path, default=None, help="append JSON rows here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    parts = set(args.parts.split(","))
+    out = args.out.open("a") if args.out else None
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    meta = dict(shape=args.shape, device=name, torch=torch.__version__, ratio=args.ratio)
+    if "check" in parts:
+        emit(out, dict(meta, part="full-rank check", max_relative_logit_error=check_full_rank(device)))
+    if device.type != "cuda":
+        return
+    dtype = getattr(torch, args.dtype)
+    shape = SHAPES[args.shape]
+    if args.group:
+        if shape.Hkv % args.group:
+            ap.error(f"--group {args.group} does not divide the {shape.Hkv} KV heads")
+        shape = replace(shape, group=args.group)
+    meta["group"] = shape.group
+    rank = int(args.ratio * shape.group * shape.D) // 8 * 8
+    contexts = [int(c) for c in args.context.split(",")]
+    stack = Stack(shape, device, dtype)
+    emit(out, dict(meta, part="device copy", gb_per_s=round(copy_bandwidth(device), 1)))
+    best: dict[tuple[str, int], str] = {}  # each side's fastest attention at a context, for its steps
+    steps: dict[tuple[str, int], float] = {}
+    for kind in ("original", "lrkv"):
+        if kind == "original":
+            cache = Original(stack, args.batch, max(contexts) + 1)
+        else:
+            cache = Latent(stack, rank, args.batch, max(contexts) + 1)
+        cache.fill()
+        x = stack.embed[torch.arange(args.batch, device=device)]
+        for ctx in contexts:
+            options = list(BACKENDS) + ["default"] if kind == "original" else [*TILINGS, "palu-scores"]
+            timed = {}
+            if "attention" in parts:
+                h = rms_norm(x, stack.layers[0]["ln1"])
+                cos, sin = stack.tables(ctx, args.batch)
+                for option in options:
+                    cache.choose(option)
+                    try:
+                        ms = cuda_graph_ms(
+                            partial(cache.attention, 0, h, ctx, cos, sin), args.steps * 5, args.repeats
+                        )
+                    except RuntimeError as err:  # a backend that does not take these inputs
+                        emit(
+                            out,
+                            dict(
+                                meta,
+                                part="one layer's attention",
+                                model=kind,
+                                kernel=str(option),
+                                context=ctx,
+                                error=str(err).splitlines()[0][:200],
+                            ),
+                        )
+                        continue
+                    timed[option] = ms
+                    read = cache.bytes_per_token() // shape.layers * (ctx + 1) * args.batch
+                    emit(
+                        out,
+                        dict(
+                            meta,
+                            part="one layer's attention",
+                            model=kind,
+                            kernel=str(option),
+                            context=ctx,
+                            batch=args.batch,
+                            ms=round(ms, 4),
+                            cache_gb_read=round(read / 1e9, 4),
+                            cache_gb_per_s=round(read / ms / 1e6, 1),
+                        ),
+                    )
+            fastest = min(timed, key=timed.get) if timed else options[0]
+            best[kind, ctx] = str(fastest)
+            if "step" in parts:
+                cache.choose(fastest)
+                ms = cuda_graph_ms(partial(cache.step, x, ctx), args.steps, args.repeats)
+                steps[kind, ctx] = ms
+                emit(
+                    out,
+                    dict(
+                        meta,
+                        part="decode step",
+                        model=kind,
+                        kernel=str(fastest),
+                        context=ctx,
+                        batch=args.batch,
+                        ms=round(ms, 3),
+                        kv_bytes_per_token=cache.bytes_per_token(),
+                    ),
+                )
+        del cache
+        torch.cuda.empty_cache()
+    for ctx in contexts:
+        if ("lrkv", ctx) in steps:
+            emit(
+                out,
+                dict(
+                    meta,
+                    part="decode step ratio",
+                    context=ctx,
+                    batch=args.batch,
+                    lrkv_over_original=round(steps["lrkv", ctx] / steps["original", ctx], 3),
+                ),
+            )
+    if "serving" in parts:
+        ctx = max(contexts)
+        serving(
+            stack, rank, ctx, best.get(("original", ctx), "flash"), best.get(("lrkv", ctx)), args, meta, out
+        )
+
+
+def serving(stack: Stack, rank: int, ctx: int, backend: str, tiling, args, meta: dict, out) -> None:
+    """Within the memory the original's cache takes at ``--batch`` × ``ctx`` tokens, lrkv holds a larger
+    batch: tokens/s of each at its own largest batch (a decode step of every row)."""
+    orig = Original(stack, args.batch, ctx + 1)
+    orig.choose(backend)
+    per_token = orig.bytes_per_token()
+    budget = per_token * (ctx + 1) * args.batch
+    orig.fill()
+    x = stack.embed[torch.arange(args.batch, device=stack.device)]
+    ms_o = cuda_graph_ms(partial(orig.step, x, ctx), args.steps, args.repeats)
+    del orig
+    torch.cuda.empty_cache()
+    s = stack.shape
+    latent_per_token = 2 * s.layers * (s.Hkv // s.group) * rank * stack.embed.element_size()
+    batch_l = budget // (latent_per_token * (ctx + 1))
+    lat = Latent(stack, rank, batch_l, ctx + 1)
+    if tiling is not None:
+        lat.choose(eval(tiling) if tiling.startswith("(") else tiling)  # noqa: S307 (our own repr)
+    lat.fill()
+    x = stack.embed[torch.arange(batch_l, device=stack.device) % s.vocab]
+    ms_l = cuda_graph_ms(partial(lat.step, x, ctx), args.steps, args.repeats)
+    tps_o, tps_l = args.batch / ms_o * 1e3, batch_l / ms_l * 1e3
+    emit(
+        out,
+        dict(
+            meta,
+            part="serving at a fixed cache budget",
+            context=ctx,
+            cache_budget_gb=round(budget / 1e9, 2),
+            original_batch=args.batch,
+            original_ms=round(ms_o, 3),
+            original_tokens_per_s=round(tps_o, 1),
+            original_kv_bytes_per_token=per_token,
+            lrkv_batch=int(batch_l),
+            lrkv_ms=round(ms_l, 3),
+            lrkv_kv_bytes_per_token=latent_per_token,
+            lrkv_tokens_per_s=round(tps_l, 1),
+            lrkv_over_original_tokens_per_s=round(tps_l / tps_o, 3),
+        ),
+    )
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a device-to-device copy of 2 GB (bytes read plus written), for the roofline."""
+    a = torch.empty(2**30, device=device, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    ms = cuda_graph_ms(partial(b.copy_, a), 10, 3)
+    del a, b
+    return 2 * 2**30 / ms / 1e6
+
+
+if __name__ == "__main__":
+    main()
