@@ -35,6 +35,7 @@ read_scalars_as_indices()  # the sequence loop's trip count is a run-time value
 
 BLOCK_R = 64  # key latents per step of the reconstruction
 NUM_WARPS = 4
+NUM_STAGES = 1  # software pipelining of the sequence loop multiplies its shared memory (over an H200's at 3)
 MIN_SPLIT_TILES = 4  # a split walks at least this many tiles, so its partial sums are worth their write
 
 
@@ -204,10 +205,11 @@ def latent_decode_attention_triton(
     n_splits: int | None = None,
     block_s: int | None = None,
     num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """:func:`~lrkv_kernels.latent_rope.reference.latent_decode_attention_ref` in two launches (same
-    arguments; (B, width) in the latents' dtype). ``n_splits`` (splits of the sequence) and ``block_s``
-    (tokens per tile, a power of two ≥ 16) override the launch's defaults."""
+    arguments; (B, width) in the latents' dtype). ``n_splits`` (splits of the sequence), ``block_s`` (tokens
+    per tile, a power of two ≥ 16), ``num_warps`` and ``num_stages`` override the launch's defaults."""
     B, H, D = q.shape
     S = h_k.shape[1]
     G = weights.up.shape[0]
@@ -244,7 +246,7 @@ def latent_decode_attention_triton(
         G=G, S_HEADS=s, RK=weights.up.shape[2], NQ=nq, NQ_P=nq_p, NSPLIT=n_splits,
         HALF=D // 2, HALF_P=_pow2(D // 2), RV_P=rv_p,
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_S=block_s, BLOCK_R=BLOCK_R,
-        PRECISION=precision, ACCURATE_TRIG=q.is_cuda, num_warps=num_warps,
+        PRECISION=precision, ACCURATE_TRIG=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B * G * nq,)](
         acc, m, l, weights.ranks_v, weights.out_offsets, out, out.stride(0),
