@@ -4,6 +4,10 @@
 data directory, which is an lrkv compressed model directory; ``predict`` generates greedily. The model is
 logged with :func:`signature`, whose params schema lets ``predict(rows, params={"max_new_tokens": 6})`` reach
 :meth:`LrkvPyfunc.predict` (MLflow drops, with a warning, params a model's signature does not declare).
+
+MLflow resolves ``models:/`` through its own global registry URI, which is ``./mlflow.db`` when nothing is
+configured: :func:`load_pyfunc` resolves the name in the registry lrkv logs to instead (the local SQLite
+under ``$LRKV_HOME`` by default) and loads the downloaded model.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ def signature():
     from mlflow.types.schema import ParamSchema, ParamSpec
 
     return ModelSignature(params=ParamSchema([ParamSpec(k, "long", v) for k, v in PARAMS.items()]))
+
+
+def load_pyfunc(model_uri: str):
+    """``mlflow.pyfunc.load_model`` of a registered lrkv model: ``models:/NAME@ALIAS`` or ``NAME/VERSION``
+    resolved in lrkv's registry (``$MLFLOW_REGISTRY_URI``, else ``$MLFLOW_TRACKING_URI``, else the local
+    SQLite under ``$LRKV_HOME``); other URIs go to MLflow as given."""
+    import mlflow.pyfunc
+
+    if model_uri.startswith("models:/"):
+        from .remote_refs import resolve_registered_mlflow_model
+
+        model_uri = str(resolve_registered_mlflow_model(model_uri))
+    return mlflow.pyfunc.load_model(model_uri)
 
 
 def _load_pyfunc(data_path: str) -> LrkvPyfunc:

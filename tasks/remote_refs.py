@@ -1,7 +1,9 @@
 """Model references to remote artifacts, plugged into lrkv_core's resolver by entry points (pyproject.toml):
 
-- ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``: a version in the MLflow model registry
-  (``$MLFLOW_TRACKING_URI``, else lrkv's local SQLite);
+- ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``: a version in the MLflow model registry lrkv logs to
+  (``$MLFLOW_REGISTRY_URI``, else ``$MLFLOW_TRACKING_URI``, else lrkv's local SQLite under ``$LRKV_HOME``),
+  downloaded from the version's own artifact location: MLflow's resolution of a ``models:/`` URI would
+  look in its global registry instead (a ``./mlflow.db`` when nothing is configured);
 - ``s3://bucket/prefix/models/<sha256>``: a model directory in an S3 artifact store.
 
 So ``lrkv_core.load_compressed("models:/lrkv-llama@champion")`` and ``load_model`` work once lrkv is
@@ -22,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from lrkv_core.fingerprint import hash_dir
-from lrkv_core.paths import lrkv_home
+from lrkv_core.paths import writable_home
 
 from .registry import SHA_TAG, _alias_version
 from .tracking import client, tracking_uri
@@ -66,33 +68,46 @@ def registered_version(ref: str):
 
 def resolve_registered_model(rest: str) -> Path:
     """Local directory of the lrkv model a ``models:`` reference names (downloaded once, verified)."""
+    return _download_version(rest, "models", whole=False)
+
+
+def resolve_registered_mlflow_model(ref: str) -> Path:
+    """Local directory of the whole MLflow model (MLmodel + data) a ``models:`` reference names."""
+    return _download_version(ref, "mlflow-models", whole=True)
+
+
+def _download_version(ref: str, folder: str, whole: bool) -> Path:
+    """Download the registered MLflow model ``ref`` names once into ``$LRKV_HOME/cache/<folder>/<sha256>``
+    (its lrkv data directory, or with ``whole`` the MLflow model directory), renamed into place after the
+    content hash (the version's ``lrkv.sha256`` tag) was checked."""
     import mlflow.artifacts
 
-    version = registered_version(rest)
+    version = registered_version(ref)
     sha = version.tags.get(SHA_TAG)
     if not sha:
         raise RegistryLookupError(
             f"{version.name} v{version.version} is not an lrkv model (no {SHA_TAG} tag)"
         )
-    dest = lrkv_home() / "cache" / "models" / sha
+    dest = writable_home() / "cache" / folder / sha
     if dest.is_dir():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{sha[:12]}."))
     try:
-        mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{version.name}/{version.version}",
-            dst_path=str(tmp),
-            tracking_uri=tracking_uri(),
+        source = client().get_model_version_download_uri(version.name, version.version)
+        model = Path(
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=source, dst_path=str(tmp), tracking_uri=tracking_uri()
+            )
         )
-        mlmodel = yaml.safe_load((tmp / "MLmodel").read_text())
-        data = tmp / mlmodel["flavors"]["python_function"]["data"]
+        mlmodel = yaml.safe_load((model / "MLmodel").read_text())
+        data = model / mlmodel["flavors"]["python_function"]["data"]
         got = hash_dir(data)
         if got != sha:
             raise OSError(
                 f"{version.name} v{version.version}: downloaded model hash {got[:12]}… is not {sha[:12]}…"
             )
-        os.replace(data, dest)
+        os.replace(model if whole else data, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

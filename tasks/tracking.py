@@ -1,7 +1,12 @@
 """MLflow runs: opened when a flow starts, filled with batch calls, closed FINISHED, FAILED or KILLED.
 
 The tracking URI is the recipe's, else ``$MLFLOW_TRACKING_URI``, else local SQLite under ``$LRKV_HOME``
-(artifacts in ``$LRKV_HOME/mlartifacts``). A flow opens its run first (:func:`open_run`, status RUNNING,
+(artifacts in ``$LRKV_HOME/mlartifacts``); the registry is ``$MLFLOW_REGISTRY_URI``, else the tracking URI,
+and every client lrkv makes (:func:`client`) names both, never leaving MLflow to its own default (a
+``./mlflow.db`` in the current directory). A local SQLite database is created whole or not at all
+(:func:`prepare_database`): MLflow's schema is built in a temporary file beside it, under the directory's
+set-up lock, and renamed into place, so an interrupted first run or two first runs at once leave no
+half-migrated database. A flow opens its run first (:func:`open_run`, status RUNNING,
 tagged with the owning host and process), so an interrupted conversion leaves a run marked KILLED or FAILED
 rather than none; a process killed outright (SIGKILL) cannot mark its run, so the next flow on the same host
 marks runs whose owner is gone as KILLED (:func:`reap_orphaned_runs`). Runs this process has open are listed
@@ -18,8 +23,9 @@ import socket
 import tempfile
 import threading
 from pathlib import Path
+from urllib.parse import unquote
 
-from lrkv_core.paths import lrkv_home
+from lrkv_core.paths import lrkv_home, setup_lock, writable_home
 
 from .keys import code_version
 
@@ -28,10 +34,11 @@ _OPEN_LOCK = threading.Lock()
 OWNER_TAG = "lrkv.owner"  # host:pid of the process that opened the run
 
 
+_READY: set[str] = set()  # SQLite URIs whose database this process has seen complete
+
+
 def default_tracking_uri() -> str:
-    home = lrkv_home()
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home / 'mlflow.db'}"
+    return f"sqlite:///{writable_home() / 'mlflow.db'}"
 
 
 def tracking_uri(explicit: str | None = None) -> str:
@@ -39,10 +46,64 @@ def tracking_uri(explicit: str | None = None) -> str:
     return explicit or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
+def registry_uri(tracking: str | None = None) -> str:
+    """Where registered model names resolve: ``$MLFLOW_REGISTRY_URI``, else :func:`tracking_uri`."""
+    return os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri(tracking)
+
+
 def client(uri: str | None = None):
+    """An ``MlflowClient`` on the tracking URI (:func:`tracking_uri`) and registry (:func:`registry_uri`)."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri(uri))
+    uri = tracking_uri(uri)
+    registry = registry_uri(uri)
+    for store in {uri, registry}:
+        prepare_database(store)
+    return MlflowClient(tracking_uri=uri, registry_uri=registry)
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///PATH`` URI; None for other stores and in-memory SQLite."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = unquote(uri[len("sqlite:///") :].split("?", 1)[0])
+    return Path(path) if path and path != ":memory:" else None
+
+
+def prepare_database(uri: str) -> None:
+    """Create the SQLite database ``uri`` names, with MLflow's whole schema, unless it exists (else no-op).
+
+    Under the set-up lock of the database's directory: files a killed set-up left are removed, the schema
+    is built in a temporary file there and renamed onto the database's name only when complete.
+    """
+    path = _sqlite_file(uri)
+    if path is None or uri in _READY:
+        return
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with setup_lock(path.parent):
+            for stale in path.parent.glob(f".{path.name}.*.tmp*"):  # a set-up that was killed midway
+                stale.unlink(missing_ok=True)
+            if not path.is_file():
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                try:
+                    _create_schema(tmp)
+                    os.replace(tmp, path)
+                finally:
+                    tmp.unlink(missing_ok=True)
+    _READY.add(uri)
+
+
+def _create_schema(path: Path) -> None:
+    """MLflow's tracking and registry schema at its newest revision in a new SQLite file."""
+    from mlflow.store.db import utils
+
+    engine = utils.create_sqlalchemy_engine(f"sqlite:///{path}")
+    try:
+        utils._initialize_tables(engine)  # what MLflow's store runs on an empty database
+        utils._verify_schema(engine)
+    finally:
+        engine.dispose()
 
 
 def experiment_id(mlflow, name: str, uri: str) -> str:
