@@ -9,6 +9,7 @@ one launch per layer.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,35 @@ class LatentDecodeWeights:
             bias = None if self.bias is None else self.bias[g]
             out.append((slice(ko, ko + rk), slice(vo, vo + rv), self.up[g, :, :rk], bias))
         return out
+
+
+TABLE_FLOOR = 4096  # positions the RoPE tables cover at least
+_TABLES: OrderedDict[tuple[int, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
+_KEPT_TABLES = 8  # models whose tables stay cached
+
+
+def rope_tables_for(
+    inv_freq: torch.Tensor, attention_scaling: float, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (P, D/2) float32 of positions 0 … P−1, P ≥ ``length`` a power of two, exactly as HF's rotary
+    embedding computes them (the float32 angle ``position · inv_freq``, its cos/sin, times
+    ``attention_scaling``): the decode kernel reads them instead of evaluating cos/sin for every cached token,
+    layer and group. Cached per ``inv_freq`` tensor (held while cached, so its identity stays unique) and
+    grown by doubling; positions past P make the kernel compute cos/sin itself."""
+    key = (id(inv_freq), float(attention_scaling))
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is inv_freq and hit[1].shape[0] >= length:
+        _TABLES.move_to_end(key)
+        return hit[1], hit[2]
+    size = max(TABLE_FLOOR, 1 << max(length - 1, 0).bit_length())
+    angle = (
+        torch.arange(size, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+    )
+    cos, sin = angle.cos() * attention_scaling, angle.sin() * attention_scaling
+    _TABLES[key] = (inv_freq, cos, sin)
+    while len(_TABLES) > _KEPT_TABLES:
+        _TABLES.popitem(last=False)
+    return cos, sin
 
 
 def additive_mask(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:

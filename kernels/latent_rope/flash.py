@@ -29,22 +29,23 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..interpreter import read_scalars_as_indices
-from .decode import LatentDecodeWeights
+from .decode import LatentDecodeWeights, rope_tables_for
 
 read_scalars_as_indices()  # the sequence loop's trip count is a run-time value
 
-BLOCK_R = 64  # key latents per step of the reconstruction
 NUM_WARPS = 4
 NUM_STAGES = 1  # software pipelining of the sequence loop multiplies its shared memory (over an H200's at 3)
-MIN_SPLIT_TILES = 4  # a split walks at least this many tiles, so its partial sums are worth their write
+MIN_SPLIT_TILES = 2  # a split walks at least this many tiles, so its partial sums are worth their write
+PROGRAMS_PER_SM = 8  # programs in flight per multiprocessor: their loads hide each other's latency
+MAX_SPLITS = 256
 
 
 @triton.jit
 def _flash_decode_kernel(
-    q_ptr, hk_ptr, hv_ptr, up_ptr, bias_ptr, pos_ptr, inv_freq_ptr, mask_ptr,
+    q_ptr, hk_ptr, hv_ptr, up_ptr, bias_ptr, pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, mask_ptr,
     rk_ptr, rv_ptr, koff_ptr, voff_ptr,
     acc_ptr, m_ptr, l_ptr,
-    S, split_len, n_rep, scaling, rope_scaling,
+    S, split_len, n_splits, table_len, n_rep, scaling, rope_scaling,
     sq_b, sq_h, sq_d,
     shk_b, shk_s, shk_r,
     shv_b, shv_s, shv_r,
@@ -52,9 +53,9 @@ def _flash_decode_kernel(
     sb_g,
     sp_b, sp_s,
     sm_b, sm_s,
-    G: tl.constexpr, S_HEADS: tl.constexpr, RK: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, RV_P: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    G: tl.constexpr, S_HEADS: tl.constexpr, RK_P: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr,
+    HALF: tl.constexpr, HALF_P: tl.constexpr, RV_P: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr, ACCURATE_TRIG: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -71,6 +72,8 @@ def _flash_decode_kernel(
     kv_of = offs_h // n_rep  # the KV head of the group each query head reads, as repeat_kv pairs them
     offs_d = tl.arange(0, HALF_P)  # rotation pairs, padded to a power of two
     mask_d = offs_d < HALF
+    offs_r = tl.arange(0, RK_P)  # the group's key latents, padded
+    mask_r = offs_r < rk
     offs_rv = tl.arange(0, RV_P)
     mask_rv = offs_rv < rv
 
@@ -87,33 +90,32 @@ def _flash_decode_kernel(
     for t in range(0, split_len // BLOCK_S):
         offs_s = start + t * BLOCK_S + tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
-        pos = tl.load(pos_ptr + b * sp_b + offs_s * sp_s, mask=mask_s, other=0).to(tl.float32)
-        angle = pos[:, None] * inv_freq[None, :]  # (BLOCK_S, HALF_P): float32 product, then cos/sin, as HF
-        if ACCURATE_TRIG:  # libdevice's cos/sin on a GPU (exact to an ulp at angles of thousands of radians)
-            cos, sin = libdevice.cos(angle), libdevice.sin(angle)
-        else:  # the interpreter (numpy's cos/sin) has no libdevice
-            cos, sin = tl.cos(angle), tl.sin(angle)
-        cos, sin = cos * rope_scaling, sin * rope_scaling
+        pos = tl.load(pos_ptr + b * sp_b + offs_s * sp_s, mask=mask_s, other=0)
+        if tl.max(pos, axis=0) < table_len:  # the RoPE tables, read (cos/sin computed once per position)
+            at = pos[:, None] * HALF + offs_d[None, :]
+            cos = tl.load(cos_ptr + at, mask=mask_d[None, :], other=0.0)
+            sin = tl.load(sin_ptr + at, mask=mask_d[None, :], other=0.0)
+        else:  # positions past the tables: float32 angle, then cos/sin, as HF's rotary embedding
+            angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+            if ACCURATE_TRIG:  # libdevice's cos/sin (exact to an ulp at angles of thousands of radians)
+                cos, sin = libdevice.cos(angle) * rope_scaling, libdevice.sin(angle) * rope_scaling
+            else:  # the interpreter (numpy's cos/sin) has no libdevice
+                cos, sin = tl.cos(angle) * rope_scaling, tl.sin(angle) * rope_scaling
 
+        h = tl.load(
+            hk_ptr + b * shk_b + offs_s[:, None] * shk_s + (koff + offs_r)[None, :] * shk_r,
+            mask=mask_s[:, None] & mask_r[None, :], other=0.0,
+        )  # (BLOCK_S, RK_P)  # fmt: skip
         scores = tl.zeros((NQ_P, BLOCK_S), tl.float32)
-        for kv in tl.static_range(S_HEADS):
+        for kv in range(S_HEADS):
             rows1 = kv * 2 * HALF + offs_d  # up rows of the KV head's first half (HF's half-split RoPE)
             rows2 = rows1 + HALF
-            k1 = tl.zeros((BLOCK_S, HALF_P), dtype=tl.float32)
-            k2 = tl.zeros((BLOCK_S, HALF_P), dtype=tl.float32)
-            for r0 in tl.static_range(0, RK, BLOCK_R):  # the widest group's rank; narrower ones masked
-                offs_r = r0 + tl.arange(0, BLOCK_R)
-                mask_r = offs_r < rk
-                h = tl.load(
-                    hk_ptr + b * shk_b + offs_s[:, None] * shk_s + (koff + offs_r)[None, :] * shk_r,
-                    mask=mask_s[:, None] & mask_r[None, :], other=0.0,
-                )  # (BLOCK_S, BLOCK_R)  # fmt: skip
-                up_rows = up_ptr + g * su_g + offs_r[:, None] * su_r
-                up_mask = mask_r[:, None] & mask_d[None, :]
-                up1 = tl.load(up_rows + rows1[None, :] * su_o, mask=up_mask, other=0.0)
-                up2 = tl.load(up_rows + rows2[None, :] * su_o, mask=up_mask, other=0.0)
-                k1 = tl.dot(h, up1, k1, input_precision=PRECISION)  # (BLOCK_S, HALF_P)
-                k2 = tl.dot(h, up2, k2, input_precision=PRECISION)
+            up_rows = up_ptr + g * su_g + offs_r[:, None] * su_r
+            up_mask = mask_r[:, None] & mask_d[None, :]
+            up1 = tl.load(up_rows + rows1[None, :] * su_o, mask=up_mask, other=0.0)  # (RK_P, HALF_P)
+            up2 = tl.load(up_rows + rows2[None, :] * su_o, mask=up_mask, other=0.0)
+            k1 = tl.dot(h, up1, input_precision=PRECISION)  # (BLOCK_S, HALF_P) float32
+            k2 = tl.dot(h, up2, input_precision=PRECISION)
             if HAS_BIAS:
                 k1 += tl.load(bias_ptr + g * sb_g + rows1, mask=mask_d, other=0.0).to(tl.float32)[None, :]
                 k2 += tl.load(bias_ptr + g * sb_g + rows2, mask=mask_d, other=0.0).to(tl.float32)[None, :]
@@ -141,7 +143,7 @@ def _flash_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    row = (pid * NQ_P + offs_h) * NSPLIT + split  # partial sums laid out (B·G·NQ_P, NSPLIT[, RV_P])
+    row = (pid * NQ_P + offs_h) * n_splits + split  # partial sums laid out (B·G·NQ_P, n_splits[, RV_P])
     tl.store(m_ptr + row, m_i)
     tl.store(l_ptr + row, l_i)
     tl.store(acc_ptr + row[:, None] * RV_P + offs_rv[None, :], acc)
@@ -150,9 +152,8 @@ def _flash_decode_kernel(
 @triton.jit
 def _combine_kernel(
     acc_ptr, m_ptr, l_ptr, rv_ptr, ooff_ptr, out_ptr,
-    so_b,
-    G: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P: tl.constexpr,
-    RV_P: tl.constexpr,
+    so_b, n_splits,
+    G: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr, NSPLIT_P: tl.constexpr, RV_P: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # one query head of one group and batch row
     b = (pid // (G * NQ)).to(tl.int64)
@@ -160,13 +161,13 @@ def _combine_kernel(
     head = pid % NQ
     row = (b * G + g) * NQ_P + head
     offs_sp = tl.arange(0, NSPLIT_P)
-    mask_sp = offs_sp < NSPLIT
-    m = tl.load(m_ptr + row * NSPLIT + offs_sp, mask=mask_sp, other=float("-inf"))
-    l = tl.load(l_ptr + row * NSPLIT + offs_sp, mask=mask_sp, other=0.0)  # noqa: E741
+    mask_sp = offs_sp < n_splits
+    m = tl.load(m_ptr + row * n_splits + offs_sp, mask=mask_sp, other=float("-inf"))
+    l = tl.load(l_ptr + row * n_splits + offs_sp, mask=mask_sp, other=0.0)  # noqa: E741
     m_max = tl.max(m, axis=0)
     w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     offs_rv = tl.arange(0, RV_P)
-    rows = (row * NSPLIT + offs_sp)[:, None] * RV_P
+    rows = (row * n_splits + offs_sp)[:, None] * RV_P
     acc = tl.load(acc_ptr + rows + offs_rv[None, :], mask=mask_sp[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     rv = tl.load(rv_ptr + g)
@@ -179,10 +180,10 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 def splits_for(batch_groups: int, tiles: int, sms: int) -> int:
-    """How many splits of the sequence: enough programs to fill ``sms`` multiprocessors about twice, each
-    walking at least :data:`MIN_SPLIT_TILES` tiles."""
-    want = max(1, -(-2 * sms // max(batch_groups, 1)))
-    return max(1, min(want, tiles // MIN_SPLIT_TILES, 64))
+    """How many splits of the sequence: about :data:`PROGRAMS_PER_SM` programs for each of ``sms``
+    multiprocessors, each walking at least :data:`MIN_SPLIT_TILES` tiles."""
+    want = max(1, -(-PROGRAMS_PER_SM * sms // max(batch_groups, 1)))
+    return max(1, min(want, tiles // MIN_SPLIT_TILES, MAX_SPLITS))
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -234,22 +235,23 @@ def latent_decode_attention_triton(
         mask = mask.to(torch.float32)
     bias = weights.bias
     precision = "ieee" if h_k.dtype == torch.float32 else "tf32"
+    cos, sin = rope_tables_for(inv_freq, attention_scaling, S)
     _flash_decode_kernel[(B * G, n_splits)](
         q, h_k, h_v, weights.up, weights.up if bias is None else bias, positions,
-        inv_freq.float().contiguous(), h_k if mask is None else mask,
+        inv_freq.float().contiguous(), cos, sin, h_k if mask is None else mask,
         weights.ranks_k, weights.ranks_v, weights.k_offsets, weights.v_offsets,
         acc, m, l,
-        S, split_len, nq // s, float(scaling), float(attention_scaling),
+        S, split_len, n_splits, cos.shape[0], nq // s, float(scaling), float(attention_scaling),
         *q.stride(), *h_k.stride(), *h_v.stride(), *weights.up.stride(),
         0 if bias is None else bias.stride(0),
         *positions.stride(), *((0, 0) if mask is None else mask.stride()),
-        G=G, S_HEADS=s, RK=weights.up.shape[2], NQ=nq, NQ_P=nq_p, NSPLIT=n_splits,
+        G=G, S_HEADS=s, RK_P=_pow2(weights.up.shape[2]), NQ=nq, NQ_P=nq_p,
         HALF=D // 2, HALF_P=_pow2(D // 2), RV_P=rv_p,
-        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_S=block_s, BLOCK_R=BLOCK_R,
+        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_S=block_s,
         PRECISION=precision, ACCURATE_TRIG=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B * G * nq,)](
-        acc, m, l, weights.ranks_v, weights.out_offsets, out, out.stride(0),
-        G=G, NQ=nq, NQ_P=nq_p, NSPLIT=n_splits, NSPLIT_P=_pow2(n_splits, 1), RV_P=rv_p,
+        acc, m, l, weights.ranks_v, weights.out_offsets, out, out.stride(0), n_splits,
+        G=G, NQ=nq, NQ_P=nq_p, NSPLIT_P=_pow2(n_splits, 1), RV_P=rv_p,
     )  # fmt: skip
     return out
