@@ -3,12 +3,12 @@
 A layer's condition number is ``κ_l = κ(W_k,l) · κ(W_v,l)``, each of the layer's whole projection weight:
 data-free, whatever the decomposition (the ``weight_condition`` feature rebuilds the weights from the
 full-rank factors). The cumulative ``κ̃_l = Π_{j≥l} κ_j`` bounds how much an error made in layer l can be
-amplified by the layers after it, so shallow layers keep more. Following LoRC's Algorithm 1, layers whose
-cumulative ``κ̃_l`` exceeds ``skip_threshold`` (the shallow, most sensitive ones) are not compressed at all;
-every other layer keeps the fraction ``d_l = d_min + (d_max − d_min) · n_l`` of each group, with ``n_l`` the
-min-max normalised ``log κ̃_l`` over those layers. ``d_max = 1`` (full rank) and ``d_min`` is solved by
-bisection so the budget is met; if even ``d_min = 0`` is too wide, ``d_min = 0`` and ``d_max`` is solved
-instead.
+amplified by the layers after it, so shallow layers keep more. Every layer's fraction of each group is LoRC's
+Eq. 13, ``d_l = d_min + (d_max − d_min) · n_l`` with ``n_l`` the min-max normalised ``log κ̃_l`` over all
+layers; following its Algorithm 1, layers whose cumulative ``κ̃_l`` exceeds ``skip_threshold`` (the shallow,
+most sensitive ones; the paper uses 30 and 90 on its models) are then not compressed at all. ``d_max = 1``
+(full rank) and ``d_min`` is solved by bisection so the budget is met; if even ``d_min = 0`` is too wide,
+``d_min = 0`` and ``d_max`` is solved instead.
 """
 
 from __future__ import annotations
@@ -46,10 +46,7 @@ class Lorc(Allocator):
         cumulative = [sum(log_kappa[layer:]) for layer in range(problem.n_layers)]  # log κ̃_l
         limit = math.inf if self.skip_threshold is None else math.log(self.skip_threshold)
         skipped = [layer for layer, c in enumerate(cumulative) if c > limit]
-        active = [layer for layer in range(problem.n_layers) if layer not in skipped]
-        lo_c, hi_c = (
-            (min(cumulative[a] for a in active), max(cumulative[a] for a in active)) if active else (0, 0)
-        )
+        lo_c, hi_c = min(cumulative), max(cumulative)  # Eq. 13 normalises over all layers, skipped or not
         norm = [(c - lo_c) / (hi_c - lo_c) if hi_c > lo_c else 1.0 for c in cumulative]
 
         def fractions(theta: float) -> tuple[float, float]:

@@ -46,7 +46,7 @@ def test_lorc_is_progressive_and_solves_d_min() -> None:
 
 def test_lorc_skip_threshold_keeps_the_layers_above_it_in_cumulative_condition_at_full_rank() -> None:
     """LoRC's Algorithm 1: layers whose cumulative κ̃_l exceeds the threshold (the shallow, sensitive ones)
-    are not compressed; the others follow the progressive rule among themselves."""
+    are not compressed; the others follow Eq. 13, normalised over all layers (hand-worked below)."""
     log_kappa = [(1.0, 2.0), (0.5, 0.5), (3.0, 1.0), (2.0, 2.0)]  # log κ̃ = 12, 9, 8, 4
     condition = [{"k": [k] * 2, "v": [v] * 2} for k, v in log_kappa]
     spectra = [{kind: [torch.ones(WIDTH, dtype=torch.float64)] * 2 for kind in "kv"} for _ in range(N_LAYERS)]
@@ -60,6 +60,15 @@ def test_lorc_skip_threshold_keeps_the_layers_above_it_in_cumulative_condition_a
         assert plan.ranks["k"][layer] == plan.ranks["v"][layer] == [WIDTH, WIDTH]
     assert plan.budget_width - plan.kept < 8
     assert all(r < WIDTH for r in plan.ranks["k"][3]) and plan.ranks["k"][2][0] >= plan.ranks["k"][3][0]
+    # Eq. 13 over all four layers: n = (log κ̃ − 4) / (12 − 4) gives 0.5 for layer 2 and 0 for layer 3
+    d_min = plan.details["d_min"]
+    for layer, n in ((2, 0.5), (3, 0.0)):
+        target = (d_min + (1 - d_min) * n) * WIDTH
+        assert all(
+            math.floor(target / 8) * 8 <= r <= math.floor(target / 8) * 8 + 8 for r in plan.ranks["k"][layer]
+        )
+    # normalised over the compressed layers only (4 … 8), layer 2 would keep full rank: it does not
+    assert all(r < WIDTH for r in plan.ranks["k"][2])
     no_skip = allocate_ranks(spectra, ratio=0.7, allocator="lorc", **kw)
     assert no_skip.details["skipped_layers"] == [] and no_skip.ranks != plan.ranks
     with pytest.raises(ValueError, match=r"keeps layers \[0, 1, 2\] at full rank"):
