@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from transformers import AutoConfig
@@ -17,7 +18,7 @@ from . import evaluate
 from .adapters import get_adapter
 from .allocation import LayerSummary, RankPlan, plan_from_summaries, summarize_layer
 from .cache import CACHE_STORAGES, CacheStorage
-from .data import eval_windows, extract_calibration, read_token_rows
+from .data import eval_windows, extract_calibration, read_token_rows, token_sequences
 from .decompositions import (
     DECOMPOSITIONS,
     LayerWeights,
@@ -29,6 +30,7 @@ from .format import LrkvFormat
 from .fuse import compress_model
 from .hf_quantized_cache import HfQuantizedCacheSpec
 from .io import model_card, save_compressed
+from .longcontext import LongContextProtocol, LongContextResult, evaluate_long_context
 from .models import load_model, load_tokenizer, read_tensors
 from .refine import REFINE_OBJECTIVE, REFINE_RADIUS, refine_plan
 from .statistics import STATISTICS, load_statistic, save_statistic
@@ -277,6 +279,38 @@ def evaluate_dir(
         if storage is not None:
             result["protocol"]["cache"] = storage.to_dict()
     return out | {"model": str(model_dir)}
+
+
+def evaluate_long_dir(
+    model_dir: str,
+    dataset: str,
+    protocol: LongContextProtocol,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    base_dir: str | None = None,
+    hf_quantized_cache: str | HfQuantizedCacheSpec | None = None,
+    cache: str | Mapping[str, Any] | CacheStorage | None = None,
+    progress: Progress = None,
+) -> LongContextResult:
+    """The long-context suite (:mod:`lrkv_core.longcontext`) of a model on ``dataset``'s token stream, through
+    the cache it deploys (``cache``: another storage; ``hf_quantized_cache``: transformers' QuantizedCache for
+    an original model); with ``base_dir``, the original model on the same windows and prompts."""
+    model, tokenizer = load_model(model_dir, dtype=dtype, device=device)
+    if tokenizer is None:
+        raise ValueError(f"{model_dir} has no tokenizer: the long-context suite builds prompts from text")
+    storage = None if cache is None else use_cache_storage(model, cache)
+    spec = hf_quantized_cache
+    if isinstance(spec, str):
+        spec = HfQuantizedCacheSpec.parse(spec)
+    factory = None if spec is None else functools.partial(spec.make, model.config)
+    base = None if base_dir is None else load_model(base_dir, dtype=dtype, device=device)[0]
+    used = storage.to_dict() if storage is not None else (spec.to_dict() if spec is not None else None)
+    protocol = replace(protocol, dataset=dataset, cache=used)
+    seqs = token_sequences(dataset, tokenizer)
+    return evaluate_long_context(
+        model, tokenizer, seqs, protocol, base=base, cache_factory=factory, progress=progress
+    )
 
 
 def use_cache_storage(model, cache: str | Mapping[str, Any] | CacheStorage) -> CacheStorage:
