@@ -18,6 +18,7 @@ from prefect import flow, unmapped
 from prefect.exceptions import TerminationSignal
 
 from lrkv_core.allocation import statistics_for
+from lrkv_core.heldout import overlap as data_overlap
 from lrkv_tasks import convert as t
 from lrkv_tasks.lora import lora_recover
 from lrkv_tasks.preflight import prepare
@@ -221,12 +222,16 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
     if logged["run_id"] != run["run_id"]:  # every result came from the cache: its run already holds them
         discard_run(run)
     registered = None
+    # evaluation data that overlaps the calibration data never makes a champion
+    overlap = data_overlap(cal.dataset, recipe.eval.dataset) if comp_eval is not None else None
     if recipe.registry.enabled:
         registry = recipe.registry.model_dump()
         registered = _record(
             timings,
             "register_model",
-            stored(register_model).submit(logged, built, recipe.model, base_eval, comp_eval, registry, store),
+            stored(register_model).submit(
+                logged, built, recipe.model, base_eval, comp_eval, registry, store, overlap=overlap
+            ),
         )
     exported = None
     if recipe.out:  # last: a failed evaluation, log or registration leaves no complete-looking --out

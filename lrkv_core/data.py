@@ -31,7 +31,7 @@ from datasets import load_dataset
 
 from lrkv_core.files import make_readable
 from lrkv_core.fingerprint import hash_bytes, hash_json
-from lrkv_core.heldout import check_dataset, heldout
+from lrkv_core.heldout import check_dataset, heldout, utf8_problem
 from lrkv_core.refs import SPEC_FORMS, DatasetSpec, parse_dataset_spec, resolve_spec
 
 __all__ = [
@@ -67,13 +67,18 @@ def load_text(spec: str | DatasetSpec) -> str:
     Raises
     ------
     ValueError
-        A sliced spec (slices cut tokens, see :func:`token_sequences`) or a pre-tokenized source.
+        A sliced spec (slices cut tokens, see :func:`token_sequences`), a pre-tokenized source, or a text
+        file that is not UTF-8 (one line naming the file and the first bad byte).
     """
     spec = resolve_spec(spec)
     if spec.part is not None:
         raise ValueError(f"{spec}: a slice cuts the token stream; read it with token_sequences")
     if spec.kind == "text":
-        ds = load_dataset("text", data_files=str(_local_file(spec.name)), sample_by="document", split="train")
+        path = _local_file(spec.name)
+        problem = utf8_problem(path)  # else the datasets library fails mid-read with a traceback
+        if problem is not None:
+            raise ValueError(f"{spec}: {problem}")
+        ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
         return "".join(ds["text"])
     if spec.kind == "hf":
         try:

@@ -10,6 +10,11 @@ Format 3 added ``rotation`` and ``rotation_seed``: the orthogonal rotation of ea
 fused into the factors (:mod:`lrkv_core.rotation`). It is already in the weights, so loading needs nothing
 from it; it is recorded to describe the model (and a format-2 reader, which refuses unknown keys, is told
 to upgrade rather than that the section is broken).
+
+Format 4 added ``weights_sha256``: the sha256 of ``model.safetensors``, written by
+:func:`lrkv_core.save_compressed` and checked by :func:`lrkv_core.load_compressed`, so a corrupt or modified
+weights file is refused rather than used. A format-3 section has none and reads as ``weights_sha256: None``
+(:func:`_migrate_v3`): such models load unchecked.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 from .rotation import ROTATIONS
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ROPE_HANDLING = ("reconstruct-then-rope", "keys-fused-into-q")
 
 
@@ -36,7 +41,9 @@ class LrkvFormat:
     ``decomposition``, ``allocator`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) of the
     registered methods that made the model and of the cache storage it decodes with. ``rotation`` is the
     policy (one of :data:`~lrkv_core.rotation.ROTATIONS`) whose rotations were fused into every group's
-    factors, seeded by ``rotation_seed`` where it drew random orthogonal matrices.
+    factors, seeded by ``rotation_seed`` where it drew random orthogonal matrices. ``weights_sha256`` is the
+    sha256 of the saved ``model.safetensors`` (None in memory before saving, and for models saved before it
+    was recorded).
     """
 
     decomposition: dict[str, Any]
@@ -55,6 +62,7 @@ class LrkvFormat:
     rotation_seed: int = 0
     method: str = "palu"
     lrkv_version: str = ""
+    weights_sha256: str | None = None
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -95,6 +103,8 @@ class LrkvFormat:
             data = _migrate_v1(data)
         elif version == 2:
             data = _migrate_v2(data)
+        elif version == 3:
+            data = _migrate_v3(data)
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -135,4 +145,11 @@ def _migrate_v2(data: dict[str, Any]) -> dict[str, Any]:
     """lrkv 0.2's section: no rotation (the fields' defaults, ``none``), otherwise the same layout."""
     if "rotation" in data or "rotation_seed" in data:
         raise FormatError("format 2 section with a rotation: not written by a released lrkv")
+    return _migrate_v3({**data, "format_version": 3})
+
+
+def _migrate_v3(data: dict[str, Any]) -> dict[str, Any]:
+    """A format-3 section: no checksum of the weights (``weights_sha256: None``), else the same layout."""
+    if "weights_sha256" in data:
+        raise FormatError("format 3 section with weights_sha256: not written by a released lrkv")
     return {**data, "format_version": FORMAT_VERSION}

@@ -6,12 +6,15 @@ see (``text:X`` calibrates on ``text:X[:90%]`` and is evaluated on ``text:X[90%:
 returns both specs and a line naming what was chosen, for the output to report.
 
 :func:`check_dataset` fails fast, before any model is loaded, built or downloaded, on what can be seen
-without reading the data: missing files, a text source for a model without a tokenizer, a Parquet file
-without ``input_ids``, a malformed or empty slice.
+without tokenizing the data: missing files, a text file that is not UTF-8, a text source for a model
+without a tokenizer, a Parquet file without ``input_ids``, a malformed or empty slice. :func:`overlap` says
+whether evaluation data shares any of the calibration data (the same source and intersecting slices),
+which makes its measurements flattering.
 """
 
 from __future__ import annotations
 
+import codecs
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -111,13 +114,39 @@ def _heldout_hub(spec: DatasetSpec, split_names: SplitNames) -> tuple[DatasetSpe
     return _heldout_slice(spec)
 
 
-def check_dataset(spec: str | DatasetSpec, *, has_tokenizer: bool, model: str | None = None) -> None:
-    """Cheap checks of a dataset spec, before any expensive step; reads no data and uses no network.
+def _source(spec: DatasetSpec) -> tuple:
+    """What identifies a source regardless of its slice: a local file by its resolved path."""
+    if spec.kind in ("text", "parquet"):
+        return spec.kind, str(Path(spec.name).expanduser().resolve())
+    return spec.kind, spec.name, spec.config, spec.split
 
-    Checked: the spec and its slice parse; a ``text:``/``parquet:`` file exists; a text source (``text:``,
-    ``hf:``) has a tokenizer to read it; a Parquet file has an ``input_ids`` column (schema only) and its
-    slice selects at least one row. ``hf:`` specs and plugin schemes are parsed only (a plugin's own
-    ``check`` runs then); nothing is downloaded or built.
+
+def overlap(calibration: str | DatasetSpec, evaluation: str | DatasetSpec) -> str | None:
+    """One line saying how ``evaluation`` overlaps ``calibration`` (the same source and intersecting
+    slices, e.g. ``text:a.txt`` and ``text:a.txt[90%:]``), or None when they share nothing.
+
+    Both slices cut the same token stream (or rows) with the same rounding, so slices that only touch, such
+    as ``[:90%]`` and ``[90%:]``, are disjoint. Sources are compared by name (a file by its resolved path);
+    a plugin scheme is not resolved, so two names of the same data are not recognised as one.
+    """
+    cal, ev = parse_dataset_spec(calibration), parse_dataset_spec(evaluation)
+    if _source(cal) != _source(ev):
+        return None
+    a, b = cal.part or PercentSlice(), ev.part or PercentSlice()
+    lo, hi = max(a.start, b.start), min(a.stop, b.stop)
+    if lo >= hi:
+        return None
+    shared = "all of the evaluation data" if (lo, hi) == (b.start, b.stop) else f"{hi - lo}% of the source"
+    return f"the evaluation data {ev} overlaps the calibration data {cal} ({shared})"
+
+
+def check_dataset(spec: str | DatasetSpec, *, has_tokenizer: bool, model: str | None = None) -> None:
+    """Cheap checks of a dataset spec, before any expensive step; tokenizes nothing and uses no network.
+
+    Checked: the spec and its slice parse; a ``text:``/``parquet:`` file exists; a ``text:`` file is UTF-8
+    (decoded once, in chunks); a text source (``text:``, ``hf:``) has a tokenizer to read it; a Parquet
+    file has an ``input_ids`` column (schema only) and its slice selects at least one row. ``hf:`` specs
+    and plugin schemes are parsed only (a plugin's own ``check`` runs then); nothing is downloaded or built.
 
     Parameters
     ----------
@@ -131,8 +160,9 @@ def check_dataset(spec: str | DatasetSpec, *, has_tokenizer: bool, model: str | 
     Raises
     ------
     ValueError
-        A malformed spec or slice, an unknown scheme, a text source without a tokenizer, an empty text
-        file, a Parquet file that is unreadable, lacks ``input_ids`` or whose slice selects no row.
+        A malformed spec or slice, an unknown scheme, a text source without a tokenizer, an empty or
+        non-UTF-8 text file, a Parquet file that is unreadable, lacks ``input_ids`` or whose slice selects
+        no row.
     FileNotFoundError
         A local file that does not exist.
     """
@@ -147,6 +177,32 @@ def check_dataset(spec: str | DatasetSpec, *, has_tokenizer: bool, model: str | 
         raise ValueError(
             f"cannot tokenize {spec}: {who} has no tokenizer; use a parquet: dataset of input_ids"
         )
+    if spec.kind == "text":
+        problem = utf8_problem(_existing_file(spec))
+        if problem is not None:
+            raise ValueError(f"{spec}: {problem}")
+
+
+def utf8_problem(path: str | Path, chunk: int = 1 << 22) -> str | None:
+    """One line naming the first byte of ``path`` that is not UTF-8 (None when all of it decodes)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # of the block in the file
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            pending = decoder.getstate()[0]  # the undecoded end of the previous block
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as err:
+                byte = (pending + block)[err.start : err.start + 1].hex()
+                at = offset - len(pending) + err.start
+                return (
+                    f"{path} is not UTF-8 text (byte 0x{byte} at offset {at}); "
+                    "lrkv reads text files as UTF-8: convert it first, e.g. iconv -f latin1 -t utf-8"
+                )
+            if not block:
+                return None
+            offset += len(block)
 
 
 def _existing_file(spec: DatasetSpec) -> Path:

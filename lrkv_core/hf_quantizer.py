@@ -45,7 +45,10 @@ class LrkvHfQuantizer(HfQuantizer):
                 "config.json has quantization_config.quant_method 'lrkv' but no 'lrkv' section: "
                 "the directory was not written by lrkv_core.save_compressed"
             )
+        from .io import forget_weights_checksum
+
         build_latent_skeleton(model)
+        forget_weights_checksum(model.config)  # this loader does not check it; a re-save must not keep it
         return model
 
     def is_serializable(self) -> bool:

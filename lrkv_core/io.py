@@ -5,13 +5,13 @@
 storage, versions) and ``quantization_config: {"quant_method": "lrkv"}``; ``model.safetensors`` holds the
 new tensors; README.md is the model card. No pickle, no trust_remote_code: :func:`load_compressed`
 rebuilds the module shapes from the ``lrkv`` section, and so does plain ``AutoModelForCausalLM
-.from_pretrained`` once ``lrkv_core`` is imported (:mod:`lrkv_core.hf_quantizer`).
+.from_pretrained`` once ``lrkv_core`` is imported (:mod:`lrkv_core.hf_quantizer`). The section records the
+sha256 of ``model.safetensors`` (``weights_sha256``), which :func:`load_compressed` checks before using it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -25,8 +25,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 from transformers.initialization import no_init_weights
 
 from .dtypes import parse_dtype
-from .files import make_readable
-from .format import FormatError, LrkvFormat
+from .files import make_readable, replace_dir
+from .fingerprint import hash_file
+from .format import FORMAT_VERSION, FormatError, LrkvFormat
 from .fuse import build_latent_skeleton
 from .hf_quantizer import LrkvConfig
 from .refs import resolve_model_dir
@@ -48,7 +49,8 @@ def save_compressed(
     tokenizer: PreTrainedTokenizerBase | None = None,
     card: str | None = None,
 ) -> Path:
-    """Write the model directory atomically (a temp sibling renamed into place when complete).
+    """Write the model directory atomically (a temp sibling renamed into place when complete, see
+    :func:`lrkv_core.files.replace_dir`); config.json's ``lrkv`` section records the weights' sha256.
 
     An existing ``out_dir`` is replaced only if it is empty or itself an lrkv model directory.
     """
@@ -61,31 +63,27 @@ def save_compressed(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the final directory is an ordinary one
     try:
-        model.config.save_pretrained(tmp)
-        _mark_quant_method(tmp / "config.json")
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS))
         make_readable(tmp / WEIGHTS)
+        model.config.save_pretrained(tmp)
+        _write_section(tmp / "config.json", LrkvFormat.of(model.config), hash_file(tmp / WEIGHTS))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(card or model_card(LrkvFormat.of(model.config)))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _mark_quant_method(config_json: Path) -> None:
-    """Add ``quantization_config: {"quant_method": "lrkv"}`` so plain from_pretrained can load the model."""
+def _write_section(config_json: Path, fmt: LrkvFormat, weights_sha256: str) -> None:
+    """Write the ``lrkv`` section in the current format with the weights' sha256, and add
+    ``quantization_config: {"quant_method": "lrkv"}`` so plain from_pretrained can load the model."""
     data = json.loads(config_json.read_text())
+    section = fmt.to_dict() | {"format_version": FORMAT_VERSION, "weights_sha256": weights_sha256}
+    data["lrkv"] = section
     data["quantization_config"] = LrkvConfig().to_dict()
     config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
@@ -95,18 +93,25 @@ class ModelFileError(ValueError):
 
 
 def load_compressed(
-    path: str | Path, *, dtype: str | None = None, attn_implementation: str | None = None
+    path: str | Path,
+    *,
+    dtype: str | None = None,
+    attn_implementation: str | None = None,
+    verify: bool = True,
 ) -> nn.Module:
     """A ready HF model (eval mode, latent cache on) from a directory written by :func:`save_compressed`.
 
     ``path`` may also be a remote reference that a scheme plugin resolves (lrkv_tasks registers
-    ``models:/NAME@ALIAS`` and ``s3://...``; see :mod:`lrkv_core.refs`).
+    ``models:/NAME@ALIAS`` and ``s3://...``; see :mod:`lrkv_core.refs`). ``model.safetensors`` is checked
+    against the sha256 that config.json records (models written before lrkv recorded it are loaded
+    unchecked); ``verify=False`` skips the check, to save reading the file twice.
 
     Raises
     ------
     ModelFileError
         The directory is not an lrkv model, its ``lrkv`` section cannot be read (e.g. a newer format), or
-        ``model.safetensors`` is missing, truncated, corrupt or does not match the ranks in config.json.
+        ``model.safetensors`` is missing, truncated, corrupt, does not hash to the recorded sha256 or
+        does not match the ranks in config.json.
     """
     if isinstance(path, str) and _REMOTE.match(path):  # before Path(), which folds "s3://" to "s3:/"
         path = resolve_model_dir(path)  # models:/NAME@ALIAS, s3://...: a scheme plugin downloads it
@@ -119,6 +124,8 @@ def load_compressed(
     if not weights.is_file():
         raise ModelFileError(f"{weights}: missing")
     config = AutoConfig.from_pretrained(str(path))
+    expected = config.lrkv.get("weights_sha256") if isinstance(config.lrkv, dict) else None
+    forget_weights_checksum(config)
     kwargs = {"dtype": parse_dtype(dtype or getattr(config, "dtype", None) or "float32")}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -144,7 +151,22 @@ def load_compressed(
         raise ModelFileError(
             f"{weights}: weights do not match the lrkv layout (missing {missing}, unexpected {unexpected})"
         )
+    if verify and expected:  # after the load, so a file that does not even parse says so instead
+        actual = hash_file(weights)
+        if actual != expected:
+            raise ModelFileError(
+                f"{weights}: corrupt or modified: its sha256 is {actual[:12]}…, config.json records "
+                f"{expected[:12]}…"
+            )
     return model.eval()
+
+
+def forget_weights_checksum(config) -> None:
+    """Drop the file checksum from a loaded model's ``lrkv`` section: it describes the file read, not the
+    model in memory, which may change and is saved with its own (``save_pretrained`` included)."""
+    section = getattr(config, "lrkv", None)
+    if isinstance(section, dict) and section.get("weights_sha256"):
+        config.lrkv = {**section, "weights_sha256": None}
 
 
 def model_card(fmt: LrkvFormat, source: str | None = None) -> str:

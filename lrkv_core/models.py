@@ -59,6 +59,24 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".bin.index.json")
+
+
+def missing_safetensors(model_dir: str | Path) -> str | None:
+    """What is wrong with a model directory that has no safetensors weights (None when it has them): lrkv
+    never reads pickle weights (``pytorch_model.bin``), which can run code when loaded."""
+    names = {p.name for p in Path(model_dir).iterdir()}
+    if names.intersection(SAFETENSORS_FILES):
+        return None
+    pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+    found = f"only {', '.join(pickles)}" if pickles else "no weights file"
+    return (
+        f"has no model.safetensors ({found}); lrkv reads safetensors weights only, never pickle: "
+        "save the model with safe_serialization=True first"
+    )
+
+
 def load_model(
     ref: str | Path,
     *,
@@ -77,7 +95,10 @@ def load_model(
         model = load_compressed(model_dir, dtype=dtype, attn_implementation=attn_implementation)
         return model.to(device), load_tokenizer(model_dir)
     get_adapter(config)  # fail early, with the list of supported families
-    kwargs = {"dtype": parse_dtype(dtype)}
+    problem = missing_safetensors(model_dir)
+    if problem is not None:
+        raise FileNotFoundError(f"model {model_dir} {problem}")
+    kwargs = {"dtype": parse_dtype(dtype), "use_safetensors": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).eval()

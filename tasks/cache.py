@@ -8,7 +8,8 @@ Prefect looks a key up, :func:`checked` reads the record itself (as plain JSON, 
 anything) and accepts it only if
 
 - it names the ``json`` serializer and every ``__class__`` in it is one of :data:`ALLOWED_CLASSES`;
-- every artifact it references still exists (a deleted store file means the task is computed again).
+- every artifact it references still exists and, in a local store, still hashes to the sha256 its name
+  records (a deleted or corrupt store file means the task is computed again).
 
 A record that fails is expired in place (its metadata gets an expiration in the past, which Prefect treats
 as a miss), so the task runs and writes a fresh record under the same key.
@@ -24,7 +25,7 @@ from prefect.context import TaskRunContext
 
 from .progress import run_logger
 from .refs import ArtifactRef
-from .store import ArtifactStore, artifact_exists, open_store
+from .store import ArtifactStore, artifact_problem, open_store
 
 REF_CLASS = f"{ArtifactRef.__module__}.{ArtifactRef.__qualname__}"
 ALLOWED_CLASSES = frozenset({REF_CLASS})
@@ -90,8 +91,13 @@ def stale_reason(store: ArtifactStore, key: str) -> str | None:
         return f"unsafe record: {err}"
     if json.loads(raw)["metadata"].get("expiration") == EXPIRED["metadata"]["expiration"]:
         return None  # already expired by us: Prefect treats it as a miss
-    missing = [uri for ref in refs for uri in ref_uris(ref) if not artifact_exists(uri)]
-    return f"artifacts missing: {', '.join(missing)}" if missing else None
+    problems = [(uri, artifact_problem(uri)) for ref in refs for uri in ref_uris(ref)]
+    reasons = [
+        f"artifacts {problem}: {', '.join(uri for uri, p in problems if p == problem)}"
+        for problem in ("missing", "corrupt")
+        if any(p == problem for _, p in problems)
+    ]
+    return "; ".join(reasons) or None
 
 
 def checked(key_fn: Callable[[TaskRunContext, dict], str]) -> Callable[[TaskRunContext, dict], str]:

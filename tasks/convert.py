@@ -8,6 +8,7 @@ example, another allocator reuses the statistics and factors of an earlier run.
 from __future__ import annotations
 
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from .device import task_device
 from .keys import calibration_key, resolve_key, task_key
 from .progress import step
 from .refs import ArtifactRef
-from .store import local_path, open_store
+from .store import StoreIntegrityError, local_path, open_store
 
 _RUN_SECONDS: dict[uuid.UUID, float] = {}
 _RUN_SECONDS_LOCK = threading.Lock()
@@ -118,7 +119,7 @@ def extract_calibration(
 ) -> ArtifactRef:
     """Draw calibration windows and store them as Parquet."""
     st = open_store(store)
-    with st.staging(".parquet") as tmp:
+    with step(f"extract calibration from {dataset}"), st.staging(".parquet") as tmp:
         info = pipeline.calibrate(
             _local(model), dataset, n_samples=n_samples, seq_len=seq_len, seed=seed, out_path=str(tmp)
         )
@@ -173,15 +174,16 @@ def decompose_layer(
     store: str,
 ) -> ArtifactRef:
     """Full-spectrum factors of one layer's K and V, per group of KV heads."""
-    return _stored(
-        store,
-        "factors",
-        "factors",
-        ".safetensors",
-        lambda out: pipeline.decompose_file(
-            _local(model), _stats(stats), layer, out, group_size=group_size, decomposition=decomposition
-        ),
-    )
+    with step(f"decompose layer {layer}"):
+        return _stored(
+            store,
+            "factors",
+            "factors",
+            ".safetensors",
+            lambda out: pipeline.decompose_file(
+                _local(model), _stats(stats), layer, out, group_size=group_size, decomposition=decomposition
+            ),
+        )
 
 
 @task(name="summarize_layer", cache_key_fn=TASK_KEY, **CACHED)
@@ -209,21 +211,22 @@ def plan_ranks(
     store: str,
 ) -> ArtifactRef:
     """Allocate ranks for the target ratio; the plan is a JSON artifact plus a heatmap PNG."""
-    plan = _stored(
-        store,
-        "plan",
-        "plans",
-        ".json",
-        lambda out: pipeline.plan_file(
-            _local(model),
-            [_local(s) for s in summaries],
-            out,
-            ratio=ratio,
-            group_size=group_size,
-            rank_multiple=rank_multiple,
-            allocator=allocator,
-        ),
-    )
+    with step("plan ranks"):
+        plan = _stored(
+            store,
+            "plan",
+            "plans",
+            ".json",
+            lambda out: pipeline.plan_file(
+                _local(model),
+                [_local(s) for s in summaries],
+                out,
+                ratio=ratio,
+                group_size=group_size,
+                rank_multiple=rank_multiple,
+                allocator=allocator,
+            ),
+        )
 
     return _with_heatmap(plan, store)
 
@@ -296,37 +299,46 @@ def build_model(
     rotation_seed: int = 0,
 ) -> ArtifactRef:
     """Fuse factors (rotated) into the model and save the compressed model directory."""
-    return _stored(
-        store,
-        "model",
-        "models",
-        "",
-        lambda out: pipeline.build_file(
-            _local(model),
-            [_local(f) for f in layers],
-            _local(plan),
-            out,
-            decomposition=decomposition,
-            cache=cache,
-            rotation=rotation,
-            rotation_seed=rotation_seed,
-            dtype=dtype,
-        ),
-    )
+    with step("build model"):
+        return _stored(
+            store,
+            "model",
+            "models",
+            "",
+            lambda out: pipeline.build_file(
+                _local(model),
+                [_local(f) for f in layers],
+                _local(plan),
+                out,
+                decomposition=decomposition,
+                cache=cache,
+                rotation=rotation,
+                rotation_seed=rotation_seed,
+                dtype=dtype,
+            ),
+        )
 
 
-def copy_model_dir(src: Path, dst: Path) -> Path:
-    """Copy a model directory to ``dst`` through a temporary sibling renamed into place; an existing ``dst``
-    is replaced only if it is an lrkv model directory (or empty)."""
+def copy_model_dir(src: Path, dst: Path, sha256: str | None = None) -> Path:
+    """Copy a model directory to ``dst`` atomically: into a uniquely named temporary sibling, checked against
+    ``sha256`` (the content hash it must have) when given, then swapped in so that the old ``dst`` survives
+    any crash (:func:`lrkv_core.files.replace_dir`). An existing ``dst`` is replaced only if it is an lrkv
+    model directory (or empty)."""
+    from lrkv_core.files import replace_dir
     from lrkv_core.io import is_compressed_dir
 
     if dst.exists() and any(dst.iterdir()) and not is_compressed_dir(dst):
         raise FileExistsError(f"{dst} exists and is not an lrkv model directory; refusing to overwrite it")
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        tmp = staging / dst.name
+        shutil.copytree(src, tmp)
+        if sha256 is not None and hash_dir(tmp) != sha256:
+            raise StoreIntegrityError(f"the copy of {src} in {dst.parent} does not hash to {sha256[:12]}…")
+        replace_dir(tmp, dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return dst
 
 
@@ -338,8 +350,10 @@ def export_is_current(built: ArtifactRef, out: str) -> bool:
 
 @task(name="export_model", cache_key_fn=TASK_KEY, **CACHED)
 def export_model(built: ArtifactRef, out: str, store: str | None = None) -> ArtifactRef:
-    """Copy the compressed model directory to the user's --out (atomically: a temp sibling renamed)."""
-    dst = copy_model_dir(Path(_local(built)), Path(out))
+    """Copy the compressed model directory to the user's --out (checked against its sha256 before and after
+    the copy; swapped in atomically)."""
+    with step(f"export to {out}"):
+        dst = copy_model_dir(Path(_local(built)), Path(out), built.sha256)
     return ArtifactRef(kind="export", uri=str(dst.resolve()), sha256=built.sha256)
 
 

@@ -3,12 +3,15 @@
 :func:`prepare` turns a recipe into a concrete one (group size, calibration and evaluation datasets chosen)
 and checks, cheaply, what would otherwise fail minutes later: an unsupported model, a group size that does
 not divide the KV heads, a ratio and rank multiple that leave a group at rank 0, missing data files, text
-data for a model without a tokenizer, an ``--out`` that is not ours to replace. The CLI runs it before
+data for a model without a tokenizer, a source model that is already compressed or has only pickle weights
+(which are never read), an ``--out`` that is not ours to replace or cannot be written, and evaluation data
+that overlaps the calibration data (a warning; the quality gate then refuses champion). The CLI runs it before
 Prefect starts, and the flow runs it first (it is idempotent), so programmatic runs fail early too.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,9 +19,10 @@ from transformers import AutoConfig
 
 from lrkv_core.adapters import get_adapter
 from lrkv_core.data import check_dataset, heldout, parse_dataset_spec
+from lrkv_core.heldout import overlap
 from lrkv_core.io import is_compressed_dir
 from lrkv_core.lora import check_targets, check_training_dataset
-from lrkv_core.models import TOKENIZER_FILES, resolve_model_dir
+from lrkv_core.models import TOKENIZER_FILES, missing_safetensors, resolve_model_dir
 from lrkv_core.refs import absolute_dataset_spec, absolute_model_ref, absolute_path
 
 from .recipe import HELD_OUT, ConvertRecipe, LoraRecipe
@@ -48,6 +52,7 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
     notes: list[str] = []
     recipe = _absolute_paths(recipe)
     model_dir = resolve_model_dir(recipe.model)
+    _check_source_model(Path(model_dir), recipe.model)
     config = AutoConfig.from_pretrained(str(model_dir))
     get_adapter(config)  # unsupported architectures fail here, naming the supported ones
     compression = recipe.compression
@@ -79,12 +84,20 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
         check_dataset(parse_dataset_spec(eval_dataset), has_tokenizer=has_tokenizer, model=recipe.model)
         if ev.zeroshot_tasks and not has_tokenizer:
             raise ValueError(f"zero-shot tasks need a tokenizer, and {recipe.model} has none")
+    if eval_dataset is not None:
+        clash = overlap(dataset, eval_dataset)
+        if clash is not None:
+            notes.append(
+                f"warning: {clash}: perplexities measured on it flatter the model, and the registry's "
+                "quality gate will not make it champion"
+            )
     if recipe.out:
         out = Path(recipe.out)
         if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_compressed_dir(out))):
             raise FileExistsError(
                 f"--out {out} exists and is not an lrkv model directory; refusing to replace it"
             )
+        check_writable(out)
     lora = recipe.lora
     if lora is not None:
         lora = _prepare_lora(lora, dataset, eval_dataset, has_tokenizer, get_adapter(config).rope, notes)
@@ -97,6 +110,33 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
         }
     )
     return Prepared(concrete, notes)
+
+
+def _check_source_model(model_dir: Path, ref: str) -> None:
+    """The model to convert: not already an lrkv model, and with safetensors weights (no pickle is read)."""
+    if is_compressed_dir(model_dir):
+        raise ValueError(
+            f"--model {ref} is already an lrkv compressed model; convert takes the original model it was "
+            "made from (to evaluate this one: lrkv eval)"
+        )
+    problem = missing_safetensors(model_dir)
+    if problem is not None:
+        raise ValueError(f"--model {ref} {problem}")
+
+
+def check_writable(out: Path) -> None:
+    """That ``--out`` can be written: its nearest existing ancestor is a directory this process can create
+    entries in, and so is ``out`` itself when it exists (tried, not inferred from permission bits)."""
+    ancestor = next(p for p in out.parents if p.exists())
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"--out {out} cannot be created: {ancestor} is not a directory")
+    for where in (ancestor, out) if out.is_dir() else (ancestor,):
+        try:
+            Path(tempfile.mkdtemp(prefix=".lrkv-write-check-", dir=where)).rmdir()
+        except OSError as err:
+            raise PermissionError(
+                f"--out {out} is not writable: cannot create files in {where} ({err.strerror})"
+            ) from None
 
 
 def _absolute_paths(recipe: ConvertRecipe) -> ConvertRecipe:

@@ -83,15 +83,17 @@ def lora_results(lora: ArtifactRef) -> tuple[dict[str, float], dict[str, list[tu
     return metrics, histories
 
 
-def quality(base_eval: dict | None, eval_: dict | None) -> dict | None:
-    """What the registry's quality gate compares: prefill perplexities and a fingerprint of their protocol."""
+def quality(base_eval: dict | None, eval_: dict | None, overlap: str | None = None) -> dict | None:
+    """What the registry's quality gate compares: prefill perplexities, a fingerprint of their protocol and,
+    when the evaluation data overlaps the calibration data, the line saying so (the gate then refuses)."""
     if not base_eval or not eval_:
         return None
-    return {
+    out = {
         "ppl": eval_["prefill"]["ppl"],
         "base_ppl": base_eval["prefill"]["ppl"],
         "protocol": hash_json(eval_["prefill"]["protocol"])[:16],
     }
+    return out | ({"calibration_overlap": overlap} if overlap else {})
 
 
 def _key_without_run(ctx: TaskRunContext, params: dict[str, Any]) -> str:
@@ -170,10 +172,17 @@ def register_model(
     eval_: dict | None,
     registry: dict,
     store: str | None = None,
+    overlap: str | None = None,
 ) -> dict:
     """Register the logged model as ``lrkv-<model>`` with alias ``candidate`` (and ``champion`` if the
-    quality gate passes); nothing is left half-registered on failure."""
+    quality gate passes; never when ``overlap`` says the evaluation data overlaps the calibration data);
+    nothing is left half-registered on failure."""
     name = registry["name"] or model_name(model_ref)
     return register_version(
-        logged, logged["model"], built.sha256, name, quality(base_eval, eval_), registry["max_ppl_rise"]
+        logged,
+        logged["model"],
+        built.sha256,
+        name,
+        quality(base_eval, eval_, overlap),
+        registry["max_ppl_rise"],
     )

@@ -76,9 +76,12 @@ def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
 
 def quality_gate(quality: dict | None, champion: dict | None, max_ppl_rise: float) -> tuple[bool, str]:
     """Whether a version becomes champion: its perplexity rose at most ``max_ppl_rise`` (relative) over the
-    original's, and it beats the current champion measured on the same protocol. Returns ``(ok, why)``."""
+    original's, and it beats the current champion measured on the same protocol; never when it was evaluated
+    on data that overlaps its calibration data (``quality["calibration_overlap"]``). Returns ``(ok, why)``."""
     if quality is None:
         return False, "not evaluated"
+    if quality.get("calibration_overlap"):
+        return False, quality["calibration_overlap"]
     rise = quality["ppl"] / quality["base_ppl"] - 1
     if rise > max_ppl_rise:
         return False, f"perplexity rise {rise:+.2%} exceeds the gate's {max_ppl_rise:.2%}"

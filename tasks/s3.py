@@ -155,11 +155,16 @@ class S3Store:
         return False
 
     def local(self, uri: str) -> Path:
-        """A verified local copy of the artifact (downloaded once into the content-addressed cache)."""
+        """A verified local copy of the artifact (downloaded once into the content-addressed cache, and
+        downloaded again if the cached copy no longer hashes to its name)."""
+        from .store import intact
+
         bucket, key = split_uri(uri)
         dest = lrkv_home() / "cache" / "s3" / bucket / key
         if dest.exists():
-            return dest
+            if intact(dest):
+                return dest
+            shutil.rmtree(dest) if dest.is_dir() else dest.unlink()  # changed since download: fetch it again
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
         try:

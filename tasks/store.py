@@ -8,6 +8,14 @@ never leaves a half-written artifact, and equal content is stored once. Tasks re
 :meth:`ArtifactStore.local`, which for S3 downloads into a content-addressed local cache and verifies the
 sha256 before anything uses it.
 
+An artifact's name records its sha256 (:func:`recorded_digest`), and a local artifact is checked against it
+whenever it is used (:func:`verify_artifact`: read through :func:`local_path`, exported, or found by
+:meth:`LocalStore.put` already in place), so a byte changed on disk is never used: a cached result whose
+artifact fails the check is computed again, and ``put`` replaces the corrupt file with the new one. A check
+is hashed once per process while the artifact's files are unchanged (same inode, size and times; as git
+does with its index, a file changed less than :data:`SETTLED_NS` before it was hashed is hashed again, since
+a second change within the same timestamp tick would not show in its times).
+
 The store also holds the tasks' cached results (Prefect result records, JSON) in ``<root>/prefect-results``;
 :meth:`ArtifactStore.result_storage` is the Prefect storage block for them, and ``read_record`` /
 ``write_record`` let :mod:`lrkv_tasks.cache` check a record before Prefect reads it.
@@ -16,6 +24,10 @@ The store also holds the tasks' cached results (Prefect result records, JSON) in
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import threading
+import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
@@ -24,12 +36,83 @@ from lrkv_core.files import make_tree_readable
 from lrkv_core.paths import lrkv_home
 
 from .refs import RESULTS, STORE_FORMS, digest_of, is_s3, local_dir, staging_path
+from .s3 import StoreIntegrityError
 
-__all__ = ["RESULTS", "ArtifactStore", "LocalStore", "artifact_exists", "is_s3", "local_path", "open_store"]
+__all__ = [
+    "RESULTS",
+    "ArtifactStore",
+    "LocalStore",
+    "StoreIntegrityError",
+    "artifact_exists",
+    "artifact_problem",
+    "intact",
+    "is_s3",
+    "local_path",
+    "open_store",
+    "recorded_digest",
+    "verify_artifact",
+]
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_verified: dict[str, tuple] = {}  # path -> the files' signature when their hash last matched
+_verified_lock = threading.Lock()
+SETTLED_NS = 2_000_000_000  # files last changed this long before a check keep its result (timestamps tick)
 
 
 def default_store_root() -> Path:
     return lrkv_home() / "store"
+
+
+def recorded_digest(path: str | Path) -> str | None:
+    """The sha256 a store artifact's name records (``<sha256>[suffixes]``); None for other paths."""
+    head = Path(path).name.split(".", 1)[0]
+    return head if _DIGEST.fullmatch(head) else None
+
+
+def _signature(path: Path) -> tuple[tuple, int]:
+    """What changes when any file of the artifact is written or replaced (inode, size, mtime, ctime), and
+    the time of the latest change."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [(str(p), p.stat()) for p in files]
+    latest = max((max(st.st_mtime_ns, st.st_ctime_ns) for _, st in stats), default=0)
+    return tuple((name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for name, st in stats), latest
+
+
+def verify_artifact(path: str | Path) -> None:
+    """Check a local store artifact against the sha256 its name records (other paths pass unchecked).
+
+    Raises
+    ------
+    StoreIntegrityError
+        The content does not hash to the recorded sha256 (one line naming the artifact).
+    """
+    path = Path(path)
+    expected = recorded_digest(path)
+    if expected is None:
+        return
+    signature, changed = _signature(path)
+    with _verified_lock:
+        if _verified.get(str(path)) == signature:
+            return
+    settled = time.time_ns() - changed > SETTLED_NS
+    actual = digest_of(path)
+    if actual != expected:
+        raise StoreIntegrityError(
+            f"artifact {path} is corrupt: its content hashes to sha256 {actual[:12]}…, not the "
+            f"{expected[:12]}… it was stored under (a re-run computes it again)"
+        )
+    if settled:
+        with _verified_lock:
+            _verified[str(path)] = signature
+
+
+def intact(path: Path) -> bool:
+    """Whether :func:`verify_artifact` passes."""
+    try:
+        verify_artifact(path)
+    except StoreIntegrityError:
+        return False
+    return True
 
 
 class ArtifactStore(Protocol):
@@ -64,25 +147,43 @@ class LocalStore:
         return staging_path(self.path / ".staging", suffix)
 
     def put(self, staged: Path, kind: str) -> tuple[str, str]:
-        """Move a staged file or directory into place; returns ``(path, sha256)``."""
+        """Move a staged file or directory into place; returns ``(path, sha256)``.
+
+        An artifact already at that place is kept if its content still hashes to its name, and replaced by
+        the staged one if it does not (a corrupt file is never kept)."""
         digest = digest_of(staged)
         final = self.path / kind / f"{digest}{''.join(staged.suffixes)}"
         final.parent.mkdir(parents=True, exist_ok=True)
-        if final.exists():
+        if final.exists() and intact(final):
             return str(final), digest
         make_tree_readable(staged)  # staging uses private temp names (0600/0700): published ones are not
+        if final.is_dir():  # a corrupt directory: os.replace cannot replace a non-empty one
+            with self.staging() as aside:
+                try:
+                    os.replace(final, aside)
+                except FileNotFoundError:
+                    pass
+                self._publish(staged, final)
+                shutil.rmtree(aside, ignore_errors=True)
+        else:
+            self._publish(staged, final)
+        return str(final), digest
+
+    @staticmethod
+    def _publish(staged: Path, final: Path) -> None:
         try:
             os.replace(staged, final)
         except OSError:
-            if not final.exists():
+            if not (final.exists() and intact(final)):  # another writer published the same content
                 raise
-        return str(final), digest
 
     def local(self, uri: str) -> Path:
-        """The artifact's local path (it is already local); a clear error if it is gone."""
+        """The artifact's local path (it is already local), checked against its recorded sha256; a clear
+        error if it is gone (FileNotFoundError) or corrupt (:class:`StoreIntegrityError`)."""
         path = Path(uri)
         if not path.exists():
             raise FileNotFoundError(f"artifact {uri} is missing from the store")
+        verify_artifact(path)
         return path
 
     def exists(self, uri: str) -> bool:
@@ -120,6 +221,16 @@ def local_path(uri: str) -> Path:
 
         return S3Store.for_uri(uri).local(uri)
     return LocalStore(Path(uri).parent).local(uri)
+
+
+def artifact_problem(uri: str) -> str | None:
+    """Why the artifact at ``uri`` cannot be used: ``"missing"``, ``"corrupt"`` (a local one whose content
+    does not hash to its recorded sha256), or None. An S3 artifact is checked when it is downloaded."""
+    if not artifact_exists(uri):
+        return "missing"
+    if not is_s3(uri) and not intact(Path(uri)):
+        return "corrupt"
+    return None
 
 
 def artifact_exists(uri: str) -> bool:

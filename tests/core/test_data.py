@@ -14,10 +14,11 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lrkv_core import data
+from lrkv_core import data, heldout
 from lrkv_core.data import (
     DatasetSpec,
     calibration_windows,
+    check_dataset,
     eval_windows,
     extract_calibration,
     load_text,
@@ -97,6 +98,23 @@ def test_missing_files_name_the_path(tmp_path: Path, tok) -> None:
         token_sequences(f"text:{missing}", tok)
     with pytest.raises(FileNotFoundError, match="nope.parquet"):
         token_sequences(f"parquet:{tmp_path / 'nope.parquet'}", None)
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 7])  # one read, and a bad byte found across reads
+def test_text_that_is_not_utf8_is_one_line_naming_the_file_and_byte(tmp_path: Path, tok, chunk) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("a café, ".encode() + "déjà vu".encode("latin-1"))  # "é" in latin-1 at offset 10
+    expected = f"{path} is not UTF-8 text (byte 0xe9 at offset 10)"
+    assert heldout.utf8_problem(path, chunk=chunk).startswith(expected)
+    for check in (
+        lambda: check_dataset(f"text:{path}", has_tokenizer=True),  # before any work
+        lambda: token_sequences(f"text:{path}[:50%]", tok),  # and wherever it is read
+    ):
+        with pytest.raises(ValueError) as err:
+            check()
+        assert expected in str(err.value) and "\n" not in str(err.value)
+    path.write_bytes("déjà vu".encode())
+    assert heldout.utf8_problem(path, chunk=chunk) is None
 
 
 def test_text_without_tokenizer_is_refused() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -266,11 +267,11 @@ def test_format_2_is_migrated_to_no_rotation_and_format_3_records_it(compressed,
     out = save_compressed(model, tmp_path / "m")
     config = json.loads((out / "config.json").read_text())
     assert config["lrkv"]["rotation"] == "none" and config["lrkv"]["rotation_seed"] == 0
-    v2 = {k: v for k, v in config["lrkv"].items() if k not in ("rotation", "rotation_seed")}
+    v2 = {k: v for k, v in config["lrkv"].items() if k not in ("rotation", "rotation_seed", "weights_sha256")}
     (out / "config.json").write_text(json.dumps({**config, "lrkv": {**v2, "format_version": 2}}))
     loaded = load_compressed(out)
     fmt = LrkvFormat.of(loaded.config)
-    assert fmt.rotation == "none" and fmt.format_version == FORMAT_VERSION == 3
+    assert fmt.rotation == "none" and fmt.format_version == FORMAT_VERSION == 4
     ids = _ids()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
@@ -280,4 +281,39 @@ def test_format_2_is_migrated_to_no_rotation_and_format_3_records_it(compressed,
         load_compressed(out)
     (out / "config.json").write_text(json.dumps({**config, "lrkv": {**config["lrkv"], "rotation": "spin"}}))
     with pytest.raises(ModelFileError, match="unknown rotation 'spin'"):
+        load_compressed(out)
+
+
+def test_a_changed_byte_in_the_weights_is_refused_unless_the_check_is_skipped(compressed, tmp_path) -> None:
+    """config.json records the sha256 of model.safetensors; load_compressed (and load_model, which ``lrkv
+    eval`` uses) refuses weights that no longer match it, even where the file still parses."""
+    model, _ = compressed
+    out = save_compressed(model, tmp_path / "m")
+    weights = out / "model.safetensors"
+    section = json.loads((out / "config.json").read_text())["lrkv"]
+    assert section["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x10  # a byte of the last tensor: the header, and so the file's structure, is intact
+    weights.write_bytes(bytes(data))
+    for load in (load_compressed, load_model):
+        with pytest.raises(ModelFileError, match=r"model\.safetensors: corrupt or modified: its sha256 is"):
+            load(out)
+    assert not load_compressed(out, verify=False).training  # the opt-out loads it as it is
+
+
+def test_format_3_without_a_checksum_still_loads(compressed, tmp_path) -> None:
+    model, _ = compressed
+    out = save_compressed(model, tmp_path / "m")
+    config = json.loads((out / "config.json").read_text())
+    v3 = {k: v for k, v in config["lrkv"].items() if k != "weights_sha256"} | {"format_version": 3}
+    (out / "config.json").write_text(json.dumps({**config, "lrkv": v3}))
+    loaded = load_compressed(out)
+    fmt = LrkvFormat.of(loaded.config)
+    assert fmt.weights_sha256 is None and fmt.format_version == FORMAT_VERSION
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    bad = {**v3, "weights_sha256": config["lrkv"]["weights_sha256"]}
+    (out / "config.json").write_text(json.dumps({**config, "lrkv": bad}))
+    with pytest.raises(ModelFileError, match="format 3 section with weights_sha256"):
         load_compressed(out)

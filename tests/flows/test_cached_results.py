@@ -1,6 +1,7 @@
 """Cached task results under the real Prefect API: JSON only, checked before use, rebuilt when stale."""
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -119,6 +120,26 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
     assert states["plan_ranks"] == "Completed" and states["build_model"] == "Cached", states
     assert json.loads(plan_record.read_bytes())["metadata"]["serializer"]["type"] == "json"
     assert third["plan"] == first["plan"]
+
+
+def test_a_corrupt_stored_model_is_rebuilt_and_never_exported(prefect_api, tmp_path):
+    """A changed byte in the stored model: the re-run builds it again, replacing the corrupt copy in the
+    store, and exports the intact model."""
+    out = tmp_path / "out"
+    recipe = _recipe(tmp_path).model_copy(update={"out": str(out)})
+    first = convert_flow(recipe)
+    weights = Path(first["compressed"].uri) / "model.safetensors"
+    intact = weights.read_bytes()
+    corrupt = bytearray(intact)
+    corrupt[-3] ^= 0x10  # a byte of a tensor: the file still parses
+    weights.write_bytes(bytes(corrupt))
+    shutil.rmtree(out)
+    second = convert_flow(recipe)
+    states = _states(second)
+    assert states["build_model"] == "Completed" and states["decompose_layer[0]"] == "Cached", states
+    assert weights.read_bytes() == intact
+    assert (out / "model.safetensors").read_bytes() == intact
+    assert second["compressed"] == first["compressed"]
 
 
 def _classes(result: str) -> set[str]:

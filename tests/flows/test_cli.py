@@ -209,7 +209,7 @@ def test_convert_with_quantized_latents_and_a_rotation(tmp_path):
     assert "KV compression (measured)" in res.stdout
     section = load_compressed(out).config.lrkv
     assert section["cache"] == {"name": "quantized", "bits": 3, "quant_group_size": 4, "residual": 2}
-    assert section["rotation"] == "auto" and section["format_version"] == 3
+    assert section["rotation"] == "auto" and section["format_version"] == 4
     res = _lrkv(["convert", "--quant-group-size", "4"], tmp_path / "h", timeout=120)
     assert res.returncode == 2 and "need --bits" in " ".join((res.stdout + res.stderr).split())
 

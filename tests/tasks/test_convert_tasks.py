@@ -1,16 +1,19 @@
 """Each convert task through ``task.fn()`` on a tiny saved Llama: refs in, refs + metrics out."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import lrkv_core
 from lrkv_core import load_compressed, load_model
-from lrkv_core.fingerprint import hash_sources
+from lrkv_core.fingerprint import hash_dir, hash_sources
 from lrkv_tasks import convert as t
 from lrkv_tasks.keys import code_version
 from lrkv_tasks.refs import ArtifactRef
+from lrkv_tasks.s3 import StoreIntegrityError
 from tests.support.models import tiny_model_dir, token_parquet
 
 
@@ -131,3 +134,67 @@ def test_code_version_changes_with_any_source_change(tmp_path):
     (pkg / "sub" / "b.py").rename(pkg / "b.py")
     assert len({before, changed, hash_sources(pkg)}) == 3
     assert code_version().startswith(lrkv_core.__version__ + "+")
+
+
+def _model_dir(path, label: str):
+    """A stand-in lrkv model directory: is_compressed_dir() holds, and its bytes say which one it is."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"lrkv": {"label": label}}))
+    (path / "model.safetensors").write_bytes(label.encode() * 100)
+    return path
+
+
+CRASH_ON_RENAME_IN = """
+import os, sys
+from pathlib import Path
+from lrkv_tasks.convert import copy_model_dir
+
+out = Path(sys.argv[2])
+rename = os.rename
+
+def crash(src, dst, *args, **kwargs):  # the process dies the moment the new copy would be renamed in
+    if Path(dst) == out:
+        os._exit(9)
+    return rename(src, dst, *args, **kwargs)
+
+os.rename = crash
+copy_model_dir(Path(sys.argv[1]), out)
+"""
+
+
+def test_a_crash_while_exporting_keeps_the_old_model(tmp_path):
+    """The process dies between moving the old export out of the way and renaming the new one in: the old
+    model is still complete on disk (beside --out), never deleted before the new one is in place."""
+    new = _model_dir(tmp_path / "built", "new")
+    out = _model_dir(tmp_path / "exports" / "out", "old")
+    res = subprocess.run([sys.executable, "-c", CRASH_ON_RENAME_IN, str(new), str(out)], capture_output=True)
+    assert res.returncode == 9, res.stderr.decode()[-2000:]
+    kept = [
+        p.parent for p in (tmp_path / "exports").rglob("model.safetensors") if p.read_bytes() == b"old" * 100
+    ]
+    assert len(kept) == 1 and json.loads((kept[0] / "config.json").read_text()) == {"lrkv": {"label": "old"}}
+    t.copy_model_dir(new, out)  # the next export completes
+    assert (out / "model.safetensors").read_bytes() == b"new" * 100
+
+
+def test_an_export_leaves_another_exports_temporary_files_alone(tmp_path):
+    """Each export stages under a name of its own: one to the same --out running alongside is not disturbed,
+    and a finished export leaves only --out behind."""
+    new = _model_dir(tmp_path / "built", "new")
+    exports = tmp_path / "exports"
+    out = _model_dir(exports / "out", "old")
+    other = _model_dir(exports / ".out.tmp", "other")  # what a concurrent export is writing
+    t.copy_model_dir(new, out)
+    assert (other / "model.safetensors").read_bytes() == b"other" * 100
+    assert (out / "model.safetensors").read_bytes() == b"new" * 100
+    assert {p.name for p in exports.iterdir()} == {"out", ".out.tmp"}
+
+
+def test_an_export_that_does_not_match_the_built_hash_is_not_installed(tmp_path):
+    new = _model_dir(tmp_path / "built", "new")
+    out = _model_dir(tmp_path / "exports" / "out", "old")
+    with pytest.raises(StoreIntegrityError, match="does not hash to"):
+        t.copy_model_dir(new, out, "0" * 64)
+    assert (out / "model.safetensors").read_bytes() == b"old" * 100
+    assert {p.name for p in out.parent.iterdir()} == {"out"}
+    assert t.copy_model_dir(new, out, hash_dir(new)) == out

@@ -1,5 +1,7 @@
 """The quality gate that decides the ``champion`` alias, and the registered model's name."""
 
+from lrkv_core.heldout import overlap
+from lrkv_tasks.publish import quality
 from lrkv_tasks.registry import model_name, quality_gate
 
 Q = {"ppl": 10.4, "base_ppl": 10.0, "protocol": "p1"}
@@ -26,3 +28,12 @@ def test_model_names_are_slugs_of_the_reference():
     assert model_name("meta-llama/Llama-2-7b-hf") == "lrkv-llama-2-7b-hf"
     assert model_name("builtin:pydoc-llama") == "lrkv-pydoc-llama"
     assert model_name("/tmp/x/tiny_llama/") == "lrkv-tiny-llama"
+
+
+def test_evaluation_data_that_overlaps_the_calibration_data_never_makes_a_champion():
+    base, ev = ({"prefill": {"ppl": p, "protocol": {"dataset": "text:a.txt"}}} for p in (10.0, 10.1))
+    clash = overlap("text:a.txt", "text:a.txt[90%:]")
+    assert clash is not None and "overlaps the calibration data text:a.txt" in clash
+    assert quality_gate(quality(base, ev), None, 0.05)[0]  # the same numbers pass on held-out data
+    assert quality_gate(quality(base, ev, clash), None, 0.05) == (False, clash)
+    assert overlap("text:a.txt[:90%]", "text:a.txt[90%:]") is None

@@ -1,6 +1,7 @@
 """Result records are read as plain JSON before Prefect sees them: only safe, complete ones are served."""
 
 import json
+from pathlib import Path
 
 import pytest
 from prefect.results import ResultRecord, ResultRecordMetadata
@@ -52,3 +53,15 @@ def test_a_record_whose_artifact_is_gone_is_stale(tmp_path):
     store.write_record("k2", json.dumps(EXPIRED).encode())
     assert stale_reason(store, "k2") is None and stale_reason(store, "absent") is None
     assert ResultRecord.deserialize(store.read_record("k2")).metadata.expiration.year == 1970  # a miss
+
+
+def test_a_record_whose_stored_artifact_is_corrupt_is_stale(tmp_path):
+    """A store artifact whose bytes no longer hash to the sha256 in its name makes the record stale."""
+    store = LocalStore(tmp_path / "store")
+    with store.staging(".json") as tmp:
+        tmp.write_text('{"ranks": [8, 8]}')
+        path, digest = store.put(tmp, "plans")
+    store.write_record("k", _record(ArtifactRef(kind="plan", uri=path, sha256=digest)))
+    assert stale_reason(store, "k") is None
+    Path(path).write_text('{"ranks": [8, 9]}')
+    assert stale_reason(store, "k") == f"artifacts corrupt: {path}"

@@ -85,3 +85,15 @@ def test_the_store_lists_nothing_partial(s3):
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+def test_a_cached_download_that_changed_is_downloaded_again(s3, tmp_path):
+    store = _store(s3)
+    with store.staging() as tmp:
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{}")
+        (tmp / "model.safetensors").write_bytes(b"weights" * 10)
+        uri, _ = store.put(tmp, "models")
+    model = local_path(uri)
+    (model / "model.safetensors").write_bytes(b"weightz" * 10)  # the local copy, changed on disk
+    assert local_path(uri) == model and (model / "model.safetensors").read_bytes() == b"weights" * 10
