@@ -431,9 +431,36 @@ def eval_cmd(
         "evaluate a compressed model with another cache storage", "the one it was saved with"
     ) = None,
     device: DeviceOption = None,
+    suite: Annotated[
+        str,
+        typer.Option(
+            help="standard: prefill/decode PPL, KV bytes; long: continuation NLL after long contexts and "
+            "needle retrieval through the model's cache (--lengths, --depths, --samples, --continuation)"
+        ),
+    ] = "standard",
+    lengths: Annotated[
+        Optional[str], typer.Option(help="--suite long: context/prompt lengths (default 1024,2048,4096,8192)")
+    ] = None,
+    depths: Annotated[
+        Optional[str], typer.Option(help="--suite long: needle depths in 0..1 (default 0,0.25,0.5,0.75,1)")
+    ] = None,
+    samples: Annotated[int, typer.Option(help="--suite long: prompts per task × length × depth")] = 4,
+    continuation: Annotated[int, typer.Option(help="--suite long: tokens scored after each context")] = 256,
+    needles: Annotated[
+        Optional[str],
+        typer.Option(help="--suite long: passkey,needle,multikey,variables (default the first three)"),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="--suite long: the retrieval prompts' seed")] = 0,
 ) -> None:
     """Evaluate a model: prefill PPL, teacher-forced decode PPL, measured KV bytes/token."""
     device = device or "cpu"
+    if suite != "standard":
+        long_options = dict(lengths=lengths, depths=depths, samples=samples, continuation=continuation)
+        long_options |= {"needles": needles, "seed": seed}
+        return _eval_long(
+            model_dir, dataset, suite, long_options, max_windows, json_out,
+            base_dir=base, hf_quantized_cache=hf_quant_cache, cache=cache, device=device,
+        )  # fmt: skip
     try:
         res = _evaluate(
             model_dir,
@@ -489,6 +516,40 @@ def _evaluate(model_dir: str, dataset: str, seq_len: int, decode_prefix: int | N
         return evaluate_dir(
             model_dir, dataset, seq_len=seq_len, decode_prefix=prefix, progress=advance, **options
         )
+
+
+def _eval_long(
+    model_dir: str, dataset: str, suite: str, opts: dict, windows: int | None, json_out: Path | None, **kwargs
+) -> None:
+    """``lrkv eval --suite long``: :func:`lrkv_core.pipeline.evaluate_long_dir`, printed as tables."""
+    from lrkv_core import longcontext as lc
+    from lrkv_core.pipeline import evaluate_long_dir
+
+    if suite != "long":
+        raise _fail(f"--suite must be standard or long, got {suite!r}")
+    try:
+        protocol = lc.LongContextProtocol(
+            dataset=dataset,
+            lengths=tuple(csv_list(opts["lengths"], int) or lc.DEFAULT_LENGTHS),
+            continuation=opts["continuation"],
+            windows=8 if windows is None else windows,
+            depths=tuple(csv_list(opts["depths"], float) or lc.DEFAULT_DEPTHS),
+            samples=opts["samples"],
+            tasks=tuple(csv_list(opts["needles"]) or lc.DEFAULT_TASKS),
+            seed=opts["seed"],
+        )
+        with rich_progress(), _step("long-context suite") as advance:
+            res = evaluate_long_dir(model_dir, dataset, protocol, progress=advance, **kwargs)
+    except USER_ERRORS as e:
+        raise _fail(str(e)) from None
+    console.print(f"long-context suite: {model_dir}\n\n{res.markdown()}", markup=False, highlight=False)
+    text = json.dumps(res.to_dict() | {"model": model_dir}, indent=2)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)
+        console.print(f"wrote {json_out}")
+    else:
+        console.print_json(text)
 
 
 register_operations(app)  # pull, deploy, up, down, runs (flows/ops_cli.py)

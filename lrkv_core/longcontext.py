@@ -261,6 +261,12 @@ def evaluate_long_context(
     Measurements that cannot be made (no ``C + N`` window in the data, a prompt shorter than its template) are
     listed in ``skipped``.
     """
+    if protocol.continuation < 0 or protocol.samples < 0 or protocol.chunk_size < 1:
+        raise ValueError("continuation and samples must be >= 0 (0 skips that part) and chunk_size >= 1")
+    if protocol.windows is not None and protocol.windows < 1:
+        raise ValueError(f"windows must be >= 1 (or None: all), got {protocol.windows}")
+    if not protocol.lengths or min(protocol.lengths) < 1:
+        raise ValueError(f"lengths must be positive, got {list(protocol.lengths)}")
     limit = getattr(model.config, "max_position_embeddings", None)
     cont_lengths = (
         cap_lengths(protocol.lengths, limit, protocol.continuation) if protocol.continuation else ()
