@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -38,9 +40,14 @@ def recipe_error(err: Exception) -> str:
 
 @contextmanager
 def rich_progress() -> Iterator[None]:
-    """Show every ``lrkv_tasks.progress.step`` of the block as a rich progress bar."""
+    """Show every ``lrkv_tasks.progress.step`` of the block as a rich progress bar on a terminal, and as
+    timestamped lines when the output is not one (a bar would only be drawn when the command ends)."""
     from lrkv_tasks.progress import set_reporter
 
+    if not console.is_terminal:
+        with progress_lines():
+            yield
+        return
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -64,6 +71,28 @@ def rich_progress() -> Iterator[None]:
             yield
         finally:
             set_reporter(None)
+
+
+class _ConsoleLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        console.print(f"{stamp} {escape(record.getMessage())}", soft_wrap=True, highlight=False)
+
+
+@contextmanager
+def progress_lines() -> Iterator[None]:
+    """Print the ``lrkv`` logger's progress lines (:mod:`lrkv_tasks.progress`) as they come, one per line."""
+    logger = logging.getLogger("lrkv")
+    handler, level, propagate = _ConsoleLines(logging.INFO), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # printed here once, not again by a root handler
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def print_summary(result: dict) -> None:

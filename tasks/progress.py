@@ -1,10 +1,19 @@
-"""Progress of long steps: tasks ask for a callback; the CLI installs a rich reporter; milestones are
-logged to the Prefect run (the UI shows them)."""
+"""Progress of long steps, as log lines that reach the logs wherever lrkv runs, and as bars on a terminal.
+
+A task wraps a long step in :func:`step`, which logs when it starts, at every quarter of its progress, when
+it finishes (with its duration), and, while it reports nothing, every :data:`HEARTBEAT_S` seconds, so a
+step that is slow or has no progress to report is never silent. Each line goes to Prefect's logger of the
+current task or flow run (the run's logs in the UI and on a worker's console) and to the ``lrkv`` Python
+logger (which the CLI prints when its output is not a terminal; anyone may attach a handler). A reporter
+installed with :func:`set_reporter` (the CLI's rich progress bars on a terminal) gets every update as well.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -13,6 +22,7 @@ log = logging.getLogger("lrkv")
 # factory(description) -> context manager yielding a (done, total) callback
 _factory: Callable[[str], object] | None = None
 _lock = threading.Lock()
+HEARTBEAT_S = float(os.environ.get("LRKV_PROGRESS_HEARTBEAT", "60"))  # seconds of silence before a line
 
 
 def set_reporter(factory: Callable[[str], object] | None) -> None:
@@ -34,28 +44,73 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
     return get_run_logger()
 
 
+class _Lines:
+    """The log lines of one step: start, each quarter, a heartbeat while quiet, the end."""
+
+    def __init__(self, description: str, heartbeat: float) -> None:
+        self.description = description
+        self.loggers = {run_logger(), log}  # the run's logger (if in a run) and the lrkv logger
+        self.start = self.last_line = time.monotonic()
+        self.done: tuple[int, int] | None = None
+        self.quarter = -1
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.heartbeat = threading.Thread(target=self._beat, args=(heartbeat,), daemon=True)
+
+    def emit(self, message: str, *args) -> None:
+        with self.lock:
+            self.last_line = time.monotonic()
+        for logger in self.loggers:
+            logger.info(message, *args)
+
+    def __enter__(self) -> _Lines:
+        self.emit("%s: started", self.description)
+        self.heartbeat.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stopped.set()
+        self.heartbeat.join()
+        took = time.monotonic() - self.start
+        where = f" at {self.done[0]}/{self.done[1]}" if self.done else ""
+        if exc_type is None:
+            self.emit("%s: done in %.1f s", self.description, took)
+        else:
+            self.emit("%s: stopped%s after %.1f s (%s)", self.description, where, took, exc_type.__name__)
+
+    def advance(self, done: int, total: int) -> None:
+        self.done = (done, total)
+        quarter = 4 * done // max(total, 1)
+        if quarter != self.quarter or done == total:
+            self.quarter = quarter
+            self.emit("%s: %d/%d", self.description, done, total)
+
+    def _beat(self, every: float) -> None:
+        while not self.stopped.wait(max(every / 4, 0.01)):
+            with self.lock:
+                quiet = time.monotonic() - self.last_line
+            if quiet >= every:
+                where = f" at {self.done[0]}/{self.done[1]}" if self.done else ""
+                self.emit(
+                    "%s: still running%s after %.0f s", self.description, where, time.monotonic() - self.start
+                )
+
+
 @contextmanager
-def step(description: str) -> Iterator[Callable[[int, int], None]]:
+def step(description: str, *, heartbeat: float | None = None) -> Iterator[Callable[[int, int], None]]:
     """``with step("stats") as advance: ... advance(done, total)``.
 
-    Progress goes to the installed reporter (the CLI's progress bars) and, every quarter, to the run's log.
+    Logs the step's start, each quarter of its progress, its end, and a line after every ``heartbeat``
+    seconds (default :data:`HEARTBEAT_S`) without one; updates also go to the installed reporter.
     """
-    logger = run_logger()
-    last = [-1]
+    with _Lines(description, HEARTBEAT_S if heartbeat is None else heartbeat) as lines:
+        if _factory is None:
+            yield lines.advance
+            return
+        with _factory(description) as show:
 
-    def milestone(done: int, total: int) -> None:
-        pct = int(100 * done / max(total, 1))
-        if pct // 25 != last[0] // 25 or done == total:
-            last[0] = pct
-            logger.info("%s: %d/%d", description, done, total)
+            def advance(done: int, total: int) -> None:
+                show(done, total)
+                lines.advance(done, total)
 
-    if _factory is None:
-        yield milestone
-        return
-    with _factory(description) as show:
-
-        def advance(done: int, total: int) -> None:
-            show(done, total)
-            milestone(done, total)
-
-        yield advance
+            yield advance

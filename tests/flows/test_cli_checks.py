@@ -1,0 +1,103 @@
+"""What ``lrkv`` refuses before any work, as a user sees it: one line, exit code 1, no traceback."""
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from lrkv_core import convert, load_model, save_compressed
+from lrkv_core.convert import CompressionConfig
+from tests.support.models import SHARED, tiny_model, tiny_model_dir, token_parquet
+
+SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
+
+
+def _lrkv(args, home, timeout=180):
+    env = {**os.environ, "LRKV_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_LOCAL_STORAGE_PATH", None)
+    return subprocess.run(
+        [sys.executable, "-m", "lrkv_flows.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def _convert(model, data, out, home):
+    args = ["convert", "--model", str(model), "--dataset", data, "--out", str(out), "--n-samples", "8"]
+    return _lrkv([*args, "--seq-len", "32", "--set", "eval.decode_prefix=16"], home)
+
+
+def _one_line_error(res, message):
+    text = " ".join(res.stdout.split())  # rich wraps long lines
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert f"error: {message}" in text, res.stdout[-2000:]
+    assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_sources_and_outputs_that_would_fail_late_are_refused_up_front(tmp_path):
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    home = tmp_path / "home"
+
+    blocker = tmp_path / "a-file"  # --out below a file: not writable, whoever runs the test
+    blocker.write_text("")
+    res = _convert(model_dir, data, blocker / "out", home)
+    _one_line_error(res, f"--out {blocker / 'out'} cannot be created: {blocker} is not a directory")
+    assert "MLflow run" not in res.stdout  # refused before any work, not after the run was logged
+
+    model, _ = load_model(model_dir)
+    compressed = tmp_path / "compressed"
+    save_compressed(
+        convert(model, None, CompressionConfig(decomposition="plain", allocator="uniform")), compressed
+    )
+    _one_line_error(
+        _convert(compressed, data, tmp_path / "out", home),
+        f"--model {compressed} is already an lrkv compressed",
+    )
+
+    pickled = tmp_path / "pickled"
+    tiny_model().save_pretrained(pickled)
+    (pickled / "model.safetensors").unlink()
+    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps({"weights": "as a pickle"}))
+    _one_line_error(
+        _convert(pickled, data, tmp_path / "out", home),
+        f"--model {pickled} has no model.safetensors (only pytorch_model.bin); lrkv reads safetensors",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_text_that_is_not_utf8_is_one_line_naming_the_file(tmp_path):
+    if not SHAKESPEARE.is_dir():
+        pytest.skip(f"shared model {SHAKESPEARE} is absent")
+    text = tmp_path / "latin1.txt"
+    text.write_bytes(("To be, or not to be: that is the question. " * 40).encode() + "café".encode("latin-1"))
+    res = _lrkv(["eval", str(SHAKESPEARE), "--dataset", f"text:{text}", "--seq-len", "32"], tmp_path / "home")
+    _one_line_error(res, f"text:{text}: {text} is not UTF-8 text (byte 0xe9 at offset 1723)")
+
+
+def test_progress_lines_are_printed_as_they_come_when_the_output_is_not_a_terminal(tmp_path):
+    """Captured output is not a terminal: each long step prints timestamped lines (start, progress, end)
+    while the conversion runs, instead of a bar drawn once at the end."""
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    res = _convert(model_dir, data, tmp_path / "out", tmp_path / "home")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = [
+        line.split(" ", 1) for line in res.stdout.splitlines() if line[:2].isdigit() and line[2:3] == ":"
+    ]
+    steps = [message for _, message in lines]
+    expected = [
+        f"extract calibration from {data}[:90%]: started",
+        "collect gram: 8/8",
+        "decompose layer 1: done in",
+        "build model: done in",
+        "evaluate compressed: started",
+        f"export to {tmp_path / 'out'}: done in",
+    ]
+    found = [next((i for i, m in enumerate(steps) if m.startswith(e)), None) for e in expected]
+    assert None not in found and found == sorted(found), (found, steps)
