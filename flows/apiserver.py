@@ -12,6 +12,12 @@ leaves it running. The server here is started by the CLI itself instead:
 Which API is used (:func:`connect`): ``$PREFECT_API_URL`` when set; else the server ``lrkv up`` started, if
 it answers (its URL is in ``$LRKV_HOME/services.json``); else an owned server as above. Run as
 ``python -m lrkv_flows.apiserver PORT`` it is that server.
+
+Servers of one home share its Prefect database. An owned server starts under the home's set-up lock
+(:func:`lrkv_core.paths.setup_lock`), so processes started together wait for each other's start-up instead
+of migrating one database at once; a database that does not exist yet is first migrated by a separate process
+(``python -m lrkv_flows.apiserver --migrate``) into a temporary file beside it and renamed into place when
+complete (:func:`prepare_database`), so an interrupted first start leaves no half-migrated database.
 """
 
 from __future__ import annotations
@@ -19,13 +25,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
+from urllib.parse import unquote
 
-from lrkv_core.paths import lrkv_home
+from lrkv_core.paths import lrkv_home, setup_lock, writable_home
 
 SERVICES = "services.json"  # written by `lrkv up`: {"prefect_api": ..., "mlflow": ..., "pids": [...]}
 
@@ -33,8 +42,62 @@ SERVICES = "services.json"  # written by `lrkv up`: {"prefect_api": ..., "mlflow
 def database_url() -> str:
     """The Prefect database lrkv's servers share (``$LRKV_HOME/prefect.db``), so ``lrkv up``'s UI shows the
     runs made before it started; ``$PREFECT_API_DATABASE_CONNECTION_URL`` overrides it."""
-    lrkv_home().mkdir(parents=True, exist_ok=True)
-    return f"sqlite+aiosqlite:///{lrkv_home() / 'prefect.db'}"
+    return f"sqlite+aiosqlite:///{writable_home() / 'prefect.db'}"
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The file of a ``sqlite+aiosqlite:///PATH`` URL; None for other databases and in-memory SQLite."""
+    scheme, sep, rest = url.partition(":///")
+    if not sep or scheme not in ("sqlite", "sqlite+aiosqlite"):
+        return None
+    path = unquote(rest.split("?", 1)[0])
+    return Path(path) if path and path != ":memory:" else None
+
+
+def prepare_database(url: str, log_path: Path, timeout: float = 600.0) -> None:
+    """Create the SQLite database ``url`` names at Prefect's newest schema unless it exists (else no-op).
+
+    Call under the directory's set-up lock. Files a killed set-up left are removed; the migration runs in a
+    child process (its output in ``log_path``) on a temporary file that is renamed onto the database's name
+    only when complete. An interrupt kills the child and removes the temporary file.
+    """
+    path = _sqlite_file(url)
+    if path is None or path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp*"):
+        stale.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    env = {**os.environ, "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp}"}
+    try:
+        with open(log_path, "a") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "lrkv_flows.apiserver", "--migrate"],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if code != 0:
+            tail = log_path.read_text()[-1500:]
+            raise RuntimeError(f"creating the Prefect database {path} failed (log {log_path}): {tail}")
+        db = sqlite3.connect(tmp)
+        try:  # one self-contained file (out of WAL mode) before the rename
+            db.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            db.close()
+        os.replace(tmp, path)
+    finally:
+        for leftover in path.parent.glob(f"{tmp.name}*"):
+            leftover.unlink(missing_ok=True)
 
 
 def healthy(api_url: str, timeout: float = 2.0) -> bool:
@@ -59,28 +122,39 @@ class OwnedServer:
     """A Prefect API server process that lives exactly as long as this process (see the module docstring)."""
 
     def __init__(self, timeout: float = 180.0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.api_url = f"http://127.0.0.1:{self.port}/api"
-        log = lrkv_home() / "logs"
+        home = writable_home()
+        log = home / "logs"
         log.mkdir(parents=True, exist_ok=True)
         self.log_path = log / f"prefect-api-{os.getpid()}.log"
+        self.log_path.write_text("")
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"}
         env.setdefault("PREFECT_API_DATABASE_CONNECTION_URL", database_url())
-        with open(self.log_path, "w") as log_file:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lrkv_flows.apiserver", str(self.port)],
-                stdin=subprocess.PIPE,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        with setup_lock(home):  # one server of this home starts (and migrates its database) at a time
+            prepare_database(env["PREFECT_API_DATABASE_CONNECTION_URL"], self.log_path)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+            self.api_url = f"http://127.0.0.1:{self.port}/api"
+            with open(self.log_path, "a") as log_file:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "lrkv_flows.apiserver", str(self.port)],
+                    stdin=subprocess.PIPE,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            try:
+                self._wait_healthy(timeout)
+            except BaseException:  # not started, or interrupted while starting: no server is left behind
+                self.stop(drain=False)
+                raise
+
+    def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not healthy(self.api_url):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
+                self.stop(drain=False)
                 tail = self.log_path.read_text()[-1500:]
                 raise RuntimeError(f"the Prefect API server did not start (log {self.log_path}): {tail}")
             time.sleep(0.2)
@@ -137,6 +211,20 @@ def _exit_with_parent() -> None:
     os._exit(0)
 
 
+def migrate() -> None:
+    """Bring the database ``$PREFECT_API_DATABASE_CONNECTION_URL`` names to Prefect's newest schema."""
+    import asyncio
+
+    from prefect.server.database import provide_database_interface
+
+    async def upgrade() -> None:
+        db = provide_database_interface()
+        await db.create_db()
+        await (await db.engine()).dispose()
+
+    asyncio.run(upgrade())
+
+
 def main(port: int) -> None:
     """Serve Prefect's API on 127.0.0.1:``port`` until stopped or until the parent's pipe closes."""
     threading.Thread(target=_exit_with_parent, daemon=True, name="exit-with-parent").start()
@@ -154,4 +242,7 @@ def main(port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    if sys.argv[1] == "--migrate":
+        migrate()
+    else:
+        main(int(sys.argv[1]))

@@ -295,6 +295,9 @@ def _prefect_api():
         server = connect()
     except RuntimeError as e:
         raise _fail(str(e)) from None
+    except KeyboardInterrupt:  # Ctrl-C while the API server starts: its set-up is left clean (apiserver.py)
+        console.print("interrupted (SIGINT) while starting the Prefect API server")
+        raise typer.Exit(130) from None
     try:
         yield supervised(server, lambda line: console.print(escape(line), soft_wrap=True))
     finally:

@@ -21,9 +21,10 @@ import sys
 import time
 import urllib.request
 
-from lrkv_core.paths import lrkv_home
+from lrkv_core.paths import lrkv_home, setup_lock, writable_home
+from lrkv_tasks.tracking import prepare_database as prepare_mlflow_database
 
-from .apiserver import SERVICES, database_url, healthy
+from .apiserver import SERVICES, database_url, healthy, prepare_database
 from .deploy import work_pool
 
 
@@ -66,13 +67,18 @@ def up() -> dict:
         services = json.loads(path.read_text())
         if healthy(services["prefect_api"]):
             return services
-    home = lrkv_home()
-    home.mkdir(parents=True, exist_ok=True)
+    home = writable_home()
     prefect_port, mlflow_port = _port("LRKV_PREFECT_PORT", 4200), _port("LRKV_MLFLOW_PORT", 5000)
     api = f"http://127.0.0.1:{prefect_port}/api"
     env = {**os.environ, "PREFECT_API_URL": api}
     env.setdefault("PREFECT_API_DATABASE_CONNECTION_URL", database_url())
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    backend = os.environ.get("LRKV_MLFLOW_BACKEND", f"sqlite:///{home / 'mlflow-server.db'}")
+    logs = home / "logs"
+    logs.mkdir(exist_ok=True)
+    with setup_lock(home):  # the databases are created whole, once, before the servers open them
+        prepare_database(env["PREFECT_API_DATABASE_CONNECTION_URL"], logs / "prefect-server.log")
+    prepare_mlflow_database(backend)  # under its directory's set-up lock
     procs = {
         "prefect": _start(
             "prefect-server",
@@ -91,7 +97,6 @@ def up() -> dict:
         )
     }
     mlflow_uri = f"http://127.0.0.1:{mlflow_port}"
-    backend = os.environ.get("LRKV_MLFLOW_BACKEND", f"sqlite:///{home / 'mlflow-server.db'}")
     artifacts = os.environ.get("LRKV_MLFLOW_ARTIFACTS", (home / "mlartifacts").resolve().as_uri())
     mlflow_args = [
         sys.executable,
