@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
 
 from lrkv_core.cache import LatentCache, output_cache
 from lrkv_core.evaluate import decode_perplexity
@@ -253,3 +254,25 @@ def test_the_suite_is_reproducible_and_records_its_protocol(tokenizer, haystack,
     assert "| 284 | 2 |" in res.markdown() and len(res.table()) == 2 + 8
     other = evaluate_long_context(comp, tokenizer, [haystack], replace(protocol, seed=8))
     assert [c.nll for c in other.continuation] == [c.nll for c in res.continuation]  # windows: not seeded
+
+
+def test_a_cache_factorys_cache_is_the_one_filled(tokenizer, haystack) -> None:
+    """``cache_factory`` (e.g. transformers' QuantizedCache for an original model) is the cache that the
+    continuation's prefill and generate fill, with the same results as the model's default cache."""
+    model = _llama(tokenizer)
+    made = []
+
+    def factory() -> DynamicCache:
+        made.append(DynamicCache(config=model.config))
+        return made[-1]
+
+    windows = cut_windows([haystack], 96, 2)  # (2, 96)
+    assert continuation_nll(model, windows, context_len=80, chunk_size=30, cache_factory=factory)[0] == (
+        pytest.approx(continuation_nll(model, windows, context_len=80)[0], abs=1e-4)
+    )
+    assert len(made) == 2 and made[-1].get_seq_length() == 95  # the context and all but the last target
+    sample = make_sample("passkey", tokenizer, haystack, length=128, depth=0.5, seed=0)
+    assert generate_answer(model, tokenizer, sample, cache_factory=factory) == generate_answer(
+        model, tokenizer, sample
+    )
+    assert len(made) == 3 and made[-1].get_seq_length() >= 128
