@@ -88,7 +88,8 @@ def settings(table: str, rows: int) -> list[Setting]:
             Setting("uniform", "uniform", rows, reference="uniform"),
             Setting("fisher (Palu's rule)", "fisher", rows, fisher(), reference="fisher"),
             Setting("lorc", "lorc", rows),
-            Setting("eigen", "eigen", rows),
+            Setting("eigen (one threshold)", {"name": "eigen", "rule": "global"}, rows),
+            Setting("eigen (Algorithm 1)", "eigen", rows, {"layer_output_error": {"n_samples": rows}}),
             Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
             Setting("kl", "kl", rows, kl()),
             Setting("kl + 3 refine steps on 16 rows", "kl", rows, kl(), refine_steps=3, refine_rows=16),
@@ -105,7 +106,7 @@ def settings(table: str, rows: int) -> list[Setting]:
             on_loss("kl", "kl", kl(), 6, 128),
             on_loss("uniform", "uniform", {}),
             on_loss("fisher (Palu's rule)", "fisher", fisher()),
-            on_loss("eigen", "eigen", {}),
+            on_loss("eigen (one threshold)", {"name": "eigen", "rule": "global"}, {}),
         ]
     water_fill = {"name": "fisher", "leftover": "water-fill"}
     return [

@@ -160,7 +160,7 @@ def test_eigen_gives_faster_decaying_layers_no_more_rank(multiple: int, ratio: f
         group_size=GROUP_SIZE,
         head_dim=HEAD_DIM,
         rank_multiple=multiple,
-        allocator="eigen",
+        allocator={"name": "eigen", "rule": "global"},
     )
     per_layer = [plan.ranks["k"][layer] + plan.ranks["v"][layer] for layer in range(4)]
     for a in range(4):
@@ -209,8 +209,10 @@ def test_allocators_that_need_fisher_say_so() -> None:
     for name in ("fisher", "fisher-greedy"):
         with pytest.raises(ValueError, match=f"allocator '{name}' needs the feature"):
             allocate_ranks(spectra, allocator=name, **kw)
-    for name in ("uniform", "eigen"):
+    for name in ("uniform", {"name": "eigen", "rule": "global"}):
         assert allocate_ranks(spectra, allocator=name, **kw).kept <= 512
+    with pytest.raises(ValueError, match=r"allocator 'eigen' needs the feature\(s\) \['layer_errors'\]"):
+        allocate_ranks(spectra, allocator={"name": "eigen", "rule": "layerwise"}, **kw)
     condition = {"weight_condition": spectral_condition(spectra)}
     assert allocate_ranks(spectra, allocator="lorc", features=condition, **kw).kept <= 512
     with pytest.raises(ValueError, match=r"allocator 'eigen' has no option\(s\) \['skip_threshold'\]"):

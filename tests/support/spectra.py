@@ -47,8 +47,20 @@ def synthetic_inputs(seed: int = 0) -> dict:
         "error_curves": curves,
         "kl_curves": curves,  # any (max_rank + 1,) curve per group: kl minimises them as fisher-greedy does
         "weight_condition": spectral_condition(spectra),
+        "layer_errors": layer_error_curves(spectra, gen),
     }
     return {"spectra": spectra, "features": features}
+
+
+def layer_error_curves(spectra: list[dict], gen: torch.Generator) -> list[dict]:
+    """A decoder-layer output-error curve per layer (ε = 1 … 0 in steps of 0.02, error ``c_l (1 − ε)²`` with
+    a scale per layer), carried by every group of the layer as the ``layer_errors`` feature."""
+    eps = torch.linspace(1.0, 0.0, 51, dtype=torch.float64)
+    out = []
+    for entry in spectra:
+        curve = torch.stack([eps, float(10 ** (2 * torch.rand((), generator=gen) - 1)) * (1 - eps) ** 2])
+        out.append({kind: [curve] * len(entry[kind]) for kind in "kv"})
+    return out
 
 
 def allocate(allocator, ratio: float, multiple: int, inputs: dict | None = None) -> RankPlan:
