@@ -246,8 +246,14 @@ class Latent:
         elif isinstance(self.kernel, tuple):
             from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
 
-            block_s, warps, stages = self.kernel
-            out = latent_decode_attention_triton(*args, block_s=block_s, num_warps=warps, num_stages=stages)
+            block_s, warps, stages, *rest = self.kernel
+            out = latent_decode_attention_triton(
+                *args,
+                block_s=block_s,
+                num_warps=warps,
+                num_stages=stages,
+                latent_scores=bool(rest and rest[0]),
+            )
         else:  # Palu's scores kernel per group, softmax and the value product in torch
             outs, G = [], s.Hkv // s.group
             nq = s.H // G
@@ -328,6 +334,11 @@ def main() -> None:
     ap.add_argument("--parts", default="check,attention,step,serving")
     ap.add_argument("--device", default="cuda", help="cpu: only the full-rank check (Triton's interpreter)")
     ap.add_argument("--out", type=Path, default=None, help="append JSON rows here")
+    ap.add_argument(
+        "--tilings", default=None,
+        help="the kernel's settings to time, e.g. '64,4,1;64,4,1,1' (tokens per tile, warps, stages[, scores "
+        "in the latents' dtype]); default: TILINGS",
+    )  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
     parts = set(args.parts.split(","))
@@ -359,7 +370,12 @@ def main() -> None:
         cache.fill()
         x = stack.embed[torch.arange(args.batch, device=device)]
         for ctx in contexts:
-            options = list(BACKENDS) + ["default"] if kind == "original" else [*TILINGS, "palu-scores"]
+            tilings = (
+                TILINGS
+                if not args.tilings
+                else [tuple(map(int, t.split(","))) for t in args.tilings.split(";")]
+            )
+            options = list(BACKENDS) + ["default"] if kind == "original" else [*tilings, "palu-scores"]
             timed = {}
             if "attention" in parts:
                 h = rms_norm(x, stack.layers[0]["ln1"])

@@ -56,7 +56,7 @@ def _flash_decode_kernel(
     G: tl.constexpr, S_HEADS: tl.constexpr, RK_P: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr,
     HALF: tl.constexpr, HALF_P: tl.constexpr, RV_P: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr,
-    PRECISION: tl.constexpr, ACCURATE_TRIG: tl.constexpr,
+    PRECISION: tl.constexpr, ACCURATE_TRIG: tl.constexpr, LATENT_SCORES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -124,6 +124,9 @@ def _flash_decode_kernel(
             mine = (kv_of == kv)[:, None]  # this KV head's query heads; the others' rows stay zero
             qa = tl.where(mine, q1, 0.0)
             qb = tl.where(mine, q2, 0.0)
+            if LATENT_SCORES:  # queries and rotated keys in the latents' dtype, as the original's keys are
+                qa, qb = qa.to(h.dtype), qb.to(h.dtype)
+                r1, r2 = r1.to(h.dtype), r2.to(h.dtype)
             scores = tl.dot(qa, tl.trans(r1), scores, input_precision=PRECISION)  # (NQ_P, BLOCK_S)
             scores = tl.dot(qb, tl.trans(r2), scores, input_precision=PRECISION)
 
@@ -207,10 +210,13 @@ def latent_decode_attention_triton(
     block_s: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    latent_scores: bool = False,
 ) -> torch.Tensor:
     """:func:`~lrkv_kernels.latent_rope.reference.latent_decode_attention_ref` in two launches (same
     arguments; (B, width) in the latents' dtype). ``n_splits`` (splits of the sequence), ``block_s`` (tokens
-    per tile, a power of two ≥ 16), ``num_warps`` and ``num_stages`` override the launch's defaults."""
+    per tile, a power of two ≥ 16), ``num_warps`` and ``num_stages`` override the launch's defaults;
+    ``latent_scores`` takes the scores' products in the latents' dtype (16-bit latents: queries and rotated
+    keys rounded to it, as the original model's keys are) instead of float32."""
     B, H, D = q.shape
     S = h_k.shape[1]
     G = weights.up.shape[0]
@@ -235,6 +241,7 @@ def latent_decode_attention_triton(
         mask = mask.to(torch.float32)
     bias = weights.bias
     precision = "ieee" if h_k.dtype == torch.float32 else "tf32"
+    latent_scores = latent_scores and h_k.dtype != torch.float32
     cos, sin = rope_tables_for(inv_freq, attention_scaling, S)
     _flash_decode_kernel[(B * G, n_splits)](
         q, h_k, h_v, weights.up, weights.up if bias is None else bias, positions,
@@ -248,7 +255,8 @@ def latent_decode_attention_triton(
         G=G, S_HEADS=s, RK_P=_pow2(weights.up.shape[2]), NQ=nq, NQ_P=nq_p,
         HALF=D // 2, HALF_P=_pow2(D // 2), RV_P=rv_p,
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_S=block_s,
-        PRECISION=precision, ACCURATE_TRIG=q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        PRECISION=precision, ACCURATE_TRIG=q.is_cuda, LATENT_SCORES=latent_scores,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B * G * nq,)](
         acc, m, l, weights.ranks_v, weights.out_offsets, out, out.stride(0), n_splits,

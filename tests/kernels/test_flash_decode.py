@@ -123,8 +123,11 @@ def test_positions_far_out_keep_float32_accuracy():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="half-precision tl.dot needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("S", [3000, 40_000])
-def test_kernel_half_precision_on_cuda(dtype, S):
+@pytest.mark.parametrize("latent_scores", [False, True])
+def test_kernel_half_precision_on_cuda(dtype, S, latent_scores):
+    from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
+
     args = layer(4, S, 3, 64, 3, (96,), (96,), True, dtype=dtype)
-    got = latent_decode_attention(*args, attention_scaling=1.0, scaling=0.125)
+    got = latent_decode_attention_triton(*args, 1.0, 0.125, latent_scores=latent_scores)
     ref = latent_decode_attention_ref(*args, attention_scaling=1.0, scaling=0.125)
     assert relative_error(got, ref) < (3e-3 if dtype == torch.float16 else 2e-2)
