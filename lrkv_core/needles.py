@@ -170,7 +170,7 @@ def make_sample(
                 f"{task}: a {length}-token prompt does not fit the template ({length - budget} tokens)"
             )
         offset = int(rng.integers(stream.size))
-        hay = np.resize(np.roll(stream, -offset), budget)  # (budget,) the stream from offset, repeated
+        hay = stream[(offset + np.arange(budget)) % stream.size]  # (budget,) from offset, wrapping around
         ends = _sentence_ends(tokenizer, hay)
         asked = _snap(round(depth * budget), ends, budget)
         if task == "multikey":  # distractors anywhere

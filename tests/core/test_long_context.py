@@ -138,6 +138,8 @@ def test_samples_are_a_function_of_the_seed(tokenizer, haystack) -> None:
     assert all(torch.equal(x.input_ids, y.input_ids) and x.answer == y.answer for x, y in zip(a, b))
     assert [x.answer for x in a] != [x.answer for x in c]
     assert len({x.answer for x in a}) == 3  # the samples of a cell differ
+    short = make_sample("passkey", tokenizer, haystack[:30], length=256, depth=0.5, seed=0)  # repeated
+    assert short.input_ids.shape == (256,) and short.haystack_len > 30
 
 
 # --------------------------------------------------------------------------- scoring
