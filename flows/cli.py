@@ -16,7 +16,7 @@ from rich.markup import escape
 from lrkv_tasks.device import ENV as DEVICE_ENV
 
 from .cluster import ENV as DASK_ENV
-from .ops_cli import register_operations
+from .ops_cli import register_operations, require_home
 from .options import (
     cache_storage,
     csv_list,
@@ -239,6 +239,7 @@ def convert(
         rec = load_recipe(recipe, overrides)
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
         raise _fail(f"invalid recipe: {recipe_error(e)}", 2) from None
+    require_home()  # Prefect's and MLflow's local databases, logs and caches live there
     _configure_prefect(rec.store, verbose)
     try:
         _build_builtin(rec.model)
@@ -386,6 +387,7 @@ def ablate(
         rec = AblateRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
     except (ValueError, OSError, yaml.YAMLError) as e:
         raise _fail(f"invalid recipe: {recipe_error(e)}", 2) from None
+    require_home()  # Prefect's and MLflow's local databases, logs and caches live there
     _configure_prefect(rec.base.store, verbose)
     try:
         _build_builtin(rec.base.model)

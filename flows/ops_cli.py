@@ -33,6 +33,22 @@ def _first_line(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else repr(err)
 
 
+def require_home() -> None:
+    """Fail with one line and the usage-error exit code (2) unless ``$LRKV_HOME`` can be written."""
+    from lrkv_core.paths import HomeNotWritableError, writable_home
+
+    try:
+        writable_home()
+    except HomeNotWritableError as e:
+        raise fail(str(e), 2) from None
+
+
+def _require_home_for(mlflow_uri: str | None) -> None:
+    """The runs commands read the local SQLite database, in the home, unless an MLflow URI is given."""
+    if not (mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        require_home()
+
+
 def pull(
     ref: Annotated[
         str, typer.Argument(help="registered model: NAME@ALIAS (lrkv-llama@champion) or NAME/VERSION")
@@ -46,6 +62,7 @@ def pull(
 
     if mlflow_uri:
         os.environ["MLFLOW_TRACKING_URI"] = mlflow_uri
+    require_home()  # the download cache is there
     try:
         version = registered_version(ref)
         copy_model_dir(resolve_registered_model(ref), out)
@@ -117,6 +134,7 @@ def up() -> None:
     """Start a local Prefect server, a process worker and an MLflow server (until `lrkv down`)."""
     from .services import up as start
 
+    require_home()
     try:
         services = start()
     except (RuntimeError, OSError) as e:
@@ -151,6 +169,7 @@ def runs_list(
     """The newest runs: id, status, model and summary metrics."""
     from lrkv_tasks.runs import SUMMARY_METRICS, list_runs
 
+    _require_home_for(mlflow_uri)
     try:
         rows = list_runs(mlflow_uri, experiment, limit)
     except _mlflow_errors() as e:
@@ -182,6 +201,7 @@ def runs_show(
     """One run: metrics, params and its artifact tree."""
     from lrkv_tasks.runs import show_run
 
+    _require_home_for(mlflow_uri)
     try:
         info = show_run(mlflow_uri, run)
     except _mlflow_errors() as e:
@@ -211,6 +231,7 @@ def runs_compare(
     """Two runs side by side: every metric (with b − a) and the params that differ."""
     from lrkv_tasks.runs import compare_runs
 
+    _require_home_for(mlflow_uri)
     try:
         cmp = compare_runs(mlflow_uri, a, b)
     except _mlflow_errors() as e:

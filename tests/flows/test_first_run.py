@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support.models import tiny_model_dir, token_parquet
 
 
@@ -100,3 +102,44 @@ def test_two_first_runs_at_once_on_a_fresh_home_both_succeed(tmp_path):
         assert code == 0, log.read_text()[-3000:]
     listed = _run([sys.executable, "-m", "lrkv_flows.cli", "runs", "list"], home, tmp_path / "runs.log")
     assert listed.count("FINISHED") == 2, listed
+
+
+def _read_only_mount(directory: Path) -> list[str] | None:
+    """A command prefix running the rest with ``directory`` bind-mounted read-only (in a user and mount
+    namespace: read-only even for root), or None where this system allows no such namespace."""
+    prefix = ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(directory)]
+    try:
+        probe = subprocess.run([*prefix, "touch", str(directory / "x")], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if probe.returncode == 0 or b"Read-only file system" not in probe.stderr:
+        return None  # no namespace, no mount, or a mount that is not read-only
+    return prefix
+
+
+@pytest.mark.parametrize("kind", ["under a file", "read-only"])
+def test_a_home_lrkv_cannot_write_is_one_line_and_a_usage_error(tmp_path, kind):
+    if kind == "under a file":
+        (tmp_path / "file").write_text("")
+        home, prefix = tmp_path / "file" / "home", []
+    else:
+        home = tmp_path / "home"
+        home.mkdir()
+        prefix = _read_only_mount(home)
+        if prefix is None:
+            pytest.skip("no user and mount namespaces here for a read-only mount")
+    cli = [sys.executable, "-m", "lrkv_flows.cli"]
+    commands = {
+        "convert": _convert_args(tmp_path),
+        "runs list": [*cli, "runs", "list"],
+        "pull": [*cli, "pull", "lrkv-tiny-llama@champion", "--out", str(tmp_path / "pulled")],
+    }
+    for name, args in commands.items():
+        res = subprocess.run(
+            [*prefix, *args], env=_env(home), capture_output=True, text=True, timeout=300, cwd=tmp_path
+        )
+        out = (res.stdout + res.stderr).strip()
+        assert res.returncode == 2, (name, out[-3000:])
+        assert out.startswith(f"error: the lrkv home {home} is not writable ("), (name, out)
+        assert out.endswith("set LRKV_HOME to a writable directory") and "\n" not in out, (name, out)
+    assert not (tmp_path / "pulled").exists() and not (tmp_path / "mlflow.db").exists()
