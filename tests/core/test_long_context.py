@@ -278,3 +278,27 @@ def test_a_cache_factorys_cache_is_the_one_filled(tokenizer, haystack) -> None:
         model, tokenizer, sample
     )
     assert len(made) == 3 and made[-1].get_seq_length() >= 128
+
+
+def test_shakespeare_continuation_equals_prefill_scoring_of_the_same_windows() -> None:
+    """On the real shared model: ``evaluate_long_dir``'s continuation NLL after 128 tokens is the NLL of the
+    same targets in one forward of each window (the first non-overlapping 160-token windows of the text)."""
+    from lrkv_core.data import eval_windows
+    from lrkv_core.evaluate import prefill_perplexity
+    from lrkv_core.models import load_model
+    from lrkv_core.pipeline import evaluate_long_dir
+    from tests.support.models import SHARED
+
+    model_dir, text = SHARED / "models" / "shakespeare-llama", SHARED / "data" / "shakespeare" / "valid.txt"
+    if not (model_dir.is_dir() and text.is_file()):
+        pytest.skip(f"shared assets absent: {model_dir} / {text}")
+    dataset = f"text:{text}[:10%]"
+    protocol = LongContextProtocol(dataset="", lengths=(128,), continuation=32, windows=3, tasks=())
+    res = evaluate_long_dir(str(model_dir), dataset, protocol)
+    assert res.protocol.dataset == dataset and res.protocol.cache == "DynamicCache"
+    model, tokenizer = load_model(str(model_dir))
+    windows = eval_windows(dataset, tokenizer, seq_len=160, max_windows=3)
+    ref = prefill_perplexity(model, windows, score_from=128)
+    (row,) = res.continuation
+    assert row.windows == 3 and row.tokens == ref["tokens"] == 96
+    assert row.nll == pytest.approx(ref["nll"], abs=1e-5)
