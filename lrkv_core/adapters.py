@@ -57,6 +57,12 @@ class ArchAdapter:
     # how the attention interface gets ``sliding_window``: not at all, config.sliding_window for every
     # layer (Mistral), or only for layers whose ``config.layer_types`` entry is "sliding_attention" (Qwen2)
     sliding_window: Literal["none", "all", "layer_types"] = "none"
+    # "module:Class" of the per-head RMSNorm of queries and keys before RoPE (Qwen3's QK-norm), built as
+    # ``Class(D, eps=config.rms_norm_eps)`` under the attention attributes ``q_norm`` and ``k_norm``; None for
+    # families without one. Keys are rebuilt from latents, then normed, then rotated: the norm is never
+    # applied to latents. ``qk_norm_offset`` is added to the norm's weight to get its scale (Gemma's 1 + w).
+    qk_norm: str | None = None
+    qk_norm_offset: float = 0.0
 
     @property
     def rope(self) -> bool:
@@ -99,6 +105,15 @@ class ArchAdapter:
         module, name = self.rotary.split(":")
         return getattr(importlib.import_module(module), name)(config=config)
 
+    def qk_norms(self, config: PretrainedConfig) -> tuple[nn.Module, nn.Module] | None:
+        """Fresh (q_norm, k_norm) per-head norms built from the config, or None without QK-norm."""
+        if self.qk_norm is None:
+            return None
+        module, name = self.qk_norm.split(":")
+        cls = getattr(importlib.import_module(module), name)
+        D = self.shape(config).D
+        return cls(D, eps=config.rms_norm_eps), cls(D, eps=config.rms_norm_eps)
+
     def attention_kwargs(self, config: PretrainedConfig, layer_idx: int) -> dict:
         """Extra keyword arguments the original attention hands to the attention interface."""
         if self.sliding_window == "all":
@@ -120,6 +135,12 @@ ADAPTERS: dict[str, ArchAdapter] = {
         model_type="qwen2",
         rotary="transformers.models.qwen2.modeling_qwen2:Qwen2RotaryEmbedding",
         sliding_window="layer_types",
+    ),
+    "qwen3": ArchAdapter(
+        model_type="qwen3",
+        rotary="transformers.models.qwen3.modeling_qwen3:Qwen3RotaryEmbedding",
+        sliding_window="layer_types",
+        qk_norm="transformers.models.qwen3.modeling_qwen3:Qwen3RMSNorm",
     ),
     "opt": ArchAdapter(
         model_type="opt",

@@ -3,8 +3,9 @@
 Per layer, with groups g of s KV heads and ranks r_g:
 - ``k_down`` (R_k × d) and ``v_down`` (R_v × d): all groups' ``A`` stacked, so the cache stores
   ``H_k = x A_kᵀ`` (B, S, R_k) and ``H_v = x A_vᵀ`` (B, S, R_v) with R = Σ_g r_g;
-- ``k_up[g]`` (s·D × r_g, + k bias rows): keys are rebuilt per group, then RoPE at the cached positions,
-  then q·K;
+- ``k_up[g]`` (s·D × r_g, + k bias rows): keys are rebuilt per group, then (QK-norm models, Qwen3) the
+  original's per-head ``k_norm``, then RoPE at the cached positions, then q·K; queries go through ``q_norm``
+  before RoPE, as in the original;
 - ``o_proj`` (d × Σ_h r_{g(h)}): ``B_v`` folded into the output projection, one block per query head,
   ``W_o,h B_v,g,h`` (d × r_g), so attention probabilities multiply latents directly and values are never
   rebuilt. A v bias folds into the o_proj bias (softmax rows sum to 1).
@@ -142,7 +143,7 @@ class LatentAttentionBase(nn.Module):
 
 
 class LatentAttention(LatentAttentionBase):
-    """Drop-in replacement for a RoPE attention module (Llama, Mistral, Qwen2), caching latents.
+    """Drop-in replacement for a RoPE attention module (Llama, Mistral, Qwen2, Qwen3), caching latents.
 
     A decode step (one query token) on CUDA goes through the flash-decoding kernel
     (:func:`~lrkv_kernels.latent_rope.latent_decode_attention`): the whole layer in one launch, keys rebuilt
@@ -161,6 +162,9 @@ class LatentAttention(LatentAttentionBase):
         self.q_proj = nn.Linear(shape.d, shape.H * shape.D, bias=layout.qkv_bias)
         self.k_up = nn.ModuleList(nn.Linear(r, s * shape.D, bias=layout.qkv_bias) for r in layout.ranks_k)
         self.rotary_emb = adapter.rotary_embedding(config)
+        norms = adapter.qk_norms(config)  # QK-norm: the original's per-head norms, before RoPE
+        self.q_norm, self.k_norm = norms if norms is not None else (None, None)
+        self._norm_offset = adapter.qk_norm_offset
 
     def forward(
         self,
@@ -174,7 +178,10 @@ class LatentAttention(LatentAttentionBase):
     ) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
         H, D, s = self.shape.H, self.shape.D, self.layout.group_size
-        q = self.q_proj(hidden_states).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        q = self.q_proj(hidden_states).view(B, T, H, D)  # (B, T, H, D)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = q.transpose(1, 2)  # (B, H, T, D)
         cos, sin = position_embeddings  # (B, T, D)
         q = apply_rope(q, cos, sin)
         if position_ids is None:
@@ -227,11 +234,13 @@ class LatentAttention(LatentAttentionBase):
     def decode_weights(self, dtype: torch.dtype) -> LatentDecodeWeights:
         """The key up-projections in the decode kernel's layout, rebuilt only when a weight changed."""
         ups = [up.weight for up in self.k_up]
-        key = (dtype, *((w.data_ptr(), w._version) for w in ups))
+        norm = [] if self.k_norm is None else [self.k_norm.weight]
+        key = (dtype, *((w.data_ptr(), w._version) for w in ups + norm))
         if getattr(self, "_decode_weights_key", None) != key:
             biases = [up.bias for up in self.k_up]
+            scale, eps = (None, 0.0) if self.k_norm is None else self.key_norm()
             self._decode_weights = LatentDecodeWeights.build(
-                ups, biases, list(self.layout.ranks_v), self.q_heads_per_group, dtype
+                ups, biases, list(self.layout.ranks_v), self.q_heads_per_group, dtype, scale, eps
             )
             self._decode_weights_key = key
         return self._decode_weights
@@ -243,13 +252,23 @@ class LatentAttention(LatentAttentionBase):
 
         A plain ``k_up`` goes through the fused kernel, which reads its weight and bias. A wrapped one (a
         LoRA adapter around it while recovery trains, :mod:`lrkv_core.lora`) adds its own terms in its
-        forward, which reading ``.weight`` would skip, so it is called and RoPE applied after.
+        forward, which reading ``.weight`` would skip, so it is called and RoPE applied after. With QK-norm
+        the rebuilt keys go through the original's ``k_norm`` module (its dtype handling included) per head
+        before RoPE.
         """
-        if type(up) is nn.Linear:
+        if type(up) is nn.Linear and self.k_norm is None:
             return reconstruct_rope_keys(h_k, up.weight, up.bias, cos, sin, self.head_dim)
         B, S, _ = h_k.shape
-        k = up(h_k).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, s, S, D)
-        return apply_rope(k, cos, sin)
+        k = up(h_k).view(B, S, -1, self.head_dim)  # (B, S, s, D)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k.transpose(1, 2), cos, sin)  # (B, s, S, D)
+
+    def key_norm(self) -> tuple[torch.Tensor, float]:
+        """The keys' RMSNorm as the decode kernel reads it: its scale (D,) (weight + the family's offset)
+        and epsilon."""
+        eps = getattr(self.k_norm, "variance_epsilon", getattr(self.k_norm, "eps", None))
+        return self.k_norm.weight + self._norm_offset, float(eps)
 
 
 def joined(groups: tuple[torch.Tensor, ...]) -> torch.Tensor:

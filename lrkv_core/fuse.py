@@ -4,7 +4,8 @@ The math (factors, ranks) is computed elsewhere; this module only edits the mode
 place that does. Layers are addressed through the architecture adapter, and the adapter's ``rope`` flag
 picks the attention kind (:data:`ATTENTION_KINDS`): its module class and how its keys are fused.
 
-- RoPE models: ``q_proj`` is copied, ``B_k`` (+ k bias) becomes ``k_up`` (keys rebuilt, then rotated).
+- RoPE models: ``q_proj`` is copied, ``B_k`` (+ k bias) becomes ``k_up`` (keys rebuilt, then rotated); the
+  per-head ``q_norm``/``k_norm`` of QK-norm models (Qwen3) are copied and act on queries and rebuilt keys.
 - Non-RoPE models: ``B_k`` is folded into ``q_proj`` (rows ``B_k,g,jᵀ W_q,h``, bias ``B_k,g,jᵀ b_q,h``);
   the k bias only adds ``q·b_k``, constant per query row, and is dropped (softmax cancels it).
 - All models: ``W_o,h B_v,g,j`` per query head h becomes ``o_proj``; ``W_o,h b_v,j`` joins its bias.
@@ -141,6 +142,9 @@ def fuse_attention(
     _set_linear(new.k_down, torch.cat([a for a, _ in k_parts]))
     _set_linear(new.v_down, torch.cat([a for a, _ in v_parts]))
     kind.fuse_keys(new, q, k, k_parts, shape)
+    if adapter.qk_norm is not None:  # the per-head norms act on queries and rebuilt keys, never on latents
+        new.q_norm.load_state_dict(attn.q_norm.state_dict())
+        new.k_norm.load_state_dict(attn.k_norm.state_dict())
 
     w_o = o.weight.detach().to(torch.float64).cpu()  # (d, H·D)
     b_v = _f64(v.bias, shape.kv_width)

@@ -24,7 +24,9 @@ class LatentDecodeWeights:
     ``up`` (G, s·D, max r_k) stacks the groups' ``B_k`` zero-padded to the widest rank; ``bias`` (G, s·D)
     or None; ``ranks_k``, ``ranks_v`` (G,) int32; ``k_offsets``, ``v_offsets`` (G,) int32 where each group's
     latents start in the concatenated H_k, H_v; ``out_offsets`` (G,) int32 where each group's outputs start
-    in a row of the result (per group, head after head, r_v each); ``width`` that row's length.
+    in a row of the result (per group, head after head, r_v each); ``width`` that row's length;
+    ``norm_weight`` (D,) float32 and ``norm_eps`` the keys' per-head RMSNorm before RoPE (QK-norm: Qwen3), or
+    None.
     """
 
     up: torch.Tensor
@@ -36,6 +38,8 @@ class LatentDecodeWeights:
     out_offsets: torch.Tensor
     width: int
     max_rank_v: int
+    norm_weight: torch.Tensor | None = None
+    norm_eps: float = 0.0
 
     @classmethod
     def build(
@@ -45,8 +49,11 @@ class LatentDecodeWeights:
         ranks_v: list[int],
         q_heads_per_group: int,
         dtype: torch.dtype,
+        norm_weight: torch.Tensor | None = None,
+        norm_eps: float = 0.0,
     ) -> LatentDecodeWeights:
-        """From each group's ``B_k`` (s·D, r_g) and k bias rows (s·D,) or None, in the latents' dtype."""
+        """From each group's ``B_k`` (s·D, r_g) and k bias rows (s·D,) or None, in the latents' dtype, and
+        the keys' RMSNorm scale (D,) (kept in float32) and epsilon where the model norms its keys."""
         device = ups[0].device
         ranks_k = [u.shape[1] for u in ups]
         up = torch.zeros(len(ups), ups[0].shape[0], max(ranks_k), device=device, dtype=dtype)
@@ -62,9 +69,10 @@ class LatentDecodeWeights:
             return torch.tensor(values, device=device, dtype=torch.int32)
 
         out_widths = [q_heads_per_group * r for r in ranks_v]
+        norm = None if norm_weight is None else norm_weight.detach().to(device, torch.float32).contiguous()
         return cls(
             up, bias, ints(ranks_k), ints(ranks_v), offsets(ranks_k), offsets(list(ranks_v)),
-            offsets(out_widths), sum(out_widths), max(ranks_v),
+            offsets(out_widths), sum(out_widths), max(ranks_v), norm, float(norm_eps),
         )  # fmt: skip
 
     def groups(self) -> list[tuple[slice, slice, torch.Tensor, torch.Tensor | None]]:
@@ -129,7 +137,8 @@ def latent_decode_attention_ref(
     scaling: float,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step's attention of a latent layer, before ``o_proj``.
+    """One decode step's attention of a latent layer, before ``o_proj``. Where ``weights`` carry a key norm,
+    each KV head's rebuilt keys are RMS-normed over their D dims and scaled by it before RoPE.
 
     Parameters
     ----------
@@ -149,11 +158,12 @@ def latent_decode_attention_ref(
     B, H, _ = q.shape
     groups = weights.groups()
     nq = H // len(groups)
+    norm = None if weights.norm_weight is None else (weights.norm_weight, weights.norm_eps)
     outs = []
     for g, (cols_k, cols_v, up, bias) in enumerate(groups):
         q_g = q[:, g * nq : (g + 1) * nq, None]  # (B, nq, 1, D)
         scores = latent_rope_scores_ref(
-            q_g, h_k[..., cols_k], up, bias, positions, inv_freq, attention_scaling, scaling
+            q_g, h_k[..., cols_k], up, bias, positions, inv_freq, attention_scaling, scaling, norm
         )  # (B, nq, 1, S) float32
         if mask is not None:
             scores = scores + mask[:, None, None, :].float()

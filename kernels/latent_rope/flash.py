@@ -6,7 +6,8 @@ and a split of the cached tokens. It walks its split in tiles of ``BLOCK_S`` tok
 - computes the tile's RoPE tables once (cos/sin of the float32 angle ``position · inv_freq``, as HF's
   rotary embedding does), shared by the group's KV heads;
 - rebuilds each KV head's keys in registers from the key latents (``h_k B_kᵀ + b_k``, over chunks of the
-  group's rank), rotates them and takes the scores of that head's query heads (``tl.dot``);
+  group's rank), RMS-norms them over the head's D dims where the model norms its keys (QK-norm: Qwen3),
+  rotates them and takes the scores of that head's query heads (``tl.dot``);
 - adds the attention mask, updates a running maximum and sum (online softmax), and accumulates the
   attention-weighted **value latents** (``p · h_v``): values are never rebuilt, since ``B_v`` is folded
   into ``o_proj``.
@@ -42,10 +43,10 @@ MAX_SPLITS = 256
 
 @triton.jit
 def _flash_decode_kernel(
-    q_ptr, hk_ptr, hv_ptr, up_ptr, bias_ptr, pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, mask_ptr,
+    q_ptr, hk_ptr, hv_ptr, up_ptr, bias_ptr, norm_ptr, pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, mask_ptr,
     rk_ptr, rv_ptr, koff_ptr, voff_ptr,
     acc_ptr, m_ptr, l_ptr,
-    S, split_len, n_splits, table_len, n_rep, scaling, rope_scaling,
+    S, split_len, n_splits, table_len, n_rep, scaling, rope_scaling, norm_eps,
     sq_b, sq_h, sq_d,
     shk_b, shk_s, shk_r,
     shv_b, shv_s, shv_r,
@@ -55,7 +56,7 @@ def _flash_decode_kernel(
     sm_b, sm_s,
     G: tl.constexpr, S_HEADS: tl.constexpr, RK_P: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr,
     HALF: tl.constexpr, HALF_P: tl.constexpr, RV_P: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr,
     PRECISION: tl.constexpr, ACCURATE_TRIG: tl.constexpr, LATENT_SCORES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -119,6 +120,11 @@ def _flash_decode_kernel(
             if HAS_BIAS:
                 k1 += tl.load(bias_ptr + g * sb_g + rows1, mask=mask_d, other=0.0).to(tl.float32)[None, :]
                 k2 += tl.load(bias_ptr + g * sb_g + rows2, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+            if HAS_NORM:  # RMSNorm over the head's D dims (both halves; padded pairs are zero), then scale
+                ms = (tl.sum(k1 * k1, axis=1) + tl.sum(k2 * k2, axis=1)) / (2 * HALF)  # (BLOCK_S,)
+                inv = 1.0 / tl.sqrt(ms + norm_eps)
+                k1 *= inv[:, None] * tl.load(norm_ptr + offs_d, mask=mask_d, other=0.0)[None, :]
+                k2 *= inv[:, None] * tl.load(norm_ptr + HALF + offs_d, mask=mask_d, other=0.0)[None, :]
             r1 = k1 * cos - k2 * sin  # rope(k) = k·cos + rotate_half(k)·sin, rotate_half(k1, k2) = (−k2, k1)
             r2 = k2 * cos + k1 * sin
             mine = (kv_of == kv)[:, None]  # this KV head's query heads; the others' rows stay zero
@@ -244,17 +250,20 @@ def latent_decode_attention_triton(
     latent_scores = latent_scores and h_k.dtype != torch.float32
     cos, sin = rope_tables_for(inv_freq, attention_scaling, S)
     _flash_decode_kernel[(B * G, n_splits)](
-        q, h_k, h_v, weights.up, weights.up if bias is None else bias, positions,
+        q, h_k, h_v, weights.up, weights.up if bias is None else bias,
+        weights.up if weights.norm_weight is None else weights.norm_weight, positions,
         inv_freq.float().contiguous(), cos, sin, h_k if mask is None else mask,
         weights.ranks_k, weights.ranks_v, weights.k_offsets, weights.v_offsets,
         acc, m, l,
         S, split_len, n_splits, cos.shape[0], nq // s, float(scaling), float(attention_scaling),
+        weights.norm_eps,
         *q.stride(), *h_k.stride(), *h_v.stride(), *weights.up.stride(),
         0 if bias is None else bias.stride(0),
         *positions.stride(), *((0, 0) if mask is None else mask.stride()),
         G=G, S_HEADS=s, RK_P=_pow2(weights.up.shape[2]), NQ=nq, NQ_P=nq_p,
         HALF=D // 2, HALF_P=_pow2(D // 2), RV_P=rv_p,
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_S=block_s,
+        HAS_NORM=weights.norm_weight is not None,
         PRECISION=precision, ACCURATE_TRIG=q.is_cuda, LATENT_SCORES=latent_scores,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -18,6 +18,7 @@ def reconstruct_rope_keys_ref(
     cos: torch.Tensor,
     sin: torch.Tensor,
     head_dim: int,
+    key_norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Keys of one group of KV heads, rebuilt from latents, with RoPE applied.
 
@@ -28,17 +29,25 @@ def reconstruct_rope_keys_ref(
     bias : (s·D,) or None, the k_proj bias rows of the group (it stays on the reconstruction side).
     cos, sin : (B, S, D) RoPE tables at the cached tokens' positions.
     head_dim : D.
+    key_norm : (weight (D,), eps) of a per-head RMSNorm of the rebuilt keys before RoPE (QK-norm), or None.
 
     Returns
     -------
-    (B, s, S, D) keys, as the original k_proj + RoPE would give at full rank.
+    (B, s, S, D) keys, as the original k_proj (+ k_norm) + RoPE would give at full rank.
     """
     b, s_len, _ = h.shape
     k = h @ up.T  # (B, S, s·D)
     if bias is not None:
         k = k + bias
     k = k.view(b, s_len, -1, head_dim).transpose(1, 2)  # (B, s, S, D)
+    if key_norm is not None:
+        k = rms_norm(k, *key_norm)
     return apply_rope(k, cos, sin)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, ``weight · x / √(mean(x²) + eps)``, computed in x's dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -66,6 +75,7 @@ def latent_rope_scores_ref(
     inv_freq: torch.Tensor,
     attention_scaling: float,
     scaling: float,
+    key_norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Attention scores of one group's query heads against keys rebuilt from its latents (Palu's fused
     reconstruction + RoPE + q·K), in float32.
@@ -79,6 +89,7 @@ def latent_rope_scores_ref(
     positions : (B, S) the cached tokens' positions.
     inv_freq, attention_scaling : the model's RoPE (``rotary_emb.inv_freq`` (D/2,), ``.attention_scaling``).
     scaling : the softmax scale (D⁻½ for Llama).
+    key_norm : (weight (D,), eps) of the keys' per-head RMSNorm before RoPE (QK-norm), or None.
 
     Returns
     -------
@@ -87,7 +98,8 @@ def latent_rope_scores_ref(
     D = q.shape[-1]
     cos, sin = rope_tables(positions, inv_freq, attention_scaling)
     bias = None if bias is None else bias.float()
-    keys = reconstruct_rope_keys_ref(h.float(), up.float(), bias, cos, sin, D)
+    key_norm = None if key_norm is None else (key_norm[0].float(), key_norm[1])
+    keys = reconstruct_rope_keys_ref(h.float(), up.float(), bias, cos, sin, D, key_norm)
     B, n_q, T, _ = q.shape
     s = keys.shape[1]
     q = q.float().view(B, s, n_q // s, T, D)  # query heads of each KV head

@@ -1,7 +1,8 @@
 """What one architecture does that the exactness matrix does not show.
 
 Sliding windows in effect (Mistral, Qwen2's per-layer window), a long decode past the window, Qwen2's q/k/v
-biases, OPT's key bias, and the refusal of unsupported architectures. Models come from
+biases, OPT's key bias, Qwen3's QK-norm, Llama 3.x's RoPE scaling, and the refusal of unsupported
+architectures. Models come from
 ``tests.support.models`` (random attention biases).
 """
 
@@ -139,12 +140,56 @@ def test_opt_key_bias_cancels_and_is_dropped(compress) -> None:
     assert comp.config.lrkv["rope"] == "keys-fused-into-q"
 
 
+# ---------------------------------------------------------------------------------- QK-norm, RoPE scaling
+
+
+def test_qwen3_qk_norms_are_kept_and_needed(compress) -> None:
+    """Qwen3's per-head norms act on the queries and on the keys rebuilt from latents: the compressed model
+    carries the original's weights, and resetting either norm's weight breaks exactness."""
+    model = tiny_model("qwen3", 2)
+    comp, _ = compress(model, 2)
+    adapter = get_adapter(comp.config)
+    ids = ids_for(2, T)
+    for i in range(2):
+        orig, attn = adapter.attention(model, i), adapter.attention(comp, i)
+        assert torch.equal(attn.k_norm.weight, orig.k_norm.weight)
+        assert torch.equal(attn.q_norm.weight, orig.q_norm.weight)
+        assert not torch.equal(orig.k_norm.weight, torch.ones(8))  # random, so a dropped weight shows
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert max_diff(comp(ids).logits, ref) <= 1e-4
+        for name in ("q_norm", "k_norm"):
+            reset = copy.deepcopy(comp)
+            for i in range(2):
+                getattr(adapter.attention(reset, i), name).weight.fill_(1.0)
+            assert max_diff(reset(ids).logits, ref) > 0.1
+
+
+def test_llama3_rope_scaling_is_in_effect(compress) -> None:
+    """The llama3 cases test something: the scaled frequencies differ from the default RoPE's, the latent
+    attention rotates with the original's, and the same weights under the default RoPE give other logits."""
+    model = tiny_model("llama3", 2)
+    default = tiny_model("llama", 2)
+    default.load_state_dict(model.state_dict())
+    rotary = model.model.rotary_emb
+    assert rotary.rope_type == "llama3"
+    assert not torch.allclose(rotary.inv_freq, default.model.rotary_emb.inv_freq)
+    comp, _ = compress(model, 2)
+    for i in range(2):
+        assert torch.equal(get_adapter(comp.config).attention(comp, i).rotary_emb.inv_freq, rotary.inv_freq)
+    ids = ids_for(2, T)
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert max_diff(default(ids).logits, ref) > 1e-2
+        assert max_diff(comp(ids).logits, ref) <= 1e-4
+
+
 # ---------------------------------------------------------------------------------------------- adapters
 
 
 def test_unsupported_model_names_every_supported_family() -> None:
     gpt2 = tiny_model("gpt2")
-    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral, opt, qwen2$"):
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral, opt, qwen2, qwen3$"):
         get_adapter(gpt2.config)
     plan = allocate_ranks([{"k": [torch.ones(8)], "v": [torch.ones(8)]}], ratio=1.0, group_size=1, head_dim=8)
     with pytest.raises(UnsupportedModelError):

@@ -1,7 +1,8 @@
 """The exactness matrix: architectures × KV-head layouts × group sizes × decompositions, tiny random models.
 
-Architectures (``tests.support.models``): Llama; Mistral with a sliding window of 6 on every layer; Qwen2
-(q/k/v biases, layer 1 slides over 6 tokens); OPT (no RoPE, biases everywhere). Inputs are 12 tokens long,
+Architectures (``tests.support.models``): Llama; Llama with Llama 3.x's RoPE scaling; Mistral with a sliding
+window of 6 on every layer; Qwen2 (q/k/v biases, layer 1 slides over 6 tokens); Qwen3 (QK-norm on queries and
+rebuilt keys, layer 1 slides over 6 tokens); OPT (no RoPE, biases everywhere). Inputs are 12 tokens long,
 longer than the windows. Layouts: MHA (Hkv = H = 4) and GQA (Hkv = 2; OPT is MHA only) × group sizes 1, 2
 and Hkv. At ratio 1.0 a compressed model is the original up to float rounding: fp32 logits within 1e-4,
 float64 logits within 1e-10 and attention outputs within 1e-12 relative, identical greedy and beam
@@ -26,8 +27,15 @@ from tests.support.models import SLIDING_WINDOW, tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 T = 12  # > SLIDING_WINDOW
-ROPE = {"llama": True, "mistral": True, "qwen2": True, "opt": False}
-SLIDING = {"llama": [False, False], "mistral": [True, True], "qwen2": [False, True], "opt": [False, False]}
+ROPE = {"llama": True, "llama3": True, "mistral": True, "qwen2": True, "qwen3": True, "opt": False}
+SLIDING = {
+    "llama": [False, False],
+    "llama3": [False, False],
+    "mistral": [True, True],
+    "qwen2": [False, True],
+    "qwen3": [False, True],
+    "opt": [False, False],
+}
 CASES = [
     (arch, hkv, group_size)
     for arch in ROPE
@@ -165,8 +173,8 @@ def test_decode_through_the_cache_equals_one_full_forward(compress, arch, hkv, g
 
 @pytest.mark.parametrize(
     "arch,hkv,group_size",
-    [("llama", 2, 1), ("mistral", 2, 1), ("qwen2", 2, 1), ("opt", 4, 4)],
-    ids=["llama-hkv2-s1", "mistral-hkv2-s1", "qwen2-hkv2-s1", "opt-hkv4-s4"],
+    [("llama", 2, 1), ("mistral", 2, 1), ("qwen2", 2, 1), ("qwen3", 2, 1), ("opt", 4, 4)],
+    ids=["llama-hkv2-s1", "mistral-hkv2-s1", "qwen2-hkv2-s1", "qwen3-hkv2-s1", "opt-hkv4-s4"],
 )
 def test_truncated_model_differs_but_its_cache_path_is_still_exact(compress, arch, hkv, group_size) -> None:
     model = model_for(arch, hkv)
@@ -201,6 +209,7 @@ MEMORY = [
     ("mistral", 2, 2, 4),
     ("qwen2", 2, 1, 4),
     ("qwen2", 2, 2, 4),
+    ("qwen3", 2, 2, 4),
     ("opt", 4, 1, 4),
     ("opt", 4, 4, 4),
 ]
@@ -253,8 +262,8 @@ def test_half_ratio_kv_bytes_are_latents_only(compress, arch, hkv, group_size, m
 
 @pytest.mark.parametrize(
     "arch,hkv,group_size",
-    [("llama", 2, 2), ("mistral", 2, 2), ("qwen2", 2, 1), ("opt", 4, 1)],
-    ids=["llama-hkv2-s2", "mistral-hkv2-s2", "qwen2-hkv2-s1", "opt-hkv4-s1"],
+    [("llama", 2, 2), ("mistral", 2, 2), ("qwen2", 2, 1), ("qwen3", 2, 2), ("opt", 4, 1)],
+    ids=["llama-hkv2-s2", "mistral-hkv2-s2", "qwen2-hkv2-s1", "qwen3-hkv2-s2", "opt-hkv4-s1"],
 )
 def test_save_load_roundtrip_is_exact(compress, tmp_path, arch, hkv, group_size) -> None:
     model = model_for(arch, hkv)

@@ -7,6 +7,8 @@ Without a GPU the Triton kernel runs in Triton's interpreter on CPU tensors (tes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,9 +25,10 @@ pytest.importorskip("triton", reason="the kernel needs Triton (installed by scri
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU, or the interpreter on the CPU
 
 
-def layer(B, S, s, D, n_rep, ranks_k, ranks_v, bias, dtype=torch.float32, offset=500, seed=0):
-    """Random inputs of one layer: queries (B, H, D), latents (B, S, R), its weights, positions (B, S) with
-    row b starting at b·offset, Llama's inv_freq."""
+def layer(B, S, s, D, n_rep, ranks_k, ranks_v, bias, dtype=torch.float32, offset=500, seed=0, norm_eps=None):
+    """Random inputs of one layer: queries (B, H, D), latents (B, S, R), its weights (with a random key
+    RMSNorm scale (D,) where ``norm_eps`` is given), positions (B, S) with row b starting at b·offset,
+    Llama's inv_freq."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -36,7 +39,8 @@ def layer(B, S, s, D, n_rep, ranks_k, ranks_v, bias, dtype=torch.float32, offset
     h_k, h_v = rand(B, S, sum(ranks_k)), rand(B, S, sum(ranks_v))
     ups = [rand(s * D, r) / r**0.5 for r in ranks_k]
     biases = [rand(s * D) if bias else None for _ in ranks_k]
-    weights = LatentDecodeWeights.build(ups, biases, list(ranks_v), s * n_rep, dtype)
+    norm = None if norm_eps is None else 1 + 0.3 * rand(D).float()
+    weights = LatentDecodeWeights.build(ups, biases, list(ranks_v), s * n_rep, dtype, norm, norm_eps or 0.0)
     positions = (torch.arange(S) + offset * torch.arange(B)[:, None]).to(DEVICE, torch.int32)
     inv_freq = (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)).to(DEVICE)
     return q, h_k, h_v, weights, positions, inv_freq
@@ -64,6 +68,50 @@ def test_kernel_equals_reference_float32(B, S, s, D, n_rep, ranks_k, ranks_v, bi
     ref = latent_decode_attention_ref(*args, attention_scaling=1.1, scaling=D**-0.5)
     assert got.shape == (B, sum(s * n_rep * r for r in ranks_v)) and got.dtype == torch.float32
     assert relative_error(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "B, S, s, D, n_rep, ranks_k, ranks_v, bias",
+    [
+        (2, 37, 2, 8, 3, (5,), (7,), True),  # head_dim 8: the norm's pairs padded to 16 (zeros add nothing)
+        (2, 150, 2, 32, 2, (24, 40), (16, 33), False),  # two groups of two KV heads, several splits
+        (3, 9, 3, 80, 1, (16,), (16,), True),  # head_dim 80: 40 pairs padded to 64
+        (1, 70, 1, 128, 2, (96, 80), (64, 20), False),  # Qwen3's head_dim
+    ],
+)
+def test_key_norm_kernel_equals_reference(B, S, s, D, n_rep, ranks_k, ranks_v, bias):
+    """QK-norm (Qwen3): each KV head's rebuilt keys RMS-normed over their D dims and scaled before RoPE."""
+    args = layer(B, S, s, D, n_rep, ranks_k, ranks_v, bias, norm_eps=1e-6)
+    got = latent_decode_attention(*args, attention_scaling=1.0, scaling=D**-0.5)
+    ref = latent_decode_attention_ref(*args, attention_scaling=1.0, scaling=D**-0.5)
+    assert relative_error(got, ref) < 1e-5
+    # the norm is really applied: the same layer without it attends differently
+    weights = args[3]
+    plain = dataclasses.replace(weights, norm_weight=None, norm_eps=0.0)
+    unnormed = latent_decode_attention_ref(
+        *args[:3], plain, *args[4:], attention_scaling=1.0, scaling=D**-0.5
+    )
+    assert relative_error(unnormed, ref) > 1e-2
+
+
+def test_key_norm_reference_is_the_per_head_rms_norm():
+    """The reference's key norm is transformers' Qwen3 k_norm (per KV head, over D, before RoPE)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from lrkv_kernels.latent_rope import reconstruct_rope_keys_ref, rope_tables
+
+    gen = torch.Generator().manual_seed(3)
+    B, S, s, D, r = 2, 5, 2, 16, 12
+    h, up, bias = torch.randn(B, S, r, generator=gen), torch.randn(s * D, r, generator=gen), None
+    norm = Qwen3RMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
+    cos, sin = rope_tables(torch.arange(S).expand(B, S), 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))
+    got = reconstruct_rope_keys_ref(h, up, bias, cos, sin, D, key_norm=(norm.weight.detach(), 1e-6))
+    with torch.no_grad():
+        keys = norm((h @ up.T).view(B, S, s, D)).transpose(1, 2)  # (B, s, S, D)
+    expected = keys * cos[:, None] + torch.cat((-keys[..., D // 2 :], keys[..., : D // 2]), -1) * sin[:, None]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n_splits", [1, 2, 5])

@@ -118,7 +118,10 @@ def calls_kernel(model, monkeypatch) -> list[int]:
     [
         ("llama", 1, {"name": "dense"}),
         ("llama", 2, {"name": "quantized", "bits": 4}),
+        ("llama3", 2, {"name": "dense"}),  # Llama 3.x's scaled RoPE frequencies
         ("qwen2", 1, {"name": "dense"}),  # q/k biases; layer 1 slides over 6 tokens (the mask carries it)
+        ("qwen3", 2, {"name": "dense"}),  # QK-norm of rebuilt keys in the kernel; layer 1 slides
+        ("qwen3", 1, {"name": "quantized", "bits": 4}),
         ("mistral", 2, {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 2, "buffer": 4}),
     ],
 )

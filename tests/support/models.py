@@ -5,12 +5,15 @@ KV heads unless asked otherwise (OPT is MHA), weights drawn large enough (std 0.
 the context. Architecture differences:
 
 - ``llama``, ``mistral``: no attention biases (pass ``sliding_window=SLIDING_WINDOW`` for a windowed Mistral);
+- ``llama3``: Llama with Llama 3.x's RoPE scaling (``rope_type: llama3``), its original context shrunk to 64
+  positions so that D = 8's two slowest frequencies are divided by the factor and the third is smoothed;
 - ``qwen2``: q/k/v biases; layer 1 slides over ``SLIDING_WINDOW`` tokens (``max_window_layers=1``);
+- ``qwen3``: QK-norm (per-head RMSNorm of queries and keys before RoPE), no biases; layer 1 slides as Qwen2's;
 - ``opt``: no RoPE (learned positions), biases everywhere, MHA;
 - ``gpt2``: an architecture lrkv does not support (for the refusal tests).
 
-Attention biases are drawn at random (std 0.5; transformers initialises them to zero), so a fusion that
-mishandles them fails.
+Attention biases are drawn at random (std 0.5; transformers initialises them to zero), and so are QK-norm
+weights (1 + std 0.3; transformers initialises them to one), so a fusion that mishandles them fails.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from lrkv_core.adapters import get_adapter
@@ -47,12 +52,26 @@ PARQUET_VOCAB = 64  # token ids of token_parquet's rows, and the vocabulary of a
 _TOKENS = dict(vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _DECODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
 _LLAMA_LIKE = _TOKENS | _DECODER | dict(intermediate_size=48, head_dim=8, initializer_range=0.2)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=10000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
 _ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
     "llama": (LlamaConfig, LlamaForCausalLM, _LLAMA_LIKE),
+    "llama3": (LlamaConfig, LlamaForCausalLM, _LLAMA_LIKE | dict(rope_parameters=LLAMA3_ROPE)),
     "mistral": (MistralConfig, MistralForCausalLM, _LLAMA_LIKE),
     "qwen2": (
         Qwen2Config,
         Qwen2ForCausalLM,
+        _LLAMA_LIKE | dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1),
+    ),
+    "qwen3": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
         _LLAMA_LIKE | dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1),
     ),
     "opt": (
@@ -81,7 +100,8 @@ def tiny_config(arch: str = "llama", n_kv_heads: int | None = None, **overrides)
 def tiny_model(
     arch: str = "llama", n_kv_heads: int | None = None, seed: int = 0, **overrides
 ) -> PreTrainedModel:
-    """A fresh 2-layer random model in eval mode, with random attention biases where it has biases.
+    """A fresh 2-layer random model in eval mode, with random attention biases where it has biases (and
+    random QK-norm weights where it norms queries and keys).
 
     ``overrides`` are config fields (``sliding_window=SLIDING_WINDOW``, ``vocab_size=97``, ...).
     """
@@ -98,6 +118,10 @@ def tiny_model(
                 bias = getattr(adapter.attention(model, i), getattr(adapter, f"{proj}_name")).bias
                 if bias is not None:
                     bias.copy_(0.5 * torch.randn(bias.shape, generator=gen))
+            if adapter.qk_norm is not None:
+                attn = adapter.attention(model, i)
+                for norm in (attn.q_norm, attn.k_norm):
+                    norm.weight.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=gen))
     return model.eval()
 
 
