@@ -226,11 +226,11 @@ def test_lengths_are_capped_by_the_models_positions() -> None:
 
 
 def test_the_suite_is_reproducible_and_records_its_protocol(tokenizer, haystack, compress) -> None:
-    model = _llama(tokenizer, max_position_embeddings=300)
+    model = _llama(tokenizer, max_position_embeddings=220)
     comp, _ = compress(model, 2, ratio=1.0)
     protocol = LongContextProtocol(
         dataset="generated", lengths=(128, 1024), continuation=16, windows=2, chunk_size=50,
-        depths=(0.0, 1.0), samples=2, tasks=("passkey", "needle"), seed=7,
+        depths=(0.0, 1.0), samples=1, tasks=("passkey", "needle"), seed=7,
     )  # fmt: skip
     calls = []
     res = evaluate_long_context(
@@ -239,22 +239,22 @@ def test_the_suite_is_reproducible_and_records_its_protocol(tokenizer, haystack,
     again = evaluate_long_context(comp, tokenizer, [haystack], protocol, base=model).to_dict()
     assert res.to_dict() == again
     p = res.to_dict()["protocol"]
-    assert p["lengths"] == [128, 1024] and p["max_position_embeddings"] == 300
-    assert p["context_lengths"] == [128, 284]  # 1024 capped: 284 + 16 continuation tokens = 300
-    assert p["prompt_lengths"] == [128, 300 - ANSWER_RESERVE]
+    assert p["lengths"] == [128, 1024] and p["max_position_embeddings"] == 220
+    assert p["context_lengths"] == [128, 204]  # 1024 capped: 204 + 16 continuation tokens = 220
+    assert p["prompt_lengths"] == [128, 220 - ANSWER_RESERVE]
     assert p["seed"] == 7 and p["depths"] == [0.0, 1.0] and p["dataset"] == "generated"
     assert p["cache"] == {"name": "dense"} and p["continuation"] == 16
-    assert [c.context_len for c in res.continuation] == [128, 284]
+    assert [c.context_len for c in res.continuation] == [128, 204]
     for c in res.continuation:  # full rank: the compressed model scores what the original does
         assert c.windows == 2 and c.tokens == 32 and c.nll == pytest.approx(c.base_nll, abs=1e-4)
     assert {(r.task, r.length, r.depth) for r in res.retrieval} == {
-        (t, n, d) for t in ("passkey", "needle") for n in (128, 268) for d in (0.0, 1.0)
+        (t, n, d) for t in ("passkey", "needle") for n in (128, 188) for d in (0.0, 1.0)
     }
-    assert all(r.correct == r.base_correct and r.samples == 2 for r in res.retrieval)
-    assert set(res.grid("needle")) == {"0", "1"} and set(res.grid("needle")["1"]) == {"128", "268"}
-    assert calls[-1][0] == calls[-1][1] == 2 * (2 * 2 + 8 * 2)  # two models: windows + prompts
-    assert "| 284 | 2 |" in res.markdown() and len(res.table()) == 2 + 8
-    other = evaluate_long_context(comp, tokenizer, [haystack], replace(protocol, seed=8))
+    assert all(r.correct == r.base_correct and r.samples == 1 for r in res.retrieval)
+    assert set(res.grid("needle")) == {"0", "1"} and set(res.grid("needle")["1"]) == {"128", "188"}
+    assert calls[-1][0] == calls[-1][1] == 2 * (2 * 2 + 8 * 1)  # two models: windows + prompts
+    assert "| 204 | 2 |" in res.markdown() and len(res.table()) == 2 + 8
+    other = evaluate_long_context(comp, tokenizer, [haystack], replace(protocol, seed=8, tasks=()))
     assert [c.nll for c in other.continuation] == [c.nll for c in res.continuation]  # windows: not seeded
 
 
