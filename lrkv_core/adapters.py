@@ -3,7 +3,9 @@
 Everything that differs between model families (where the decoder layers live, the attention
 attribute, projection names, RoPE, which kwargs the attention interface wants) is read from here, so
 the methods never branch on module classes or match layer names by substring. Biases need no entry:
-fusion reads them from the projections themselves (Qwen2: q/k/v; OPT: q/k/v/out).
+fusion reads them from the projections themselves (Qwen2: q/k/v; OPT: q/k/v/out). Where one projection
+computes queries, keys and values (Phi-3's ``qkv_proj``), ``q_name``/``k_name``/``v_name`` all name it and
+:meth:`ArchAdapter.rows` says which of its output rows are which; :meth:`ArchAdapter.linear` reads one part.
 """
 
 from __future__ import annotations
@@ -12,12 +14,21 @@ import importlib
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 
 class UnsupportedModelError(ValueError):
-    """The model's architecture has no adapter."""
+    """The model's architecture has no adapter, or uses a feature lrkv does not handle."""
+
+
+@dataclass(frozen=True)
+class LinearPart:
+    """One of q/k/v/o as a weight (out, d) and bias (out,) or None: views of the projection computing it."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,8 @@ class ArchAdapter:
     # applied to latents. ``qk_norm_offset`` is added to the norm's weight to get its scale (Gemma's 1 + w).
     qk_norm: str | None = None
     qk_norm_offset: float = 0.0
+    # queries, keys and values come from one projection (Phi-3's qkv_proj: rows q, then k, then v)
+    fused_qkv: bool = False
 
     @property
     def rope(self) -> bool:
@@ -95,8 +108,24 @@ class ArchAdapter:
         setattr(self.layers(model)[layer], self.attn_attr, module)
 
     def weight_name(self, layer: int, proj: str) -> str:
-        """State-dict prefix of a projection in the original model (``model.layers.3.self_attn.k_proj``)."""
+        """State-dict prefix of a projection in the original model (``model.layers.3.self_attn.k_proj``); with
+        fused q/k/v the fused projection's (its :meth:`rows` are ``proj``'s)."""
         return f"{self.layers_path}.{layer}.{self.attn_attr}.{getattr(self, proj + '_name')}"
+
+    def rows(self, config: PretrainedConfig, proj: str) -> slice:
+        """The rows of ``proj`` ("q", "k", "v", "o") in the output of the projection computing it: all of
+        them, unless q/k/v are fused (then q's H·D rows, k's Hkv·D, v's Hkv·D, in that order)."""
+        if not self.fused_qkv or proj == "o":
+            return slice(None)
+        shape = self.shape(config)
+        q, kv = shape.H * shape.D, shape.kv_width
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[proj]
+
+    def linear(self, attention: nn.Module, proj: str, config: PretrainedConfig) -> LinearPart:
+        """``proj``'s weight and bias in ``attention`` (views: rows of a fused projection)."""
+        module = getattr(attention, getattr(self, f"{proj}_name"))
+        rows = self.rows(config, proj)
+        return LinearPart(module.weight[rows], None if module.bias is None else module.bias[rows])
 
     def rotary_embedding(self, config: PretrainedConfig) -> nn.Module:
         """A fresh rotary embedding built from the config (theta, scaling and type come from it)."""
@@ -142,6 +171,15 @@ ADAPTERS: dict[str, ArchAdapter] = {
         sliding_window="layer_types",
         qk_norm="transformers.models.qwen3.modeling_qwen3:Qwen3RMSNorm",
     ),
+    "phi3": ArchAdapter(
+        model_type="phi3",
+        q_name="qkv_proj",
+        k_name="qkv_proj",
+        v_name="qkv_proj",
+        rotary="transformers.models.phi3.modeling_phi3:Phi3RotaryEmbedding",
+        sliding_window="all",
+        fused_qkv=True,
+    ),
     "opt": ArchAdapter(
         model_type="opt",
         layers_path="model.decoder.layers",
@@ -157,5 +195,12 @@ def get_adapter(config: PretrainedConfig) -> ArchAdapter:
     if model_type not in ADAPTERS:
         raise UnsupportedModelError(
             f"lrkv does not support model_type {model_type!r} yet; supported: {', '.join(sorted(ADAPTERS))}"
+        )
+    rope = getattr(config, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial is not None and partial < 1:
+        raise UnsupportedModelError(
+            f"lrkv does not support partial rotary embeddings yet ({model_type} with partial_rotary_factor "
+            f"{partial}: only the first {partial:g} of each head's dims are rotated)"
         )
     return ADAPTERS[model_type]

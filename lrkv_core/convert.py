@@ -207,7 +207,7 @@ def model_layer_weights(model: nn.Module, layer: int, reads: Collection[str] = (
     returned on the CPU)."""
     adapter = get_adapter(model.config)
     attn = adapter.attention(model, layer)
-    weights = {p: getattr(attn, getattr(adapter, f"{p}_name")).weight for p in {"k", "v", *reads}}
+    weights = {p: adapter.linear(attn, p, model.config).weight for p in {"k", "v", *reads}}
     return LayerWeights(**{p: w.detach().cpu() for p, w in weights.items()})
 
 

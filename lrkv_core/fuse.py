@@ -131,7 +131,7 @@ def fuse_attention(
     in float64."""
     shape = adapter.shape(config)
     s, D = layout.group_size, shape.D
-    q, k, v, o = (getattr(attn, getattr(adapter, f"{p}_name")) for p in "qkvo")
+    q, k, v, o = (adapter.linear(attn, p, config) for p in "qkvo")  # Phi-3's fused qkv_proj: its rows
     kind = attention_kind(adapter)
     new = kind.module(config, layer_idx, adapter, layout)  # filled in float64 on the CPU, then moved
     new = new.to(dtype=torch.float64)
@@ -181,7 +181,7 @@ def compress_model(
     config = model.config
     adapter = get_adapter(config)
     first = adapter.attention(model, 0)
-    has_bias = {p: getattr(first, getattr(adapter, f"{p}_name")).bias is not None for p in "qkvo"}
+    has_bias = {p: adapter.linear(first, p, config).bias is not None for p in "qkvo"}
     fmt = LrkvFormat(
         decomposition=dict(decomposition),
         allocator=dict(plan.allocator),

@@ -82,10 +82,11 @@ def _layer_stats(stats: StatPaths, layer: int) -> dict[str, Any]:
 def read_layer_weights(model_dir: str, layer: int, reads: Collection[str] = ()) -> LayerWeights:
     """The layer's k/v projection weights (and those of ``reads``: "q", "o"), read from the safetensors
     files without the model."""
-    adapter = get_adapter(AutoConfig.from_pretrained(model_dir))
+    config = AutoConfig.from_pretrained(model_dir)
+    adapter = get_adapter(config)
     names = {p: adapter.weight_name(layer, p) + ".weight" for p in {"k", "v", *reads}}
-    t = read_tensors(model_dir, list(names.values()))
-    return LayerWeights(**{p: t[name] for p, name in names.items()})
+    t = read_tensors(model_dir, sorted(set(names.values())))  # Phi-3: one fused qkv_proj, sliced below
+    return LayerWeights(**{p: t[name][adapter.rows(config, p)] for p, name in names.items()})
 
 
 def decompose_file(

@@ -58,8 +58,8 @@ class PlanWeights:
     def __init__(self, model: nn.Module, factors: Sequence[LayerFactors]):
         adapter = get_adapter(model.config)
         self.factors = {(f.layer, kind): f.groups[kind] for f in factors for kind in KINDS}
-        self.proj = {
-            key: getattr(adapter.attention(model, key[0]), getattr(adapter, f"{key[1]}_name"))
+        self.proj = {  # the weight's rows (Phi-3's fused qkv_proj: the k or v rows)
+            key: adapter.linear(adapter.attention(model, key[0]), key[1], model.config)
             for key in self.factors
         }
         self.original = {key: p.weight.detach().clone() for key, p in self.proj.items()}

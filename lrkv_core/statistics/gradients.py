@@ -65,6 +65,7 @@ def kv_gradient_passes(
         for i in range(shape.L)
         for kind, name in (("k", adapter.k_name), ("v", adapter.v_name))
     ]
+    parts = {kind: adapter.rows(model.config, kind) for kind in ("k", "v")}  # Phi-3: qkv_proj's k/v rows
     device = next(model.parameters()).device
     seen: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (layer, kind, input x, output) per pass
 
@@ -99,7 +100,7 @@ def kv_gradient_passes(
                 grads = torch.autograd.grad(loss, [out for *_, out in seen], allow_unused=True)
                 for (i, kind, x, _), g in zip(seen, grads):
                     if g is not None:
-                        visit(i, kind, x, g.detach())
+                        visit(i, kind, x, g[..., parts[kind]].detach())
                 seen.clear()
                 n_batches += 1
                 if progress:

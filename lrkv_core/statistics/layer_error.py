@@ -138,7 +138,7 @@ def collect_layer_output_error(
                 ref = reference.double()
                 norm[i] += float(ref.square().sum())
                 for setting in settings[i]:
-                    with _cut(adapter.attention(model, i), adapter, f, setting):
+                    with _cut(adapter.attention(model, i), adapter, model.config, f, setting):
                         out = layers[i](*args, **kwargs)
                     out = out[0] if isinstance(out, tuple) else out
                     diff[i][setting] += float((out.double() - ref).square().sum())
@@ -167,8 +167,11 @@ class _cut:
     """Within the block, the layer's k_proj / v_proj weights are their groups' factors cut to ``setting``
     (the ranks of the K groups, then the V groups); restored on exit."""
 
-    def __init__(self, attention: nn.Module, adapter, factors: LayerFactors, setting: tuple[int, ...]):
-        self.projections = [getattr(attention, adapter.k_name), getattr(attention, adapter.v_name)]
+    def __init__(
+        self, attention: nn.Module, adapter, config, factors: LayerFactors, setting: tuple[int, ...]
+    ):
+        # the k and v weights (rows of Phi-3's fused qkv_proj), edited in place through these views
+        self.projections = [adapter.linear(attention, kind, config) for kind in KINDS]
         self.factors, self.setting = factors, setting
         self.saved: list[torch.Tensor] = []
 

@@ -1,8 +1,8 @@
 """What one architecture does that the exactness matrix does not show.
 
 Sliding windows in effect (Mistral, Qwen2's per-layer window), a long decode past the window, Qwen2's q/k/v
-biases, OPT's key bias, Qwen3's QK-norm, Llama 3.x's RoPE scaling, and the refusal of unsupported
-architectures. Models come from
+biases, OPT's key bias, Qwen3's QK-norm, Llama 3.x's RoPE scaling, Phi-3's fused qkv_proj, and the refusal
+of unsupported architectures and features. Models come from
 ``tests.support.models`` (random attention biases).
 """
 
@@ -18,7 +18,7 @@ from lrkv_core.allocation import allocate_ranks
 from lrkv_core.cache import SlidingWindow, cache_kwargs
 from lrkv_core.fuse import compress_model
 from tests.support.inputs import greedy, ids_for, max_diff
-from tests.support.models import SLIDING_WINDOW, tiny_model
+from tests.support.models import SLIDING_WINDOW, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,12 +184,68 @@ def test_llama3_rope_scaling_is_in_effect(compress) -> None:
         assert max_diff(comp(ids).logits, ref) <= 1e-4
 
 
+# ---------------------------------------------------------------------------------------- fused qkv_proj
+
+
+def mistral_twin(phi3: torch.nn.Module) -> torch.nn.Module:
+    """The Mistral model (sliding window as Phi-3) computing what ``phi3`` computes: qkv_proj's rows split
+    into q/k/v_proj, gate_up_proj's into gate/up_proj (Phi-3's MLP is Mistral's with the two fused)."""
+    twin = tiny_model("mistral", 2, sliding_window=SLIDING_WINDOW, rms_norm_eps=phi3.config.rms_norm_eps)
+    state = {}
+    for name, tensor in phi3.state_dict().items():
+        if name.endswith("qkv_proj.weight"):
+            q, k, v = tensor.split([32, 16, 16])
+            state |= {
+                name.replace("qkv_proj", p): w for p, w in zip(("q_proj", "k_proj", "v_proj"), (q, k, v))
+            }
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = tensor.chunk(2)
+            state |= {
+                name.replace("gate_up_proj", "gate_proj"): gate,
+                name.replace("gate_up_proj", "up_proj"): up,
+            }
+        else:
+            state[name] = tensor
+    twin.load_state_dict(state)
+    return twin
+
+
+def test_phi3_fused_qkv_is_read_as_its_q_k_v_parts(compress) -> None:
+    """Statistics (the Gram, the keys' Fisher from qkv_proj's output gradients, the attention Gram), the
+    weights the decompositions read and the fused latent module all take qkv_proj's rows for q, k and v: at
+    half the rank, Phi-3 compresses to exactly what its Mistral twin compresses to."""
+    phi3 = tiny_model("phi3", 2, sliding_window=SLIDING_WINDOW)
+    twin = mistral_twin(phi3)
+    ids = ids_for(2, T)
+    with torch.no_grad():
+        assert max_diff(phi3(ids).logits, twin(ids).logits) <= 1e-5
+    for method in ("whitened", "pca"):
+        comp, plan = compress(phi3, 2, ratio=0.5, method=method)
+        comp_twin, plan_twin = compress(twin, 2, ratio=0.5, method=method)
+        assert plan.ranks == plan_twin.ranks
+        with torch.no_grad():
+            got, ref = comp(ids).logits, comp_twin(ids).logits
+            assert max_diff(got, ref) <= 1e-4
+            assert max_diff(got, phi3(ids).logits) > 1e-2  # truncated: the factors mattered
+
+
+def test_partial_rotary_is_refused_in_one_line() -> None:
+    config = tiny_config("phi3", 2, partial_rotary_factor=0.5)
+    with pytest.raises(
+        UnsupportedModelError, match=r"^lrkv does not support partial rotary embeddings yet \(phi3 "
+    ):
+        get_adapter(config)
+    assert "\n" not in str(pytest.raises(UnsupportedModelError, get_adapter, config).value)
+
+
 # ---------------------------------------------------------------------------------------------- adapters
 
 
 def test_unsupported_model_names_every_supported_family() -> None:
     gpt2 = tiny_model("gpt2")
-    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral, opt, qwen2, qwen3$"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral, opt, phi3, qwen2, qwen3$"
+    ):
         get_adapter(gpt2.config)
     plan = allocate_ranks([{"k": [torch.ones(8)], "v": [torch.ones(8)]}], ratio=1.0, group_size=1, head_dim=8)
     with pytest.raises(UnsupportedModelError):

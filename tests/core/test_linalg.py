@@ -326,10 +326,12 @@ def test_layer_factors_roundtrip_through_safetensors(tmp_path) -> None:
             assert torch.equal(f.sigma, g.sigma) and torch.equal(f.down, g.down) and torch.equal(f.up, g.up)
 
 
-def test_the_pipeline_reads_o_proj_for_values_measured_after_it(tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_the_pipeline_reads_o_proj_for_values_measured_after_it(tmp_path, arch) -> None:
     """``decompose_file`` (the flow's path, weights read from safetensors) gives the factors the in-memory
-    ``decompose_model`` gives, for a decomposition that reads o_proj (GQA: 4 query heads, 2 KV heads)."""
-    model_dir = tiny_model_dir(tmp_path, "llama", 2)
+    ``decompose_model`` gives, for a decomposition that reads o_proj (GQA: 4 query heads, 2 KV heads; Phi-3:
+    k and v read as rows of the fused qkv_proj)."""
+    model_dir = tiny_model_dir(tmp_path, arch, 2)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     rows = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     grams, n = collect_gram(model, rows)

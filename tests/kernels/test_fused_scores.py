@@ -122,13 +122,14 @@ def calls_kernel(model, monkeypatch) -> list[int]:
         ("qwen2", 1, {"name": "dense"}),  # q/k biases; layer 1 slides over 6 tokens (the mask carries it)
         ("qwen3", 2, {"name": "dense"}),  # QK-norm of rebuilt keys in the kernel; layer 1 slides
         ("qwen3", 1, {"name": "quantized", "bits": 4}),
+        ("phi3", 2, {"name": "dense"}),  # keys from the fused qkv_proj's rows; every layer slides
         ("mistral", 2, {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 2, "buffer": 4}),
     ],
 )
 def test_decode_through_the_kernel_gives_the_unfused_logits(
     compress, monkeypatch, device, attn, arch, group_size, cache
 ):
-    extra = {"sliding_window": SLIDING_WINDOW} if arch == "mistral" else {}
+    extra = {"sliding_window": SLIDING_WINDOW} if arch in ("mistral", "phi3") else {}
     model = tiny_model(arch, 2, attn_implementation=attn, **extra)
     comp = compress(model, group_size, 0.5, rank_multiple=1)[0].to(device)
     comp.config.lrkv["cache"] = cache

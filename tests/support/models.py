@@ -9,6 +9,7 @@ the context. Architecture differences:
   positions so that D = 8's two slowest frequencies are divided by the factor and the third is smoothed;
 - ``qwen2``: q/k/v biases; layer 1 slides over ``SLIDING_WINDOW`` tokens (``max_window_layers=1``);
 - ``qwen3``: QK-norm (per-head RMSNorm of queries and keys before RoPE), no biases; layer 1 slides as Qwen2's;
+- ``phi3``: one fused ``qkv_proj``, no biases (``sliding_window=SLIDING_WINDOW`` makes every layer slide);
 - ``opt``: no RoPE (learned positions), biases everywhere, MHA;
 - ``gpt2``: an architecture lrkv does not support (for the refusal tests).
 
@@ -31,6 +32,8 @@ from transformers import (
     MistralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -74,6 +77,7 @@ _ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = 
         Qwen3ForCausalLM,
         _LLAMA_LIKE | dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1),
     ),
+    "phi3": (Phi3Config, Phi3ForCausalLM, _LLAMA_LIKE),
     "opt": (
         OPTConfig,
         OPTForCausalLM,
