@@ -223,6 +223,29 @@ def build_file(
     return {"achieved_ratio": plan.achieved_ratio}
 
 
+def convert_data_free_dir(
+    model_dir: str, out_dir: str, *, ratio: float, bits: int | None = None, dtype: str = "float32"
+) -> dict:
+    """A data-free compressed version of a model (plain SVD of the weights, uniform ranks, the default group
+    size), with dense latents or, with ``bits``, quantized latents rotated first (``rotation: auto``), saved
+    to ``out_dir``: what decode speed is measured on, since it depends on the ranks and the storage only."""
+    from .convert import CompressionConfig, convert
+
+    model, tokenizer = load_model(model_dir, dtype=dtype)
+    cache = {"name": "quantized", "bits": bits} if bits else "dense"
+    config = CompressionConfig(
+        ratio=ratio,
+        decomposition="plain",
+        allocator="uniform",
+        cache=cache,
+        rotation="auto" if bits else "none",
+    )
+    convert(model, None, config)
+    card = model_card(LrkvFormat.of(model.config), model_dir)
+    save_compressed(model, out_dir, tokenizer=tokenizer, card=card)
+    return {"ratio": ratio, "bits": bits}
+
+
 def evaluate_dir(
     model_dir: str,
     dataset: str,

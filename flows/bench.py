@@ -1,0 +1,208 @@
+"""The bench flow: how fast a model and its compressed versions serve on one device, as cached tasks.
+
+For the original model, a data-free compressed version at each ratio (dense latents, and ``bits``-bit rotated
+latents when asked) and any compressed directories given, it measures on the flow's device
+(``LRKV_DEVICE``): decode-step latency at every context (one batch size), prefill throughput, the KV bytes
+the cache holds and peak memory (:mod:`lrkv_core.serving`); then the serving trade: within the memory the
+original's cache takes at the batch and the longest context, each compressed model runs the largest batch
+that fits, and its tokens/s are set against the original's. Results are logged to MLflow (tables, metrics,
+the JSON) and attached to the flow run as a markdown artifact; every measurement is a cached task whose key
+names the device, so a re-run on the same machine is served from the store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from lrkv_core.serving import batch_within_budget
+from lrkv_tasks import bench as b
+from lrkv_tasks import convert as t
+from lrkv_tasks.device import task_device
+from lrkv_tasks.recipe import TrackingRecipe
+from lrkv_tasks.store import open_store
+from lrkv_tasks.tracking import close_run, log_results, open_run
+
+from .convert import _record
+from .runner import ConfiguredTaskRunner
+
+
+@flow(name="lrkv-bench", log_prints=True, task_runner=ConfiguredTaskRunner())
+def bench_flow(
+    model: str,
+    ratios: list[float] | None = None,
+    bits: list[int] | None = None,
+    compressed: list[str] | None = None,
+    contexts: list[int] | None = None,
+    batch: int = 8,
+    steps: int = 16,
+    warmup: int = 2,
+    dtype: str = "float32",
+    tracking: TrackingRecipe | None = None,
+    store: str | None = None,
+) -> dict:
+    """Serving measurements of ``model`` and its compressed versions (see the module)."""
+    ratios = [0.5] if ratios is None else ratios
+    contexts = sorted(contexts or [1024, 4096, 16384])
+    if batch < 1 or steps < 1 or warmup < 0 or not contexts or min(contexts) < 1:
+        raise ValueError("batch, steps and every context must be ≥ 1 and warmup ≥ 0")
+    tracking = tracking or TrackingRecipe()
+    st = open_store(store)
+    root, storage = st.root, st.result_storage()
+
+    def stored(task):
+        return task.with_options(result_storage=storage)
+
+    timings: list[dict] = []
+    device_id = b.device_identity(task_device())
+    original = _record(timings, "resolve_model", stored(t.resolve_model).submit(model, root))
+    models = {"original": original}
+    for ratio in ratios:
+        for nbits in [None, *(bits or [])]:
+            label = f"lrkv r{ratio}" + (f" {nbits}-bit" if nbits else "")
+            future = stored(b.bench_convert).submit(original, ratio, nbits, dtype, root)
+            models[label] = _record(timings, f"bench_convert[{label}]", future)
+    for path in compressed or []:
+        models[f"lrkv {Path(path).name}"] = _record(
+            timings, f"resolve_model[{path}]", stored(t.resolve_model).submit(path, root)
+        )
+
+    def measure(label: str, ctxs: list[int], batches: list[int]) -> dict:
+        future = stored(b.bench_model).submit(
+            models[label], label, ctxs, batches, steps, warmup, dtype, device_id, root
+        )
+        return _record(timings, f"bench_model[{label}, batch {','.join(map(str, batches))}]", future)
+
+    measured = {label: measure(label, contexts, [batch]) for label in models}
+    longest = contexts[-1]
+    base = _point(measured["original"], longest, batch)
+    budget = base["kv_bytes"]
+    serving = []
+    for label in models:
+        point = _point(measured[label], longest, batch)
+        fits = batch_within_budget(budget, point["kv_bytes_per_token"], longest)
+        if fits != batch:
+            point = _point(measure(label, [longest], [fits]), longest, fits)
+        serving.append(
+            {
+                "model": label,
+                "batch": fits,
+                "decode_ms": point["decode_ms"],
+                "tokens_per_s": point["tokens_per_s"],
+                "tokens_per_s_over_original": point["tokens_per_s"] / base["tokens_per_s"],
+                "kv_bytes": point["kv_bytes"],
+            }
+        )
+    rows = _rows(measured, contexts, batch)
+    result = {
+        "device": device_id,
+        "dtype": dtype,
+        "contexts": contexts,
+        "batch": batch,
+        "steps": steps,
+        "rows": rows,
+        "serving": {"context": longest, "cache_budget_bytes": budget, "rows": serving},
+        "timings": timings,
+    }
+    markdown = bench_markdown(model, result)
+    result["mlflow"] = _log(model, result, tracking)
+    result["markdown"] = markdown
+    create_markdown_artifact(markdown, key="lrkv-bench", description=f"lrkv serving benchmark of {model}")
+    print(markdown)
+    return result
+
+
+def _point(measured: dict, context: int, batch: int) -> dict:
+    return next(p for p in measured["points"] if p["context"] == context and p["batch"] == batch)
+
+
+def _rows(measured: dict[str, dict], contexts: list[int], batch: int) -> list[dict]:
+    rows = []
+    for label, result in measured.items():
+        for context in contexts:
+            p, base = _point(result, context, batch), _point(measured["original"], context, batch)
+            rows.append(
+                {
+                    "model": label,
+                    "context": context,
+                    "batch": batch,
+                    "decode_ms": p["decode_ms"],
+                    "decode_over_original": p["decode_ms"] / base["decode_ms"],
+                    "tokens_per_s": p["tokens_per_s"],
+                    "prefill_tokens_per_s": p["prefill_tokens_per_s"],
+                    "kv_bytes_per_token": p["kv_bytes_per_token"],
+                    "peak_memory_bytes": p["peak_memory_bytes"],
+                }
+            )
+    return rows
+
+
+def bench_markdown(model: str, result: dict) -> str:
+    """The decode table and the serving trade as markdown."""
+    lines = [
+        f"# lrkv bench: {model}",
+        "",
+        f"Device: {result['device']}; {result['dtype']}; batch {result['batch']}; median of "
+        f"{result['steps']} decode steps per point.",
+        "",
+        "| model | context | decode ms | × original | tokens/s | prefill tokens/s | KV B/token | peak MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['context']} | {r['decode_ms']:.3f} | {r['decode_over_original']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | {r['prefill_tokens_per_s']:.0f} | {r['kv_bytes_per_token']:.0f} | "
+            f"{r['peak_memory_bytes'] / 2**20:.0f} |"
+        )
+    trade = result["serving"]
+    lines += [
+        "",
+        f"Serving at the original's cache budget ({trade['cache_budget_bytes'] / 2**20:.1f} MiB at "
+        f"{trade['context']} tokens):",
+        "",
+        "| model | batch | decode ms | tokens/s | × original |",
+        "|---|---|---|---|---|",
+    ]
+    for r in trade["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['decode_ms']:.3f} | {r['tokens_per_s']:.1f} | "
+            f"{r['tokens_per_s_over_original']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _log(model: str, result: dict, tracking: TrackingRecipe) -> dict:
+    """One MLflow run: the decode and serving tables, the headline ratios as metrics, the whole result."""
+    tags = {"lrkv.kind": "bench", "lrkv.model": model, "lrkv.device": result["device"]}
+    run = open_run(tracking.mlflow_uri, tracking.experiment, f"bench-{Path(model).name}", tags)
+    metrics = {}
+    for r in result["rows"]:
+        key = r["model"].replace(" ", "_")
+        metrics[f"{key}.decode_ms.ctx{r['context']}"] = r["decode_ms"]
+        metrics[f"{key}.decode_over_original.ctx{r['context']}"] = r["decode_over_original"]
+    for r in result["serving"]["rows"]:
+        metrics[f"{r['model'].replace(' ', '_')}.serving_tokens_per_s_over_original"] = r[
+            "tokens_per_s_over_original"
+        ]
+    params = {k: result[k] for k in ("device", "dtype", "contexts", "batch", "steps")} | {"model": model}
+    try:
+        log_results(
+            run,
+            params=params,
+            metrics=metrics,
+            json_artifacts={"bench.json": {k: v for k, v in result.items() if k != "timings"}},
+            tables={"bench_decode.json": _columns(result["rows"]), "bench_serving.json": _columns(
+                result["serving"]["rows"]
+            )},
+        )  # fmt: skip
+    except BaseException:
+        close_run(run, "FAILED")
+        raise
+    close_run(run, "FINISHED")
+    return run
+
+
+def _columns(rows: list[dict]) -> dict[str, list]:
+    return {key: [r[key] for r in rows] for key in rows[0]} if rows else {}

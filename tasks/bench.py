@@ -1,0 +1,73 @@
+"""Prefect tasks of the bench flow: a data-free compressed version of a model, and one model's serving
+measurements on the device the task runs on.
+
+Measurements are cached like every other step, with the device they were taken on in the key (its name, the
+torch build), so a re-run on the same machine is served from the store and a run on another device measures
+again.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import torch
+from prefect import task
+
+from lrkv_core import pipeline, serving
+from lrkv_core.models import load_model, parse_device
+
+from .convert import CACHED, TASK_KEY, _local, _stored
+from .device import task_device
+from .progress import step
+from .refs import ArtifactRef
+
+
+def device_identity(device: str) -> str:
+    """What a measurement depends on besides the model: the device's name and the torch build."""
+    dev = parse_device(device)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine()
+        name = f"{name}, {torch.get_num_threads()} threads"
+    return f"{dev.type}: {name}; torch {torch.__version__}"
+
+
+@task(name="bench_convert", cache_key_fn=TASK_KEY, **CACHED)
+def bench_convert(model: ArtifactRef, ratio: float, bits: int | None, dtype: str, store: str) -> ArtifactRef:
+    """A data-free compressed version of ``model`` (plain SVD, uniform ranks) at ``ratio``, with dense latents
+    or ``bits``-bit rotated latents: decode speed depends on the ranks and the storage, not on the plan."""
+    label = f"r{ratio}" + (f"-{bits}bit" if bits else "")
+    with step(f"convert {label} (data-free)"):
+        source = _local(model)
+        return _stored(
+            store, "model", "bench-models", "",
+            lambda out: pipeline.convert_data_free_dir(source, out, ratio=ratio, bits=bits, dtype=dtype),
+        )  # fmt: skip
+
+
+@task(name="bench_model", cache_key_fn=TASK_KEY, **CACHED)
+def bench_model(
+    model: ArtifactRef,
+    label: str,
+    contexts: list[int],
+    batches: list[int],
+    steps: int,
+    warmup: int,
+    dtype: str,
+    device_id: str,
+    store: str | None = None,
+) -> dict[str, Any]:
+    """Decode-step latency, prefill throughput, KV bytes and peak memory of one model at every context ×
+    batch, on the task's device (``device_id`` names it, for the cache key and the record)."""
+    device = task_device()
+    with step(f"bench {label}") as advance:
+        loaded, _ = load_model(_local(model), dtype=dtype, device=device)
+        points = serving.measure_grid(loaded, contexts, batches, steps=steps, warmup=warmup, progress=advance)
+    return {
+        "label": label,
+        "device": device_id,
+        "dtype": dtype,
+        "points": [p.to_dict() for p in points],
+    }

@@ -1,0 +1,64 @@
+"""The bench flow under Prefect's real API: serving figures measured on this machine for an original model
+and its compressed versions, logged to a real MLflow server, and served from the cache on a re-run."""
+
+from __future__ import annotations
+
+from mlflow.tracking import MlflowClient
+
+from lrkv_core import serving
+from lrkv_flows.bench import bench_flow
+from lrkv_tasks.recipe import TrackingRecipe
+from tests.support.models import tiny_model_dir
+
+
+def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_server, tmp_path):
+    model_dir = tiny_model_dir(tmp_path)
+    tracking = TrackingRecipe(mlflow_uri=mlflow_server, experiment="bench-test")
+    kwargs = dict(
+        ratios=[0.5], bits=[4], contexts=[48, 16], batch=2, steps=3, warmup=1, tracking=tracking,
+        store=str(tmp_path / "store"),
+    )  # fmt: skip
+    first = bench_flow(str(model_dir), **kwargs)
+    assert {row["state"] for row in first["timings"]} == {"Completed"}, first["timings"]
+    assert first["device"].startswith("cpu: ") and first["contexts"] == [16, 48]
+    rows = {(r["model"], r["context"]): r for r in first["rows"]}
+    assert set(rows) == {(m, c) for m in ("original", "lrkv r0.5", "lrkv r0.5 4-bit") for c in (16, 48)}
+    for r in rows.values():  # measured, not constants
+        assert r["decode_ms"] > 0 and r["prefill_tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["tokens_per_s"] == r["batch"] / r["decode_ms"] * 1e3
+    assert len({r["decode_ms"] for r in rows.values()}) > 1
+    assert all(rows["original", c]["decode_over_original"] == 1.0 for c in (16, 48))
+    # the cache bytes come from the cache's tensors: half width holds about half, 4-bit latents far less
+    dense = rows["original", 48]["kv_bytes_per_token"]
+    half, quant = (
+        rows["lrkv r0.5", 48]["kv_bytes_per_token"],
+        rows["lrkv r0.5 4-bit", 48]["kv_bytes_per_token"],
+    )
+    assert half < 0.6 * dense and quant < 0.5 * half
+    # the serving trade: the compressed models fit larger batches in the original's cache at 48 tokens
+    trade = {r["model"]: r for r in first["serving"]["rows"]}
+    assert first["serving"]["context"] == 48 and trade["original"]["batch"] == 2
+    assert trade["lrkv r0.5"]["batch"] == serving.batch_within_budget(
+        first["serving"]["cache_budget_bytes"], half, 48
+    )
+    assert 2 < trade["lrkv r0.5"]["batch"] < trade["lrkv r0.5 4-bit"]["batch"]
+    assert any(row["task"].startswith("bench_model[lrkv r0.5 4-bit, batch ") for row in first["timings"])
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run = client.get_run(first["mlflow"]["run_id"])
+    assert run.data.tags["lrkv.kind"] == "bench" and run.data.tags["lrkv.device"] == first["device"]
+    assert run.data.metrics["lrkv_r0.5.decode_ms.ctx48"] == rows["lrkv r0.5", 48]["decode_ms"]
+    assert "lrkv_r0.5_4-bit.serving_tokens_per_s_over_original" in run.data.metrics
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"bench.json", "bench_decode.json", "bench_serving.json"} <= artifacts
+    assert "| lrkv r0.5 4-bit | 48 |" in first["markdown"]
+
+    second = bench_flow(str(model_dir), **kwargs)  # the same machine: every measurement from the store
+    assert {row["state"] for row in second["timings"]} == {"Cached"}, second["timings"]
+    assert second["rows"] == first["rows"] and second["serving"] == first["serving"]
+
+
+def test_batch_within_budget() -> None:
+    assert serving.batch_within_budget(1000, 10.0, 10) == 10
+    assert serving.batch_within_budget(999, 10.0, 10) == 9
+    assert serving.batch_within_budget(5, 10.0, 10) == 1  # never below one row
