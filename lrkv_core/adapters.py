@@ -76,6 +76,11 @@ class ArchAdapter:
     qk_norm_offset: float = 0.0
     # queries, keys and values come from one projection (Phi-3's qkv_proj: rows q, then k, then v)
     fused_qkv: bool = False
+    # the config field s whose s^-½ is the softmax scale (Gemma 3's query_pre_attn_scalar); None: D^-½
+    scaling_field: str | None = None
+    # the rotary embedding holds one set of frequencies per layer type and is called with the layer's type
+    # (Gemma 3: sliding layers rotate with rope_local_base_freq, full ones with rope_theta)
+    rope_per_layer_type: bool = False
 
     @property
     def rope(self) -> bool:
@@ -134,6 +139,12 @@ class ArchAdapter:
         module, name = self.rotary.split(":")
         return getattr(importlib.import_module(module), name)(config=config)
 
+    def scaling(self, config: PretrainedConfig) -> float:
+        """The softmax scale of the attention scores."""
+        if self.scaling_field is None:
+            return self.shape(config).D ** -0.5
+        return getattr(config, self.scaling_field) ** -0.5
+
     def qk_norms(self, config: PretrainedConfig) -> tuple[nn.Module, nn.Module] | None:
         """Fresh (q_norm, k_norm) per-head norms built from the config, or None without QK-norm."""
         if self.qk_norm is None:
@@ -180,6 +191,15 @@ ADAPTERS: dict[str, ArchAdapter] = {
         sliding_window="all",
         fused_qkv=True,
     ),
+    "gemma3_text": ArchAdapter(
+        model_type="gemma3_text",
+        rotary="transformers.models.gemma3.modeling_gemma3:Gemma3RotaryEmbedding",
+        sliding_window="layer_types",
+        qk_norm="transformers.models.gemma3.modeling_gemma3:Gemma3RMSNorm",
+        qk_norm_offset=1.0,  # Gemma's RMSNorm scales by 1 + weight
+        scaling_field="query_pre_attn_scalar",
+        rope_per_layer_type=True,
+    ),
     "opt": ArchAdapter(
         model_type="opt",
         layers_path="model.decoder.layers",
@@ -203,4 +223,12 @@ def get_adapter(config: PretrainedConfig) -> ArchAdapter:
             f"lrkv does not support partial rotary embeddings yet ({model_type} with partial_rotary_factor "
             f"{partial}: only the first {partial:g} of each head's dims are rotated)"
         )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise UnsupportedModelError(
+            f"lrkv does not support attention logit softcapping yet ({model_type} with "
+            f"attn_logit_softcapping {softcap})"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"lrkv supports causal attention only ({model_type} is bidirectional)")
     return ADAPTERS[model_type]

@@ -69,7 +69,7 @@ class LatentAttentionBase(nn.Module):
         self.shape = shape
         self.head_dim = shape.D
         self.num_key_value_groups = shape.n_rep  # read by transformers' attention interfaces
-        self.scaling = shape.D**-0.5
+        self.scaling = adapter.scaling(config)  # D^-½, or Gemma 3's query_pre_attn_scalar^-½
         self.attention_dropout = getattr(config, "attention_dropout", 0.0)
         self.is_causal = True
         self._interface_kwargs = adapter.attention_kwargs(config, layer_idx)
@@ -162,6 +162,8 @@ class LatentAttention(LatentAttentionBase):
         self.q_proj = nn.Linear(shape.d, shape.H * shape.D, bias=layout.qkv_bias)
         self.k_up = nn.ModuleList(nn.Linear(r, s * shape.D, bias=layout.qkv_bias) for r in layout.ranks_k)
         self.rotary_emb = adapter.rotary_embedding(config)
+        # Gemma 3: the rotary embedding holds each layer type's frequencies and is told which to use
+        self._rope_layer_type = config.layer_types[layer_idx] if adapter.rope_per_layer_type else None
         norms = adapter.qk_norms(config)  # QK-norm: the original's per-head norms, before RoPE
         self.q_norm, self.k_norm = norms if norms is not None else (None, None)
         self._norm_offset = adapter.qk_norm_offset
@@ -191,7 +193,7 @@ class LatentAttention(LatentAttentionBase):
         view = self.cached_latents(h_k, h_v, position_ids, past_key_values, cache)
         if self.decodes_fused(q):
             return self.o_proj(self.fused_decode_attention(q, view, attention_mask)), None
-        cos_k, sin_k = self.rotary_emb(view.keys[0], view.positions.long())  # (B, S, D); keys[0]: dtype only
+        cos_k, sin_k = self.rope_at(view.keys[0], view.positions.long())  # (B, S, D); keys[0]: dtype only
         outs, nq = [], self.q_heads_per_group
         for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):
             k_g = self.rebuild_keys(up, hk_g, cos_k, sin_k)  # (B, s, S, D)
@@ -209,7 +211,7 @@ class LatentAttention(LatentAttentionBase):
             return False
         if self.fused_decode is None and not (q.is_cuda and triton_runs_on(q.device)):
             return False
-        rope_type = getattr(self.rotary_emb, "rope_type", "default")
+        rope_type = self.rope_frequencies()[2]
         return (
             self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
             and set(self._interface_kwargs) <= {"sliding_window"}  # the mask carries the window
@@ -224,12 +226,29 @@ class LatentAttention(LatentAttentionBase):
         """One decode step's attention output (B, 1, H·r_v per group): every group in one flash-decoding
         launch (:func:`~lrkv_kernels.latent_rope.latent_decode_attention`)."""
         h_k, h_v = joined(view.keys), joined(view.values)  # (B, S, R_k), (B, S, R_v)
-        rope = self.rotary_emb
+        inv_freq, attention_scaling, _ = self.rope_frequencies()
         out = latent_decode_attention(
-            q[:, :, 0], h_k, h_v, self.decode_weights(h_k.dtype), view.positions, rope.inv_freq,
-            rope.attention_scaling, self.scaling, additive_mask(attention_mask, h_k.shape[1]),
+            q[:, :, 0], h_k, h_v, self.decode_weights(h_k.dtype), view.positions, inv_freq,
+            attention_scaling, self.scaling, additive_mask(attention_mask, h_k.shape[1]),
         )  # (B, Σ_g nq·r_v)  # fmt: skip
         return out.unsqueeze(1)
+
+    def rope_at(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, S, D) at ``positions`` (B, S) in x's dtype, from this layer's RoPE frequencies."""
+        if self._rope_layer_type is None:
+            return self.rotary_emb(x, positions)
+        return self.rotary_emb(x, positions, self._rope_layer_type)
+
+    def rope_frequencies(self) -> tuple[torch.Tensor, float, str]:
+        """This layer's RoPE as the decode kernel reads it: ``inv_freq`` (D/2,), attention scaling, type."""
+        rope, kind = self.rotary_emb, self._rope_layer_type
+        if kind is None:
+            return rope.inv_freq, rope.attention_scaling, getattr(rope, "rope_type", "default")
+        return (
+            getattr(rope, f"{kind}_inv_freq"),
+            getattr(rope, f"{kind}_attention_scaling"),
+            rope.rope_type[kind],
+        )
 
     def decode_weights(self, dtype: torch.dtype) -> LatentDecodeWeights:
         """The key up-projections in the decode kernel's layout, rebuilt only when a weight changed."""

@@ -1,9 +1,9 @@
 """What one architecture does that the exactness matrix does not show.
 
 Sliding windows in effect (Mistral, Qwen2's per-layer window), a long decode past the window, Qwen2's q/k/v
-biases, OPT's key bias, Qwen3's QK-norm, Llama 3.x's RoPE scaling, Phi-3's fused qkv_proj, and the refusal
-of unsupported architectures and features. Models come from
-``tests.support.models`` (random attention biases).
+biases, OPT's key bias, Qwen3's and Gemma 3's QK-norm, Gemma 3's softmax scale and per-layer RoPE bases, Llama
+3.x's RoPE scaling, Phi-3's fused qkv_proj, and the refusal of unsupported architectures and features. Models
+come from ``tests.support.models`` (random attention biases).
 """
 
 from __future__ import annotations
@@ -143,10 +143,11 @@ def test_opt_key_bias_cancels_and_is_dropped(compress) -> None:
 # ---------------------------------------------------------------------------------- QK-norm, RoPE scaling
 
 
-def test_qwen3_qk_norms_are_kept_and_needed(compress) -> None:
-    """Qwen3's per-head norms act on the queries and on the keys rebuilt from latents: the compressed model
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_qk_norms_are_kept_and_needed(compress, arch) -> None:
+    """The per-head norms act on the queries and on the keys rebuilt from latents: the compressed model
     carries the original's weights, and resetting either norm's weight breaks exactness."""
-    model = tiny_model("qwen3", 2)
+    model = tiny_model(arch, 2)
     comp, _ = compress(model, 2)
     adapter = get_adapter(comp.config)
     ids = ids_for(2, T)
@@ -163,6 +164,29 @@ def test_qwen3_qk_norms_are_kept_and_needed(compress) -> None:
             for i in range(2):
                 getattr(adapter.attention(reset, i), name).weight.fill_(1.0)
             assert max_diff(reset(ids).logits, ref) > 0.1
+
+
+def test_gemma3_scale_and_local_rope_base_are_in_effect(compress) -> None:
+    """The gemma3 cases test something: the original's logits change with query_pre_attn_scalar (6, not
+    D = 8) and with the sliding layer's RoPE base (100, not the full layer's 10000); the latent attention uses
+    both."""
+    model = tiny_model("gemma3", 2)
+    comp, _ = compress(model, 2)
+    adapter = get_adapter(comp.config)
+    local, full = adapter.attention(comp, 0), adapter.attention(comp, 1)
+    assert local.scaling == full.scaling == 6**-0.5
+    rope = model.model.rotary_emb
+    assert torch.equal(local.rope_frequencies()[0], rope.sliding_attention_inv_freq)
+    assert torch.equal(full.rope_frequencies()[0], rope.full_attention_inv_freq)
+    assert not torch.allclose(rope.sliding_attention_inv_freq, rope.full_attention_inv_freq)
+    ids = ids_for(2, T)
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert max_diff(comp(ids).logits, ref) <= 1e-4
+        for change in ({"query_pre_attn_scalar": 8}, {"rope_local_base_freq": 10000.0}):
+            other = tiny_model("gemma3", 2, **change)
+            other.load_state_dict(model.state_dict())
+            assert max_diff(other(ids).logits, ref) > 1e-2
 
 
 def test_llama3_rope_scaling_is_in_effect(compress) -> None:
@@ -229,6 +253,26 @@ def test_phi3_fused_qkv_is_read_as_its_q_k_v_parts(compress) -> None:
             assert max_diff(got, phi3(ids).logits) > 1e-2  # truncated: the factors mattered
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"attn_logit_softcapping": 50.0},
+            r"does not support attention logit softcapping yet \(gemma3_text ",
+        ),
+        (
+            {"use_bidirectional_attention": True},
+            r"supports causal attention only \(gemma3_text is bidirectional",
+        ),
+    ],
+)
+def test_gemma3_features_lrkv_does_not_handle_are_refused(overrides, message) -> None:
+    config = tiny_config("gemma3", 2, **overrides)
+    with pytest.raises(UnsupportedModelError, match=message) as refused:
+        get_adapter(config)
+    assert "\n" not in str(refused.value)
+
+
 def test_partial_rotary_is_refused_in_one_line() -> None:
     config = tiny_config("phi3", 2, partial_rotary_factor=0.5)
     with pytest.raises(
@@ -244,7 +288,8 @@ def test_partial_rotary_is_refused_in_one_line() -> None:
 def test_unsupported_model_names_every_supported_family() -> None:
     gpt2 = tiny_model("gpt2")
     with pytest.raises(
-        UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral, opt, phi3, qwen2, qwen3$"
+        UnsupportedModelError,
+        match=r"'gpt2'.*supported: gemma3_text, llama, mistral, opt, phi3, qwen2, qwen3$",
     ):
         get_adapter(gpt2.config)
     plan = allocate_ranks([{"k": [torch.ones(8)], "v": [torch.ones(8)]}], ratio=1.0, group_size=1, head_dim=8)

@@ -2,12 +2,13 @@
 
 Architectures (``tests.support.models``): Llama; Llama with Llama 3.x's RoPE scaling; Mistral with a sliding
 window of 6 on every layer; Qwen2 (q/k/v biases, layer 1 slides over 6 tokens); Qwen3 (QK-norm on queries and
-rebuilt keys, layer 1 slides over 6 tokens); Phi-3 (one fused qkv_proj, a sliding window of 6 on every layer);
-OPT (no RoPE, biases everywhere). Inputs are 12 tokens long,
-longer than the windows. Layouts: MHA (Hkv = H = 4) and GQA (Hkv = 2; OPT is MHA only) × group sizes 1, 2
-and Hkv. At ratio 1.0 a compressed model is the original up to float rounding: fp32 logits within 1e-4,
-float64 logits within 1e-10 and attention outputs within 1e-12 relative, identical greedy and beam
-generations; decoding through the cache equals one full forward within 1e-5.
+rebuilt keys, layer 1 slides over 6 tokens); Gemma 3 (QK-norm scaled by 1 + weight, query_pre_attn_scalar's
+softmax scale, layer 0 slides over 6 tokens with its own RoPE base); Phi-3 (one fused qkv_proj, a sliding
+window of 6 on every layer); OPT (no RoPE, biases everywhere). Inputs are 12 tokens long, longer than the
+windows. Layouts: MHA (Hkv = H = 4) and GQA (Hkv = 2; OPT is MHA only) × group sizes 1, 2 and Hkv. At ratio
+1.0 a compressed model is the original up to float rounding: fp32 logits within 1e-4, float64 logits within
+1e-10 and attention outputs within 1e-12 relative, identical greedy and beam generations; decoding through the
+cache equals one full forward within 1e-5.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ROPE = {
     "qwen2": True,
     "qwen3": True,
     "phi3": True,
+    "gemma3": True,
     "opt": False,
 }
 SLIDING = {
@@ -44,6 +46,7 @@ SLIDING = {
     "qwen2": [False, True],
     "qwen3": [False, True],
     "phi3": [True, True],
+    "gemma3": [True, False],
     "opt": [False, False],
 }
 CASES = [
@@ -183,8 +186,17 @@ def test_decode_through_the_cache_equals_one_full_forward(compress, arch, hkv, g
 
 @pytest.mark.parametrize(
     "arch,hkv,group_size",
-    [("llama", 2, 1), ("mistral", 2, 1), ("qwen2", 2, 1), ("qwen3", 2, 1), ("phi3", 2, 1), ("opt", 4, 4)],
-    ids=["llama-hkv2-s1", "mistral-hkv2-s1", "qwen2-hkv2-s1", "qwen3-hkv2-s1", "phi3-hkv2-s1", "opt-hkv4-s4"],
+    [("llama", 2, 1), ("mistral", 2, 1), ("qwen2", 2, 1), ("qwen3", 2, 1), ("phi3", 2, 1), ("gemma3", 2, 1)]
+    + [("opt", 4, 4)],
+    ids=[
+        "llama-hkv2-s1",
+        "mistral-hkv2-s1",
+        "qwen2-hkv2-s1",
+        "qwen3-hkv2-s1",
+        "phi3-hkv2-s1",
+        "gemma3-hkv2-s1",
+    ]
+    + ["opt-hkv4-s4"],
 )
 def test_truncated_model_differs_but_its_cache_path_is_still_exact(compress, arch, hkv, group_size) -> None:
     model = model_for(arch, hkv)
@@ -221,6 +233,7 @@ MEMORY = [
     ("qwen2", 2, 2, 4),
     ("qwen3", 2, 2, 4),
     ("phi3", 2, 1, 4),
+    ("gemma3", 2, 2, 4),
     ("opt", 4, 1, 4),
     ("opt", 4, 4, 4),
 ]
@@ -273,8 +286,17 @@ def test_half_ratio_kv_bytes_are_latents_only(compress, arch, hkv, group_size, m
 
 @pytest.mark.parametrize(
     "arch,hkv,group_size",
-    [("llama", 2, 2), ("mistral", 2, 2), ("qwen2", 2, 1), ("qwen3", 2, 2), ("phi3", 2, 2), ("opt", 4, 1)],
-    ids=["llama-hkv2-s2", "mistral-hkv2-s2", "qwen2-hkv2-s1", "qwen3-hkv2-s2", "phi3-hkv2-s2", "opt-hkv4-s1"],
+    [("llama", 2, 2), ("mistral", 2, 2), ("qwen2", 2, 1), ("qwen3", 2, 2), ("phi3", 2, 2), ("gemma3", 2, 1)]
+    + [("opt", 4, 1)],
+    ids=[
+        "llama-hkv2-s2",
+        "mistral-hkv2-s2",
+        "qwen2-hkv2-s1",
+        "qwen3-hkv2-s2",
+        "phi3-hkv2-s2",
+        "gemma3-hkv2-s1",
+    ]
+    + ["opt-hkv4-s1"],
 )
 def test_save_load_roundtrip_is_exact(compress, tmp_path, arch, hkv, group_size) -> None:
     model = model_for(arch, hkv)

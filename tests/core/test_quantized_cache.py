@@ -64,7 +64,7 @@ STORAGES = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3", "opt"])
 @pytest.mark.parametrize("storage", STORAGES, ids=lambda s: f"b{s['bits']}-g{s.get('quant_group_size')}")
 def test_quantized_attention_equals_attention_over_the_dequantized_latents(compress, arch, storage) -> None:
     comp = _compressed(compress, arch)
@@ -178,7 +178,7 @@ def test_left_padded_batches_decode_as_the_dequantized_model(compress, storage) 
     assert max_diff(steps[valid], dense_steps[valid]) > 1e-3  # quantized, really
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
 def test_generate_and_beam_search_through_the_quantized_cache(compress, arch) -> None:
     comp = _compressed(compress, arch)
     storage = {"name": "quantized", "bits": 3}

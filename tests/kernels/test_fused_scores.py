@@ -123,6 +123,7 @@ def calls_kernel(model, monkeypatch) -> list[int]:
         ("qwen3", 2, {"name": "dense"}),  # QK-norm of rebuilt keys in the kernel; layer 1 slides
         ("qwen3", 1, {"name": "quantized", "bits": 4}),
         ("phi3", 2, {"name": "dense"}),  # keys from the fused qkv_proj's rows; every layer slides
+        ("gemma3", 2, {"name": "dense"}),  # (1 + w) key norm, query_pre_attn_scalar, per-layer RoPE bases
         ("mistral", 2, {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 2, "buffer": 4}),
     ],
 )

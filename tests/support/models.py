@@ -9,6 +9,9 @@ the context. Architecture differences:
   positions so that D = 8's two slowest frequencies are divided by the factor and the third is smoothed;
 - ``qwen2``: q/k/v biases; layer 1 slides over ``SLIDING_WINDOW`` tokens (``max_window_layers=1``);
 - ``qwen3``: QK-norm (per-head RMSNorm of queries and keys before RoPE), no biases; layer 1 slides as Qwen2's;
+- ``gemma3`` (model type ``gemma3_text``): QK-norm with Gemma's (1 + weight) scale, softmax scale
+  ``query_pre_attn_scalar``^-½ (6, not D), layer 0 slides over ``SLIDING_WINDOW`` tokens with its own RoPE
+  base (100; the full layer's 10000);
 - ``phi3``: one fused ``qkv_proj``, no biases (``sliding_window=SLIDING_WINDOW`` makes every layer slide);
 - ``opt``: no RoPE (learned positions), biases everywhere, MHA;
 - ``gpt2``: an architecture lrkv does not support (for the refusal tests).
@@ -24,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -78,6 +83,18 @@ _ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = 
         _LLAMA_LIKE | dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1),
     ),
     "phi3": (Phi3Config, Phi3ForCausalLM, _LLAMA_LIKE),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        _LLAMA_LIKE
+        | dict(
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=6,
+            rope_local_base_freq=100.0,
+            rope_theta=10000.0,
+        ),
+    ),
     "opt": (
         OPTConfig,
         OPTForCausalLM,
