@@ -13,12 +13,12 @@ from tests.support.models import SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ARCHS = {"llama": 2, "mistral": 2, "qwen2": 2, "opt": 4}  # KV heads (OPT: MHA)
+ARCHS = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 2, "gemma3": 2, "phi3": 2, "opt": 4}  # KV heads
 
 
 def _model(arch: str):
-    extra = {"sliding_window": SLIDING_WINDOW} if arch == "mistral" else {}
-    return tiny_model(arch, ARCHS[arch], **extra)
+    extra = {"sliding_window": SLIDING_WINDOW} if arch in ("mistral", "phi3") else {}
+    return tiny_model(arch, ARCHS[arch], **extra)  # OPT: MHA
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -81,6 +81,9 @@ def test_one_step_does_not_raise_the_loss(make_tiny, compress):
     [
         ("llama", ROPE_ROLES),
         ("qwen2", ROPE_ROLES),  # biases, a sliding-window layer
+        ("qwen3", ROPE_ROLES),  # a wrapped k_up's keys go through k_norm before RoPE
+        ("gemma3", ROPE_ROLES),  # the same with Gemma's norm, scale and per-layer RoPE bases
+        ("phi3", ROPE_ROLES),  # built from a fused qkv_proj
         ("mistral", ("k_down", "v_down")),
         ("opt", NOROPE_ROLES),  # no RoPE: keys folded into q_proj
     ],
