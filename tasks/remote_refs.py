@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from lrkv_core.fingerprint import hash_dir
-from lrkv_core.paths import writable_home
+from lrkv_core.paths import lrkv_home, writable_home
 
 from .registry import SHA_TAG, _alias_version
 from .tracking import client, tracking_uri
@@ -88,9 +88,10 @@ def _download_version(ref: str, folder: str, whole: bool) -> Path:
         raise RegistryLookupError(
             f"{version.name} v{version.version} is not an lrkv model (no {SHA_TAG} tag)"
         )
-    dest = writable_home() / "cache" / folder / sha
+    dest = lrkv_home() / "cache" / folder / sha
     if dest.is_dir():
         return dest
+    writable_home()  # one clear error if the download has nowhere to go
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{sha[:12]}."))
     try:

@@ -38,7 +38,10 @@ _READY: set[str] = set()  # SQLite URIs whose database this process has seen com
 
 
 def default_tracking_uri() -> str:
-    return f"sqlite:///{writable_home() / 'mlflow.db'}"
+    db = lrkv_home() / "mlflow.db"
+    if not db.is_file():  # to be created: the home must be writable (one clear error if not)
+        db = writable_home() / "mlflow.db"
+    return f"sqlite:///{db}"
 
 
 def tracking_uri(explicit: str | None = None) -> str:
