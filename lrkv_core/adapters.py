@@ -216,13 +216,6 @@ def get_adapter(config: PretrainedConfig) -> ArchAdapter:
         raise UnsupportedModelError(
             f"lrkv does not support model_type {model_type!r} yet; supported: {', '.join(sorted(ADAPTERS))}"
         )
-    rope = getattr(config, "rope_parameters", None) or {}
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial is not None and partial < 1:
-        raise UnsupportedModelError(
-            f"lrkv does not support partial rotary embeddings yet ({model_type} with partial_rotary_factor "
-            f"{partial}: only the first {partial:g} of each head's dims are rotated)"
-        )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         raise UnsupportedModelError(

@@ -211,9 +211,10 @@ class LatentAttention(LatentAttentionBase):
             return False
         if self.fused_decode is None and not (q.is_cuda and triton_runs_on(q.device)):
             return False
-        rope_type = self.rope_frequencies()[2]
+        inv_freq, _, rope_type = self.rope_frequencies()
         return (
-            self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
+            2 * inv_freq.numel() == self.head_dim  # the kernel rotates all D (not partial RoPE: Phi-4-mini)
+            and self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
             and set(self._interface_kwargs) <= {"sliding_window"}  # the mask carries the window
             and "dynamic" not in rope_type
             and rope_type != "longrope"  # both change inv_freq with the length

@@ -229,6 +229,10 @@ def latent_decode_attention_triton(
     s = weights.up.shape[1] // D
     if D % 2 or weights.up.shape[1] != s * D or H % G or (H // G) % s:
         raise ValueError(f"shapes do not pair: q {tuple(q.shape)}, up {tuple(weights.up.shape)}")
+    if 2 * inv_freq.numel() != D:
+        raise ValueError(
+            f"the kernel rotates all D = {D} dims, got {inv_freq.numel()} frequencies (partial RoPE)"
+        )
     nq = H // G
     out = torch.empty(B, weights.width, device=q.device, dtype=h_v.dtype)
     if S == 0:

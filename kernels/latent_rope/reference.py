@@ -51,8 +51,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on (B, h, S, D) with tables (B, S, D) shared by the h heads."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, S, D)
+    """RoPE on (B, h, S, D) with tables (B, S, D_rot) shared by the h heads. With partial rotary embeddings
+    (D_rot < D, Phi-4-mini) only the first D_rot dims rotate, in the half-split convention among themselves,
+    and the rest pass through, as in transformers' Phi-3."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, S, D_rot)
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 

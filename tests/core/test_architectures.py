@@ -273,13 +273,23 @@ def test_gemma3_features_lrkv_does_not_handle_are_refused(overrides, message) ->
     assert "\n" not in str(refused.value)
 
 
-def test_partial_rotary_is_refused_in_one_line() -> None:
-    config = tiny_config("phi3", 2, partial_rotary_factor=0.5)
-    with pytest.raises(
-        UnsupportedModelError, match=r"^lrkv does not support partial rotary embeddings yet \(phi3 "
-    ):
-        get_adapter(config)
-    assert "\n" not in str(pytest.raises(UnsupportedModelError, get_adapter, config).value)
+def test_partial_rotary_embeddings_rotate_only_their_dims(compress) -> None:
+    """Phi-3 with partial_rotary_factor 0.5: 2 frequencies for D = 8, so the matrix's cases test something
+    (the same weights fully rotated give other logits); the compressed model is exact and decodes through the
+    unfused path, since the decode kernel rotates all D dims."""
+    model = tiny_model("phi3_partial", 2)
+    assert model.model.rotary_emb.inv_freq.shape == (2,)
+    full = tiny_model("phi3", 2)
+    full.load_state_dict(model.state_dict())
+    comp, _ = compress(model, 2)
+    ids = ids_for(2, T)
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert max_diff(full(ids).logits, ref) > 1e-2
+        assert max_diff(comp(ids).logits, ref) <= 1e-4
+    attn = get_adapter(comp.config).attention(comp, 0)
+    attn.fused_decode = True
+    assert not attn.decodes_fused(torch.zeros(1, 4, 1, 8))
 
 
 # ---------------------------------------------------------------------------------------------- adapters

@@ -4,11 +4,12 @@ Architectures (``tests.support.models``): Llama; Llama with Llama 3.x's RoPE sca
 window of 6 on every layer; Qwen2 (q/k/v biases, layer 1 slides over 6 tokens); Qwen3 (QK-norm on queries and
 rebuilt keys, layer 1 slides over 6 tokens); Gemma 3 (QK-norm scaled by 1 + weight, query_pre_attn_scalar's
 softmax scale, layer 0 slides over 6 tokens with its own RoPE base); Phi-3 (one fused qkv_proj, a sliding
-window of 6 on every layer); OPT (no RoPE, biases everywhere). Inputs are 12 tokens long, longer than the
-windows. Layouts: MHA (Hkv = H = 4) and GQA (Hkv = 2; OPT is MHA only) × group sizes 1, 2 and Hkv. At ratio
-1.0 a compressed model is the original up to float rounding: fp32 logits within 1e-4, float64 logits within
-1e-10 and attention outputs within 1e-12 relative, identical greedy and beam generations; decoding through the
-cache equals one full forward within 1e-5.
+window of 6 on every layer; and with partial rotary embeddings, half of each head's dims rotated); OPT (no
+RoPE, biases everywhere). Inputs are 12 tokens long, longer than the windows. Layouts: MHA (Hkv = H = 4) and
+GQA (Hkv = 2; OPT is MHA only) × group sizes 1, 2 and Hkv. At ratio 1.0 a compressed model is the original up
+to float rounding: fp32 logits within 1e-4, float64 logits within 1e-10 and attention outputs within 1e-12
+relative, identical greedy and beam generations; decoding through the cache equals one full forward within
+1e-5.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ ROPE = {
     "qwen2": True,
     "qwen3": True,
     "phi3": True,
+    "phi3_partial": True,
     "gemma3": True,
     "opt": False,
 }
@@ -46,6 +48,7 @@ SLIDING = {
     "qwen2": [False, True],
     "qwen3": [False, True],
     "phi3": [True, True],
+    "phi3_partial": [False, False],
     "gemma3": [True, False],
     "opt": [False, False],
 }
@@ -233,6 +236,7 @@ MEMORY = [
     ("qwen2", 2, 2, 4),
     ("qwen3", 2, 2, 4),
     ("phi3", 2, 1, 4),
+    ("phi3_partial", 2, 2, 4),
     ("gemma3", 2, 2, 4),
     ("opt", 4, 1, 4),
     ("opt", 4, 4, 4),

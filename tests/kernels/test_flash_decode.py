@@ -114,6 +114,15 @@ def test_key_norm_reference_is_the_per_head_rms_norm():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_partial_rotary_frequencies_are_refused():
+    """The kernel rotates all D dims: fewer frequencies (partial RoPE, Phi-4-mini) fail loudly."""
+    from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
+
+    q, h_k, h_v, weights, positions, inv_freq = layer(1, 20, 1, 16, 2, (8,), (8,), False)
+    with pytest.raises(ValueError, match="rotates all D = 16 dims, got 4 frequencies"):
+        latent_decode_attention_triton(q, h_k, h_v, weights, positions, inv_freq[:4], 1.0, 0.25)
+
+
 @pytest.mark.parametrize("n_splits", [1, 2, 5])
 def test_splits_merge_to_the_same_attention(n_splits):
     """However the sequence is split, the merged partial softmaxes give the one-pass result."""

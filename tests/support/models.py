@@ -13,6 +13,8 @@ the context. Architecture differences:
   ``query_pre_attn_scalar``^-½ (6, not D), layer 0 slides over ``SLIDING_WINDOW`` tokens with its own RoPE
   base (100; the full layer's 10000);
 - ``phi3``: one fused ``qkv_proj``, no biases (``sliding_window=SLIDING_WINDOW`` makes every layer slide);
+- ``phi3_partial``: Phi-3 with partial rotary embeddings (``partial_rotary_factor=0.5``, as Phi-4-mini's
+  0.75): the first 4 of each head's 8 dims rotate;
 - ``opt``: no RoPE (learned positions), biases everywhere, MHA;
 - ``gpt2``: an architecture lrkv does not support (for the refusal tests).
 
@@ -83,6 +85,7 @@ _ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = 
         _LLAMA_LIKE | dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1),
     ),
     "phi3": (Phi3Config, Phi3ForCausalLM, _LLAMA_LIKE),
+    "phi3_partial": (Phi3Config, Phi3ForCausalLM, _LLAMA_LIKE | dict(partial_rotary_factor=0.5)),
     "gemma3": (
         Gemma3TextConfig,
         Gemma3ForCausalLM,
