@@ -153,3 +153,11 @@ def _migrate_v3(data: dict[str, Any]) -> dict[str, Any]:
     if "weights_sha256" in data:
         raise FormatError("format 3 section with weights_sha256: not written by a released lrkv")
     return {**data, "format_version": FORMAT_VERSION}
+
+
+def forget_weights_checksum(config) -> None:
+    """Drop the file checksum from a loaded model's ``lrkv`` section: it describes the file read, not the
+    model in memory, which may change and is saved with its own (``save_pretrained`` included)."""
+    section = getattr(config, "lrkv", None)
+    if isinstance(section, dict) and section.get("weights_sha256"):
+        config.lrkv = {**section, "weights_sha256": None}

@@ -22,6 +22,7 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .format import forget_weights_checksum
 from .fuse import build_latent_skeleton
 
 QUANT_METHOD = "lrkv"
@@ -45,7 +46,6 @@ class LrkvHfQuantizer(HfQuantizer):
                 "config.json has quantization_config.quant_method 'lrkv' but no 'lrkv' section: "
                 "the directory was not written by lrkv_core.save_compressed"
             )
-        from .io import forget_weights_checksum
 
         build_latent_skeleton(model)
         forget_weights_checksum(model.config)  # this loader does not check it; a re-save must not keep it

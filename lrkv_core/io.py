@@ -27,7 +27,7 @@ from transformers.initialization import no_init_weights
 from .dtypes import parse_dtype
 from .files import make_readable, replace_dir
 from .fingerprint import hash_file
-from .format import FORMAT_VERSION, FormatError, LrkvFormat
+from .format import FORMAT_VERSION, FormatError, LrkvFormat, forget_weights_checksum
 from .fuse import build_latent_skeleton
 from .hf_quantizer import LrkvConfig
 from .refs import resolve_model_dir
@@ -159,14 +159,6 @@ def load_compressed(
                 f"{expected[:12]}…"
             )
     return model.eval()
-
-
-def forget_weights_checksum(config) -> None:
-    """Drop the file checksum from a loaded model's ``lrkv`` section: it describes the file read, not the
-    model in memory, which may change and is saved with its own (``save_pretrained`` included)."""
-    section = getattr(config, "lrkv", None)
-    if isinstance(section, dict) and section.get("weights_sha256"):
-        config.lrkv = {**section, "weights_sha256": None}
 
 
 def model_card(fmt: LrkvFormat, source: str | None = None) -> str:

@@ -6,8 +6,8 @@ logged with :func:`signature`, whose params schema lets ``predict(rows, params={
 :meth:`LrkvPyfunc.predict` (MLflow drops, with a warning, params a model's signature does not declare).
 
 MLflow resolves ``models:/`` through its own global registry URI, which is ``./mlflow.db`` when nothing is
-configured: :func:`load_pyfunc` resolves the name in the registry lrkv logs to instead (the local SQLite
-under ``$LRKV_HOME`` by default) and loads the downloaded model.
+configured: :func:`lrkv_tasks.remote_refs.load_pyfunc` resolves the name in the registry lrkv logs to
+instead (the local SQLite under ``$LRKV_HOME`` by default) and loads the downloaded model.
 """
 
 from __future__ import annotations
@@ -45,19 +45,6 @@ def signature():
     from mlflow.types.schema import ParamSchema, ParamSpec
 
     return ModelSignature(params=ParamSchema([ParamSpec(k, "long", v) for k, v in PARAMS.items()]))
-
-
-def load_pyfunc(model_uri: str):
-    """``mlflow.pyfunc.load_model`` of a registered lrkv model: ``models:/NAME@ALIAS`` or ``NAME/VERSION``
-    resolved in lrkv's registry (``$MLFLOW_REGISTRY_URI``, else ``$MLFLOW_TRACKING_URI``, else the local
-    SQLite under ``$LRKV_HOME``); other URIs go to MLflow as given."""
-    import mlflow.pyfunc
-
-    if model_uri.startswith("models:/"):
-        from .remote_refs import resolve_registered_mlflow_model
-
-        model_uri = str(resolve_registered_mlflow_model(model_uri))
-    return mlflow.pyfunc.load_model(model_uri)
 
 
 def _load_pyfunc(data_path: str) -> LrkvPyfunc:

@@ -120,3 +120,14 @@ def resolve_s3_model(rest: str) -> Path:
 
     uri = f"s3:{rest}"
     return S3Store.for_uri(uri).local(uri)
+
+
+def load_pyfunc(model_uri: str):
+    """``mlflow.pyfunc.load_model`` of a registered lrkv model: ``models:/NAME@ALIAS`` or ``NAME/VERSION``
+    resolved in lrkv's registry (``$MLFLOW_REGISTRY_URI``, else ``$MLFLOW_TRACKING_URI``, else the local
+    SQLite under ``$LRKV_HOME``); other URIs go to MLflow as given."""
+    import mlflow.pyfunc
+
+    if model_uri.startswith("models:/"):
+        model_uri = str(resolve_registered_mlflow_model(model_uri))
+    return mlflow.pyfunc.load_model(model_uri)

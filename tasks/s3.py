@@ -28,6 +28,7 @@ from pathlib import Path
 from lrkv_core.fingerprint import hash_dir, hash_file, hash_json
 from lrkv_core.paths import lrkv_home
 
+from .integrity import StoreIntegrityError, intact
 from .refs import RESULTS, digest_of, staging_path
 
 MANIFEST = "MANIFEST.json"
@@ -36,10 +37,6 @@ ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_
 
 class StoreUnreachableError(OSError):
     """The S3 endpoint did not answer after every retry."""
-
-
-class StoreIntegrityError(OSError):
-    """A downloaded artifact does not match its content hash."""
 
 
 def endpoint_url() -> str | None:
@@ -157,8 +154,6 @@ class S3Store:
     def local(self, uri: str) -> Path:
         """A verified local copy of the artifact (downloaded once into the content-addressed cache, and
         downloaded again if the cached copy no longer hashes to its name)."""
-        from .store import intact
-
         bucket, key = split_uri(uri)
         dest = lrkv_home() / "cache" / "s3" / bucket / key
         if dest.exists():

@@ -23,7 +23,7 @@ LOAD = """
 import json, sys, torch
 torch.set_num_threads(1)
 from lrkv_core import load_compressed
-from lrkv_tasks.mlflow_model import load_pyfunc
+from lrkv_tasks.remote_refs import load_pyfunc
 ids = json.loads(sys.argv[1])
 with torch.no_grad():
     logits = load_compressed(sys.argv[2])(torch.tensor(ids)).logits
