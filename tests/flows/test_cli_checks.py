@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 
@@ -101,3 +102,23 @@ def test_progress_lines_are_printed_as_they_come_when_the_output_is_not_a_termin
     ]
     found = [next((i for i, m in enumerate(steps) if m.startswith(e)), None) for e in expected]
     assert None not in found and found == sorted(found), (found, steps)
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(tmp_path):
+    """SIGINT while ``lrkv`` imports torch and transformers: one line and 130, no traceback. The signal is
+    sent once the child reports (``-X importtime``, in import order) that torch has loaded, so it lands
+    while the command's modules are still loading, whatever the machine's speed."""
+    env = {**os.environ, "LRKV_HOME": str(tmp_path / "home")}
+    args = [sys.executable, "-X", "importtime", "-m", "lrkv_flows", "runs", "list"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.split("|")[-1].strip() == "torch":
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, tail = proc.communicate(timeout=120)
+    errors = "".join(seen) + tail
+    assert seen and seen[-1].split("|")[-1].strip() == "torch", "torch was never imported"
+    assert proc.returncode == 130, errors[-2000:]
+    assert "interrupted (SIGINT) while lrkv was starting" in errors and "Traceback" not in errors + rest
