@@ -66,10 +66,17 @@ STATISTICS: Registry[Statistic] = Registry("statistic", Statistic)
 
 
 def forward_rows(
-    model: nn.Module, rows: torch.Tensor, handles: list, *, batch_size: int, progress: Progress
+    model: nn.Module,
+    rows: torch.Tensor,
+    handles: list,
+    *,
+    batch_size: int,
+    progress: Progress,
+    after_batch: Callable[[], None] | None = None,
 ) -> None:
-    """Run ``model`` (eval mode, no cache) over ``rows`` in batches for its hooks to accumulate, reporting
-    progress; the hooks in ``handles`` are removed and the train mode restored, even on error."""
+    """Run ``model`` (eval mode, no cache) over ``rows`` in batches for its hooks to accumulate, calling
+    ``after_batch`` after each, reporting progress; the hooks in ``handles`` are removed and the train mode
+    restored, even on error."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -77,6 +84,8 @@ def forward_rows(
         n = rows.shape[0]
         for start in range(0, n, batch_size):
             model(rows[start : start + batch_size].to(device), use_cache=False)
+            if after_batch is not None:
+                after_batch()
             if progress:
                 progress(min(start + batch_size, n), n)
     finally:

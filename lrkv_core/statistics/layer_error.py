@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from .base import STATISTICS, LayerValue, Progress, Statistic
+from .base import STATISTICS, LayerValue, Progress, Statistic, forward_rows
 
 if TYPE_CHECKING:
     from ..decompositions import LayerFactors
@@ -104,7 +104,6 @@ def collect_layer_output_error(
     if len(factors) != shape.L or [f.layer for f in factors] != list(range(shape.L)):
         raise ValueError(f"layer_output_error needs the factors of layers 0..{shape.L - 1} in order")
     layers = adapter.layers(model)
-    device = next(model.parameters()).device
     # per layer, the ranks each threshold gives every group, and the distinct rank settings to measure
     ranks = [
         [
@@ -117,41 +116,32 @@ def collect_layer_output_error(
     diff = [dict.fromkeys(s, 0.0) for s in settings]
     norm = [0.0] * shape.L
     captured: dict[int, tuple[tuple, dict, torch.Tensor]] = {}
+    capturing = [True]  # off while the layers are rerun with cut weights
 
     def capture(i: int):
         def hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            captured[i] = (args, kwargs, output[0] if isinstance(output, tuple) else output)
+            if capturing[0]:
+                captured[i] = (args, kwargs, output[0] if isinstance(output, tuple) else output)
 
         return hook
 
+    def measure() -> None:
+        """The batch's layers rerun on their captured inputs, at every distinct setting of their ranks."""
+        capturing[0] = False
+        for i, f in enumerate(factors):
+            args, kwargs, reference = captured[i]
+            ref = reference.double()
+            norm[i] += float(ref.square().sum())
+            for setting in settings[i]:
+                with _cut(adapter.attention(model, i), adapter, model.config, f, setting):
+                    out = layers[i](*args, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                diff[i][setting] += float((out.double() - ref).square().sum())
+        captured.clear()
+        capturing[0] = True
+
     handles = [layer.register_forward_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    was_training = model.training
-    model.eval()
-    try:
-        n = rows.shape[0]
-        for start in range(0, n, batch_size):
-            model(rows[start : start + batch_size].to(device), use_cache=False)
-            for handle in handles:
-                handle.remove()
-            for i, f in enumerate(factors):
-                args, kwargs, reference = captured[i]
-                ref = reference.double()
-                norm[i] += float(ref.square().sum())
-                for setting in settings[i]:
-                    with _cut(adapter.attention(model, i), adapter, model.config, f, setting):
-                        out = layers[i](*args, **kwargs)
-                    out = out[0] if isinstance(out, tuple) else out
-                    diff[i][setting] += float((out.double() - ref).square().sum())
-            captured.clear()
-            handles = [
-                layer.register_forward_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)
-            ]
-            if progress:
-                progress(min(start + batch_size, n), n)
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
+    forward_rows(model, rows, handles, batch_size=batch_size, progress=progress, after_batch=measure)
     return [
         {
             "epsilon": thresholds.clone(),
