@@ -12,6 +12,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+from torch import nn
 from transformers import AutoConfig
 
 from . import evaluate
@@ -33,7 +35,16 @@ from .io import model_card, save_compressed
 from .longcontext import LongContextProtocol, LongContextResult, evaluate_long_context
 from .models import load_model, load_tokenizer, read_tensors
 from .refine import REFINE_OBJECTIVE, REFINE_RADIUS, refine_plan
-from .statistics import STATISTICS, load_statistic, save_statistic
+from .statistics import (
+    STATISTICS,
+    LayerValue,
+    Statistic,
+    load_partial,
+    load_statistic,
+    save_partial,
+    save_statistic,
+    shard_span,
+)
 
 Progress = Callable[[int, int], None] | None
 StatPaths = Mapping[str, str]  # statistic name -> its file
@@ -64,13 +75,79 @@ def statistic_file(
     collected with the model on ``device`` and saved from the CPU.
 
     ``factors``: every layer's factors file, in layer order, for a statistic that reads them."""
+    stat, rows = _statistic_rows(calib_path, statistic, factors)
+    model, extra = _statistic_model(model_dir, stat, factors, dtype=dtype, device=device)
+    values, meta = stat.collect(model, rows, batch_size=batch_size, progress=progress, **extra)
+    return _save_statistic(stat, values, meta, out_path)
+
+
+def statistic_shard_file(
+    model_dir: str,
+    calib_path: str,
+    statistic: str | Mapping[str, Any],
+    out_path: str,
+    *,
+    shard: int,
+    count: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    batch_size: int = 8,
+    progress: Progress = None,
+    factors: Sequence[str] = (),
+) -> dict:
+    """:func:`statistic_file` over shard ``shard`` of ``count`` of the statistic's rows (contiguous, the
+    first ``units mod count`` shards one unit longer: :func:`~lrkv_core.statistics.shard_span`): its partial
+    sums, saved for :func:`merge_statistic_files`. Every shard must use the same statistic, calibration,
+    model, dtype, factors and (for a per-batch Fisher) batch size. Raises ``ValueError`` for an index outside
+    ``0..count − 1`` or more shards than rows, before the model loads."""
+    stat, rows = _statistic_rows(calib_path, statistic, factors)
+    shard_span(stat.rows(rows).shape[0], (shard, count), stat.unit(batch_size))
+    model, extra = _statistic_model(model_dir, stat, factors, dtype=dtype, device=device)
+    part = stat.collect_shard(
+        model, rows, shard=(shard, count), batch_size=batch_size, progress=progress, **extra
+    )
+    save_partial(part, out_path)
+    return {
+        "statistic": part.statistic,
+        "layers": len(part.sums),
+        "shard": list(part.shard),
+        "span": list(part.span),
+        **part.counts,
+    }
+
+
+def merge_statistic_files(partial_paths: Sequence[str], out_path: str) -> dict:
+    """Add up the partial sums of every shard (:func:`statistic_shard_file`) into the statistic's file: the
+    same header, values (up to the rounding of the order of additions) and summary as :func:`statistic_file`
+    over all the rows. Raises ``ValueError`` unless the files are one statistic's, each shard once."""
+    if not partial_paths:
+        raise ValueError("merge_statistic_files needs the partial file of every shard, got none")
+    parts = [load_partial(path) for path in partial_paths]
+    stat = STATISTICS.create(parts[0].statistic)
+    values, meta = stat.merge(parts)
+    return _save_statistic(stat, values, meta, out_path)
+
+
+def _statistic_rows(
+    calib_path: str, statistic: str | Mapping[str, Any], factors: Sequence[str]
+) -> tuple[Statistic, torch.Tensor]:
+    """The statistic and every calibration row (N, T)."""
     stat = STATISTICS.create(statistic)
     if stat.uses_factors and not factors:
         raise ValueError(f"statistic {stat.name} reads the factors: give every layer's factors file")
+    return stat, read_token_rows(calib_path)
+
+
+def _statistic_model(
+    model_dir: str, stat: Statistic, factors: Sequence[str], *, dtype: str, device: str
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The model on ``device``, and the keyword arguments of ``collect`` beyond the rows (the factors)."""
     model, _ = load_model(model_dir, dtype=dtype, device=device)
-    rows = read_token_rows(calib_path)  # (N, T)
     extra = {"factors": [load_layer_factors(path) for path in factors]} if stat.uses_factors else {}
-    values, meta = stat.collect(model, rows, batch_size=batch_size, progress=progress, **extra)
+    return model, extra
+
+
+def _save_statistic(stat: Statistic, values: list[LayerValue], meta: dict[str, Any], out_path: str) -> dict:
     save_statistic(stat, values, meta, out_path)
     return {"statistic": stat.to_dict(), "layers": len(values), **meta}
 

@@ -1,12 +1,25 @@
 """Calibration statistics: one file per statistic, one registry, one file format.
 
-Add a statistic: a new file here with a frozen dataclass ``@STATISTICS.register``-ed whose ``collect``
-returns one value per layer, and its import below; methods that read it name it in their ``needs``.
+Add a statistic: a new file here with a frozen dataclass ``@STATISTICS.register``-ed whose ``accumulate``
+returns per-layer sums that add up across shards of the rows and whose ``finish`` turns the sums over all
+rows into one value per layer, and its import below; methods that read it name it in their ``needs``.
+``collect`` (all rows), ``collect_shard`` and ``merge`` (a map over shards and its reduce) follow.
 """
 
 from . import attention_gram, fisher, gram, layer_error, output_fisher, response  # noqa: F401  (registration)
 from .attention_gram import AttentionGram, collect_attention_gram
-from .base import STATISTICS, LayerValue, Statistic, load_statistic, read_header, save_statistic
+from .base import (
+    STATISTICS,
+    LayerValue,
+    Partial,
+    Statistic,
+    load_partial,
+    load_statistic,
+    read_header,
+    save_partial,
+    save_statistic,
+    shard_span,
+)
 from .fisher import Fisher, collect_fisher
 from .gram import Gram, collect_gram
 from .layer_error import LayerOutputError, collect_layer_output_error
@@ -22,6 +35,7 @@ __all__ = [
     "LayerOutputError",
     "OutputFisher",
     "LayerValue",
+    "Partial",
     "Statistic",
     "collect_attention_gram",
     "collect_fisher",
@@ -29,7 +43,10 @@ __all__ = [
     "collect_kl_response",
     "collect_layer_output_error",
     "collect_output_fisher",
+    "load_partial",
     "load_statistic",
     "read_header",
+    "save_partial",
     "save_statistic",
+    "shard_span",
 ]

@@ -4,7 +4,9 @@
 of the calibration rows, where ``ℓ_s`` is the mean next-token loss of the sample. A sample is one row
 (``per_row=True``, the textbook empirical Fisher: one squared gradient per sequence) or one micro-batch
 (``per_row=False``, what Palu accumulates: the squared gradient of each batch's mean loss, which folds
-cross-row terms in and depends on the batch size). With ``batch_size=1`` both are the same.
+cross-row terms in and depends on the batch size). With ``batch_size=1`` both are the same. Collected in
+shards, the squared gradients are summed per shard and divided once by the total S; a per-batch Fisher's
+shards are cut between micro-batches (every shard with the same batch size), so its samples stay the same.
 
 Labels are the input ids themselves: the HF model shifts them internally, so the loss of row ``x`` scores
 ``x[t+1]`` given ``x[..t]``. Palu passes ``input_ids[:, :-1]`` with labels ``input_ids[:, 1:]`` and the model
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from .base import STATISTICS, LayerValue, Progress, Statistic
+from .base import STATISTICS, Counts, LayerValue, Progress, Statistic
 from .gradients import kv_gradient_passes
 
 KINDS = ("k", "v")
@@ -58,6 +60,23 @@ def collect_fisher(
     fisher : ``fisher[layer]["k"|"v"]`` (Hkv·D, d) in ``dtype``, the mean squared gradient per sample.
     n_samples : S, the number of squared gradients averaged (N per row, ⌈N / batch_size⌉ per batch).
     """
+    sums, n_samples = sum_fisher(
+        model, rows, batch_size=batch_size, per_row=per_row, dtype=dtype, progress=progress
+    )
+    return _mean(sums, n_samples), n_samples
+
+
+def sum_fisher(
+    model: nn.Module,
+    rows: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    per_row: bool = True,
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[FisherInfo, int]:
+    """The sums of :func:`collect_fisher`'s squared gradients (on the CPU), not yet divided by the number of
+    samples S; and S."""
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"accumulate the Fisher in float32 or float64, not {dtype}")
     shape = get_adapter(model.config).shape(model.config)
@@ -75,11 +94,11 @@ def collect_fisher(
         _accumulate(fisher[layer][kind], x, g, per_row)
 
     n_rows, n_batches = kv_gradient_passes(model, rows, visit, batch_size=batch_size, progress=progress)
-    n_samples = n_rows if per_row else n_batches
-    for layer in fisher:
-        for kind in KINDS:
-            layer[kind] = (layer[kind] / n_samples).cpu()
-    return fisher, n_samples
+    return [{kind: layer[kind].cpu() for kind in KINDS} for layer in fisher], n_rows if per_row else n_batches
+
+
+def _mean(sums: FisherInfo, n_samples: int) -> FisherInfo:
+    return [{kind: layer[kind] / n_samples for kind in KINDS} for layer in sums]
 
 
 def _accumulate(acc: torch.Tensor, x: torch.Tensor, g: torch.Tensor, per_row: bool) -> None:
@@ -103,10 +122,21 @@ class Fisher(Statistic):
     name: ClassVar[str] = "fisher"
     per_row: bool = True  # one squared gradient per row (textbook), else per micro-batch (Palu)
 
-    def collect(
-        self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
-    ) -> tuple[list[LayerValue], dict[str, Any]]:
-        fisher, n = collect_fisher(
-            model, self.rows(rows), batch_size=batch_size, per_row=self.per_row, progress=progress
-        )
-        return fisher, {"n_samples": n, "per_row": self.per_row}
+    def unit(self, batch_size: int) -> int:
+        return 1 if self.per_row else batch_size  # a micro-batch is one sample: shards cut between batches
+
+    def accumulate(
+        self,
+        model: nn.Module,
+        rows: torch.Tensor,
+        *,
+        first_row: int,
+        batch_size: int,
+        progress: Progress,
+    ) -> tuple[list[LayerValue], Counts]:
+        sums, n = sum_fisher(model, rows, batch_size=batch_size, per_row=self.per_row, progress=progress)
+        return sums, {"n_samples": n}
+
+    def finish(self, sums: list[LayerValue], counts: Counts) -> tuple[list[LayerValue], dict[str, Any]]:
+        n = counts["n_samples"]
+        return _mean(sums, n), {"n_samples": n, "per_row": self.per_row}

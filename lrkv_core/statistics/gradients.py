@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +33,29 @@ def sampled_targets(generator: torch.Generator) -> Targets:
         return torch.multinomial(probs, 1, generator=generator).view(logits.shape[:2])
 
     return sample
+
+
+def row_seeded_targets(seed: int, first_row: int = 0) -> Targets:
+    """Targets drawn from the model's own predictions, each row's from a generator of its own seeded by
+    ``(seed, index)``: the index counts the rows in the order the passes see them, from ``first_row``. So
+    the draws of a row depend neither on its batch nor on the shard it is collected in (give a shard's
+    first index among all rows). One pass only: the function counts the rows it has seen."""
+    seen = [first_row]
+
+    def sample(rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float(), dim=-1).cpu()  # (B, T − 1, V)
+        gens = [torch.Generator().manual_seed(row_seed(seed, seen[0] + b)) for b in range(probs.shape[0])]
+        drawn = [torch.multinomial(p, 1, generator=gen)[:, 0] for p, gen in zip(probs, gens, strict=True)]
+        seen[0] += probs.shape[0]
+        return torch.stack(drawn)  # (B, T − 1)
+
+    return sample
+
+
+def row_seed(seed: int, index: int) -> int:
+    """A 64-bit seed for row ``index`` under ``seed`` (numpy's SeedSequence hash of the pair)."""
+    state = np.random.SeedSequence([seed % 2**64, index]).generate_state(2, np.uint32)
+    return int(state[0]) << 32 | int(state[1])
 
 
 def kv_gradient_passes(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from .base import STATISTICS, LayerValue, Progress, Statistic, forward_rows
+from .base import STATISTICS, Counts, LayerValue, Progress, Statistic, forward_rows
 
 
 @torch.no_grad()
@@ -65,8 +65,17 @@ class Gram(Statistic):
 
     name: ClassVar[str] = "gram"
 
-    def collect(
-        self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
-    ) -> tuple[list[LayerValue], dict[str, Any]]:
-        grams, n_tokens = collect_gram(model, self.rows(rows), batch_size=batch_size, progress=progress)
+    def accumulate(
+        self,
+        model: nn.Module,
+        rows: torch.Tensor,
+        *,
+        first_row: int,
+        batch_size: int,
+        progress: Progress,
+    ) -> tuple[list[LayerValue], Counts]:
+        grams, n_tokens = collect_gram(model, rows, batch_size=batch_size, progress=progress)
         return grams, {"n_tokens": n_tokens}
+
+    def finish(self, sums: list[LayerValue], counts: Counts) -> tuple[list[LayerValue], dict[str, Any]]:
+        return sums, {"n_tokens": counts["n_tokens"]}  # sums: they add up across shards as they are

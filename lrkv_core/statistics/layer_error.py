@@ -8,7 +8,8 @@ With those projections the decoder layer runs on its calibration inputs ``X_l`` 
 its output ``X'_{l+1}`` is compared with the original's: ``e_l(ε) = ‖X'_{l+1} − X_{l+1}‖² / ‖X_{l+1}‖²`` over
 every calibration token. ε runs from 1 down to 0 in steps of ``step`` (the paper's ε_s, 0.02): each layer's
 whole curve, so that the allocator can search the error budget ``e_b`` that meets a target ratio without
-running the model again. Thresholds that give the same ranks share one measurement.
+running the model again. Thresholds that give the same ranks share one measurement. The numerator and the
+denominator are sums over tokens, so shards of the rows add both and divide once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from .base import STATISTICS, LayerValue, Progress, Statistic, forward_rows
+from .base import STATISTICS, Counts, LayerValue, Progress, Statistic, forward_rows
 
 if TYPE_CHECKING:
     from ..decompositions import LayerFactors
@@ -61,27 +62,30 @@ class LayerOutputError(Statistic):
             raise ValueError(f"layer_output_error step must be in (0, 1], got {self.step}")
         threshold_grid(self.step)
 
-    def collect(
+    def accumulate(
         self,
         model: nn.Module,
         rows: torch.Tensor,
         *,
-        batch_size: int = 8,
-        progress: Progress = None,
+        first_row: int,
+        batch_size: int,
+        progress: Progress,
         factors: Sequence[LayerFactors] | None = None,
-    ) -> tuple[list[LayerValue], dict[str, Any]]:
+    ) -> tuple[list[LayerValue], Counts]:
         if factors is None:
             raise ValueError(
                 "layer_output_error reads the decomposition's factors: collect it after decomposing"
             )
-        rows = self.rows(rows)
-        values = collect_layer_output_error(
+        sums = sum_layer_output_error(
             model, rows, factors, threshold_grid(self.step), batch_size=batch_size, progress=progress
         )
-        return values, {"n_rows": rows.shape[0], "step": self.step}
+        return sums, {"n_rows": rows.shape[0]}
+
+    def finish(self, sums: list[LayerValue], counts: Counts) -> tuple[list[LayerValue], dict[str, Any]]:
+        values = relative_errors(sums, threshold_grid(self.step))
+        return values, {"n_rows": counts["n_rows"], "step": self.step}
 
 
-@torch.no_grad()
 def collect_layer_output_error(
     model: nn.Module,
     rows: torch.Tensor,
@@ -99,6 +103,33 @@ def collect_layer_output_error(
     factors : every layer's full-spectrum factors, in layer order.
     thresholds : the ε to measure, in [0, 1].
     """
+    sums = sum_layer_output_error(model, rows, factors, thresholds, batch_size=batch_size, progress=progress)
+    return relative_errors(sums, thresholds)
+
+
+def relative_errors(sums: list[LayerValue], thresholds: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Per layer ``{"epsilon", "error"}`` from :func:`sum_layer_output_error`'s sums: ``e_l(ε)`` is the
+    summed squared difference over the summed squared reference (0 where the reference is 0)."""
+    out = []
+    for layer in sums:
+        norm = float(layer["norm"])
+        error = [d / norm if norm else 0.0 for d in layer["diff"].tolist()]
+        out.append({"epsilon": thresholds.clone(), "error": torch.tensor(error, dtype=torch.float64)})
+    return out
+
+
+@torch.no_grad()
+def sum_layer_output_error(
+    model: nn.Module,
+    rows: torch.Tensor,
+    factors: Sequence[LayerFactors],
+    thresholds: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> list[dict[str, torch.Tensor]]:
+    """The sums behind :func:`collect_layer_output_error`, per layer float64 ``{"diff": (n,), "norm": ()}``:
+    ``‖X'_{l+1}(ε) − X_{l+1}‖²`` at each threshold and ``‖X_{l+1}‖²``, over every token of ``rows``."""
     adapter = get_adapter(model.config)
     shape = adapter.shape(model.config)
     if len(factors) != shape.L or [f.layer for f in factors] != list(range(shape.L)):
@@ -144,10 +175,8 @@ def collect_layer_output_error(
     forward_rows(model, rows, handles, batch_size=batch_size, progress=progress, after_batch=measure)
     return [
         {
-            "epsilon": thresholds.clone(),
-            "error": torch.tensor(
-                [diff[i][s] / norm[i] if norm[i] else 0.0 for s in ranks[i]], dtype=torch.float64
-            ),
+            "diff": torch.tensor([diff[i][s] for s in ranks[i]], dtype=torch.float64),
+            "norm": torch.tensor(norm[i], dtype=torch.float64),
         }
         for i in range(shape.L)
     ]

@@ -3,12 +3,13 @@
 ``g_t`` is the gradient of a row's summed next-token loss at the projection's output (Hkv·D) at position t
 (every later token's loss reads it), with targets drawn from the model's own predictions
 (``labels="sampled"``, the true Fisher: the Hessian of the KL to the original) or the rows' own next tokens
-(``labels="data"``, the empirical Fisher). A weight error ``δW`` changes the loss, to second order and in
-the Kronecker (K-FAC) approximation that treats the projection's inputs and output gradients as
-independent, by ``½ tr(δW G δWᵀ M) / n``: ``G`` the input Gram, ``M`` this statistic. So a decomposition
-that whitens the inputs with ``G`` and weighs the outputs with ``R² = M`` cuts first the directions the
-loss is least sensitive to, whatever path through RoPE, the softmax and the later layers they take (what
-``whitened`` with ``keys="fisher"`` reads).
+(``labels="data"``, the empirical Fisher); each row's targets are drawn from a generator seeded by
+``seed`` and the row's index, so neither batches nor shards change them. A weight error ``δW`` changes
+the loss, to second order and in the Kronecker (K-FAC) approximation that treats the projection's inputs
+and output gradients as independent, by ``½ tr(δW G δWᵀ M) / n``: ``G`` the input Gram, ``M`` this
+statistic. So a decomposition that whitens the inputs with ``G`` and weighs the outputs with ``R² = M``
+cuts first the directions the loss is least sensitive to, whatever path through RoPE, the softmax and the
+later layers they take (what ``whitened`` with ``keys="fisher"`` reads).
 
 Each gradient is that of the row's summed loss (the batch-mean loss's gradient times the B·(T − 1) scored
 positions), so batches of any size add up alike; accumulated in float64. Cost: one forward and backward
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from .base import STATISTICS, LayerValue, Progress, Statistic
-from .gradients import kv_gradient_passes, sampled_targets
+from .base import STATISTICS, Counts, LayerValue, Progress, Statistic
+from .gradients import kv_gradient_passes, row_seeded_targets
 from .response import KINDS, LABELS
 
 
@@ -37,10 +38,12 @@ def collect_output_fisher(
     batch_size: int = 8,
     sampled: bool = True,
     seed: int = 0,
+    first_row: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], int]:
     """``fisher[layer]["k"|"v"]`` (Hkv·D, Hkv·D) float64, ``Σ_t g_t g_tᵀ`` over every scored position of
-    ``rows`` (N, T); and the number of positions summed. See the module docstring."""
+    ``rows`` (N, T); and the number of positions summed. See the module docstring. Sampled targets are
+    drawn per row, seeded by ``seed`` and the row's index (counted from ``first_row``)."""
     shape = get_adapter(model.config).shape(model.config)
     sums = [
         {kind: torch.zeros(shape.kv_width, shape.kv_width, dtype=torch.float64) for kind in KINDS}
@@ -52,8 +55,7 @@ def collect_output_fisher(
         g = g.reshape(-1, g.shape[-1]).double() * scored
         sums[layer][kind] += (g.T @ g).cpu()
 
-    generator = torch.Generator().manual_seed(seed)
-    targets = sampled_targets(generator) if sampled else None
+    targets = row_seeded_targets(seed, first_row) if sampled else None
     n, _ = kv_gradient_passes(model, rows, visit, batch_size=batch_size, progress=progress, targets=targets)
     return sums, n * (rows.shape[1] - 1)
 
@@ -72,15 +74,25 @@ class OutputFisher(Statistic):
         if self.labels not in LABELS:
             raise ValueError(f"output_fisher labels must be one of {LABELS}, got {self.labels!r}")
 
-    def collect(
-        self, model: nn.Module, rows: torch.Tensor, *, batch_size: int = 8, progress: Progress = None
-    ) -> tuple[list[LayerValue], dict[str, Any]]:
+    def accumulate(
+        self,
+        model: nn.Module,
+        rows: torch.Tensor,
+        *,
+        first_row: int,
+        batch_size: int,
+        progress: Progress,
+    ) -> tuple[list[LayerValue], Counts]:
         sums, n_tokens = collect_output_fisher(
             model,
-            self.rows(rows),
+            rows,
             batch_size=batch_size,
             sampled=self.labels == "sampled",
             seed=self.seed,
+            first_row=first_row,
             progress=progress,
         )
-        return sums, {"n_tokens": n_tokens, "labels": self.labels}
+        return sums, {"n_tokens": n_tokens}
+
+    def finish(self, sums: list[LayerValue], counts: Counts) -> tuple[list[LayerValue], dict[str, Any]]:
+        return sums, {"n_tokens": counts["n_tokens"], "labels": self.labels}  # sums: added as they are

@@ -12,7 +12,9 @@ interactions between latents and between tokens that element-wise (diagonal) Fis
 
 It reads the factors, so it is collected after the decomposition (``uses_factors``), unlike the Gram and
 Fisher that the decomposition itself reads. ``labels="data"`` scores the rows' own next tokens instead (the
-empirical Fisher, as Palu's weight Fisher does).
+empirical Fisher, as Palu's weight Fisher does). Sampled labels are drawn per (row, draw) from generators
+seeded by ``seed`` and the row's index, so the curves do not depend on the batches or shards; shards add
+their sums of squared tail sums and their row counts, and the mean is taken once.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from .base import STATISTICS, LayerValue, Progress, Statistic
-from .gradients import kv_gradient_passes, sampled_targets
+from .base import STATISTICS, Counts, LayerValue, Progress, Statistic
+from .gradients import kv_gradient_passes, row_seeded_targets
 
 if TYPE_CHECKING:
     from ..decompositions import LayerFactors
@@ -56,27 +58,34 @@ class KLResponse(Statistic):
         if self.labels == "data" and self.draws != 1:
             raise ValueError("kl_response draws > 1 only makes sense with sampled labels")
 
-    def collect(
+    def accumulate(
         self,
         model: nn.Module,
         rows: torch.Tensor,
         *,
-        batch_size: int = 8,
-        progress: Progress = None,
+        first_row: int,
+        batch_size: int,
+        progress: Progress,
         factors: Sequence[LayerFactors] | None = None,
-    ) -> tuple[list[LayerValue], dict[str, Any]]:
+    ) -> tuple[list[LayerValue], Counts]:
         if factors is None:
             raise ValueError("kl_response reads the decomposition's factors: collect it after decomposing")
-        curves, n = collect_kl_response(
+        sums, n = sum_kl_response(
             model,
-            self.rows(rows),
+            rows,
             factors,
             batch_size=batch_size,
             sampled=self.labels == "sampled",
             draws=self.draws,
             seed=self.seed,
+            first_row=first_row,
             progress=progress,
         )
+        return sums, {"n_rows": n, "n_scored": n * (rows.shape[1] - 1)}
+
+    def finish(self, sums: list[LayerValue], counts: Counts) -> tuple[list[LayerValue], dict[str, Any]]:
+        n = counts["n_rows"]
+        curves = kl_curves(sums, n, counts["n_scored"] // n)  # every row scores T − 1 tokens
         return curves, {"n_rows": n, "labels": self.labels, "draws": self.draws}
 
 
@@ -132,15 +141,41 @@ def collect_kl_response(
     -------
     curves, and the number of (row, draw) samples averaged.
     """
+    sums, n = sum_kl_response(
+        model,
+        rows,
+        factors,
+        batch_size=batch_size,
+        sampled=sampled,
+        draws=draws,
+        seed=seed,
+        progress=progress,
+    )
+    return kl_curves(sums, n, rows.shape[1] - 1), n
+
+
+def sum_kl_response(
+    model: nn.Module,
+    rows: torch.Tensor,
+    factors: Sequence[LayerFactors],
+    *,
+    batch_size: int = 8,
+    sampled: bool = True,
+    draws: int = 1,
+    seed: int = 0,
+    first_row: int = 0,
+    progress: Progress = None,
+) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """The sums of :func:`collect_kl_response`, ``sums[layer][kind]`` (G, m + 1) float64, ``Σ_rows (Σ_{j≥r}
+    c_j)²``, and the number of (row, draw) samples summed. Draw d of row i (i counted from ``first_row``) is
+    seeded by ``seed`` and ``i · draws + d``, whatever the batches or shards."""
     shape = get_adapter(model.config).shape(model.config)
     if len(factors) != shape.L or [f.layer for f in factors] != list(range(shape.L)):
         raise ValueError(f"kl_response needs the factors of layers 0..{shape.L - 1} in order")
     rows = rows.repeat_interleave(draws, dim=0) if sampled else rows
-    scored = rows.shape[1] - 1
     groups = {(f.layer, kind): f.groups[kind] for f in factors for kind in KINDS}
     sums = {key: torch.zeros(len(g), g[0].max_rank + 1, dtype=torch.float64) for key, g in groups.items()}
     products = LatentProducts(groups)
-    gen = torch.Generator().manual_seed(seed)
 
     def visit(layer: int, kind: str, x: torch.Tensor, g: torch.Tensor) -> None:
         for j, c in enumerate(products((layer, kind), x, g)):  # c: (B, m)
@@ -153,7 +188,13 @@ def collect_kl_response(
         visit,
         batch_size=batch_size,
         progress=progress,
-        targets=sampled_targets(gen) if sampled else None,
+        targets=row_seeded_targets(seed, first_row * draws) if sampled else None,
     )
+    return [{kind: sums[(i, kind)] for kind in KINDS} for i in range(shape.L)], n
+
+
+def kl_curves(sums: list[dict[str, torch.Tensor]], n: int, scored: int) -> list[dict[str, torch.Tensor]]:
+    """``KL(r) = (T − 1)/2 · mean_rows (Σ_{j≥r} c_j)²`` from the sums over ``n`` samples of ``scored`` = T − 1
+    tokens each."""
     scale = scored / (2 * n)
-    return [{kind: sums[(i, kind)] * scale for kind in KINDS} for i in range(shape.L)], n
+    return [{kind: layer[kind] * scale for kind in KINDS} for layer in sums]
