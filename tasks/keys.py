@@ -1,13 +1,32 @@
-"""Cache keys of the tasks: content fingerprints, the parameters that matter, and the code version.
+"""Cache keys of the tasks: content fingerprints, the parameters that matter, and the code the step runs.
 
-The code version is the lrkv version plus a hash of the lrkv_core and lrkv_tasks sources, so a changed
-algorithm never reuses results of the old one; fingerprints come from the artifacts' content hashes, so an
-identical re-run recomputes nothing and a killed run resumes from the last finished task.
+A task's key hashes its name, its parameters (artifact references carry content hashes, so an identical
+re-run recomputes nothing and a killed run resumes from the last finished task) and its step code: the lrkv
+version plus the fingerprint of the code the task function can run (:func:`step_code`).
+
+The step code is computed, not listed: :class:`lrkv_core.code_fingerprint.CodeIndex` follows the task
+function through the lrkv_core, lrkv_tasks and lrkv_kernels sources, one top-level statement at a time:
+
+- the task function, and everything each statement it reaches reads: names of its own module, imported
+  names (through re-exports: ``from lrkv_core.statistics import STATISTICS`` is ``statistics/base.py``'s
+  binding, not the whole package), attributes of imported modules (``pipeline.statistic_file``, not all of
+  ``pipeline.py``) and every import inside a function;
+- every method registered in a registry the step reaches (``STATISTICS`` brings in every statistic class;
+  a ``@X.register`` or ``register_*(...)`` at a module's top level registers into the module defining X);
+- every other import-time effect of any lrkv module (``hf_quantizer``'s registration with transformers,
+  the Triton interpreter patch), since importing lrkv runs them in every process.
+
+So a change to any statement a step can run changes its key, and a change elsewhere (another step's
+pipeline function, evaluation code for a statistics pass) does not. Sources are compared after dropping
+docstrings, comments and formatting (:func:`lrkv_core.code_fingerprint.normalized_dump`). A task function
+outside these packages (a test's) gets the fingerprint of all of them. :func:`code_version`, the whole
+packages' hash, is provenance for MLflow only.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +35,7 @@ from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
 import lrkv_core
+from lrkv_core.code_fingerprint import CodeIndex
 from lrkv_core.data import parse_dataset_spec
 from lrkv_core.fingerprint import hash_bytes, hash_sources
 from lrkv_core.models import resolve_model_dir
@@ -24,9 +44,31 @@ from lrkv_core.version import __version__
 
 @functools.cache
 def code_version() -> str:
-    """The lrkv version plus a fingerprint of the code that computes results (lrkv_core, lrkv_tasks)."""
+    """The lrkv version plus a hash of all lrkv_core and lrkv_tasks sources (provenance, not cache keys)."""
     sources = hash_sources(Path(lrkv_core.__file__).parent, Path(__file__).parent)
     return f"{__version__}+{sources[:16]}"
+
+
+@functools.cache
+def code_index() -> CodeIndex:
+    """The lrkv packages whose code a step's key covers (lrkv_kernels where installed)."""
+    packages = {"lrkv_core": Path(lrkv_core.__file__).parent, "lrkv_tasks": Path(__file__).parent}
+    spec = importlib.util.find_spec("lrkv_kernels")
+    if spec is not None and spec.submodule_search_locations:
+        packages["lrkv_kernels"] = Path(next(iter(spec.submodule_search_locations)))
+    return CodeIndex(packages)
+
+
+def step_code(module: str, name: str) -> str:
+    """The lrkv version plus the fingerprint of the code function ``module.name`` can run (module docstring);
+    for a function outside the lrkv packages, that of all their code."""
+    index = code_index()
+    index.refresh()
+    if index.is_module(module) and name in index.source(module).bindings:
+        entries = [("name", module, name)]
+    else:
+        entries = [("module", m) for m in index.modules()]
+    return f"{__version__}+{index.fingerprint(entries)[:16]}"
 
 
 def _jsonable(obj: Any) -> Any:
@@ -41,8 +83,10 @@ def fingerprint(obj: Any) -> str:
 
 
 def task_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
-    """Cache key: task name + code version + the (fingerprint-carrying) parameters."""
-    return fingerprint({"task": ctx.task.name, "code": code_version(), "params": params})
+    """Cache key: task name + the code of the task's step + the (fingerprint-carrying) parameters."""
+    fn = ctx.task.fn
+    code = step_code(fn.__module__, fn.__name__)
+    return fingerprint({"task": ctx.task.name, "code": code, "params": params})
 
 
 def stat_signature(path: Path) -> list:
@@ -53,7 +97,9 @@ def stat_signature(path: Path) -> list:
 
 def resolve_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
     model_dir = resolve_model_dir(params["ref"])
-    return fingerprint({"task": "resolve_model", "dir": str(model_dir), "files": stat_signature(model_dir)})
+    code = step_code(ctx.task.fn.__module__, ctx.task.fn.__name__)
+    key = {"task": "resolve_model", "code": code, "dir": str(model_dir), "files": stat_signature(model_dir)}
+    return fingerprint(key)
 
 
 def _dataset_signature(dataset: str) -> object:
@@ -68,14 +114,15 @@ def calibration_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
 
 
 def lora_run_id(params: dict[str, Any]) -> str:
-    """Identity of a LoRA recovery run: the compressed model, the options, the data files, the code version.
+    """Identity of a LoRA recovery run: the compressed model, the options, the data files, the step's code.
 
     The task's cache key and the directory its checkpoints go to (so a killed run resumes) both derive from
     it; the run in the store that parameter set names is always the same one.
     """
     lora = params["lora"]
     files = {name: _dataset_signature(lora[name]) for name in ("dataset", "eval_dataset") if lora[name]}
-    return fingerprint({"task": "lora_recover", "code": code_version(), "params": params, "files": files})
+    code = step_code("lrkv_tasks.lora", "lora_recover")
+    return fingerprint({"task": "lora_recover", "code": code, "params": params, "files": files})
 
 
 def lora_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
