@@ -1,10 +1,10 @@
-"""Issue 8's bar across runs: a setting's rise against half of Palu's, window by window, with intervals.
+"""The bar across runs: a setting's rise against half of Palu's, window by window, with intervals.
 
 Reads the JSON lines of ``benchmarks/allocation.py`` runs (each row keeps its per-window NLLs). For every
 row of ``--setting`` it finds, on the same model, calibration text and draw, held-out text and ratio, the
 reference: ``fisher (Palu's rule)`` on Palu's decomposition (values and keys taken at their projections,
 ``--reference-decomposition``), and ``uniform`` on the row's own decomposition. On the first ``--first``
-windows (issue 8's protocol) and on all of them it prints the rise, the bar (half of the reference's
+windows (the bar's protocol) and on all of them it prints the rise, the bar (half of the reference's
 rise), whether the bar is met, and 95 % paired bootstrap intervals (windows resampled) of
 ``rise − ½ · rise(Palu)`` and ``rise − rise(uniform)``: an interval that holds zero is a difference the
 held-out text cannot tell from a resampling of its windows.

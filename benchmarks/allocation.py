@@ -10,7 +10,7 @@ Protocol: ``--n-samples`` windows of ``--seq-len`` tokens drawn from ``--calibra
 0 by default); every statistic is collected once per setting and timed (its seconds are what the allocator
 adds to a conversion). Each row plans, fuses the factors into a copy of the model (the deployed latent
 attention) and measures prefill perplexity on every non-overlapping ``--seq-len`` window of ``--eval``, one
-window at a time: ``rise`` is over the original on the first ``--first`` windows (issue 8's protocol),
+window at a time: ``rise`` is over the original on the first ``--first`` windows (against_palu.py's protocol),
 ``rise_all`` on all of them (``--eval`` given again: every plan is also measured on that text, one row per
 text, without planning again: a plan depends on the calibration only); ``kl`` the mean per-token KL of the
 compressed model's next-token distributions from the original's on the first windows (how far it moved,

@@ -47,7 +47,7 @@ def test_orders_without_a_hadamard_matrix_here(n: int) -> None:
 
 
 def test_every_multiple_of_8_up_to_256_but_184_and_232_has_a_hadamard_matrix() -> None:
-    """What the README and docs/quantized-cache.md promise for ranks on the default rank multiple."""
+    """What docs/methods.md and docs/quantized-cache.md promise for ranks on the default rank multiple."""
     missing = set()
     for n in range(8, 257, 8):
         h = hadamard(n)

@@ -261,7 +261,7 @@ def test_shakespeare_save_load_keeps_the_tokenizer(shakespeare, compress, tmp_pa
 
 def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakespeare) -> None:
     """The second-order curves from one gradient pass against the KL measured by cutting one group in the
-    real model (measured 2026-11-23 with 64 rows: within 10–25 % per point; here 8 rows, 4 label draws).
+    real model (measured with 64 rows: within 10–25 % per point; here 8 rows, 4 label draws).
     Second order holds for small cuts: layer 0's values cut to 16 of 64 (measured KL 0.11) it puts at 0.06."""
     from lrkv_core.convert import decompose_model
     from lrkv_core.refine import PlanWeights, measured_kl, single_cut
