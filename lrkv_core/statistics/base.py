@@ -14,6 +14,7 @@ gives, up to the rounding of the order of the additions. Means are divided once,
 
 from __future__ import annotations
 
+import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -43,7 +44,8 @@ class Partial:
     shard: tuple[int, int]  # (index, count)
     span: tuple[int, int]  # [start, stop) within the statistic's rows
     total: int  # the number of rows the statistic uses, all shards together
-    unit: int = 1  # rows that stay together in one shard (a per-batch Fisher's batch size)
+    unit: int  # rows that stay together in one shard (a per-batch Fisher's batch size)
+    rows_sha256: str  # of all the statistic's rows (every shard's): shards of other rows do not merge
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ class Statistic(Method, ABC):
         sums, counts = self.accumulate(
             model, rows[start:stop], first_row=start, batch_size=batch_size, progress=progress, **extra
         )
-        return Partial(self.to_dict(), sums, counts, tuple(shard), (start, stop), rows.shape[0], unit)
+        digest = hashlib.sha256(rows.cpu().contiguous().numpy().tobytes()).hexdigest()
+        return Partial(self.to_dict(), sums, counts, tuple(shard), (start, stop), rows.shape[0], unit, digest)
 
     def merge(self, parts: Sequence[Partial]) -> tuple[list[LayerValue], dict[str, Any]]:
         """The values and metadata of every shard's sums added up: those of ``collect`` over all the rows.
@@ -153,6 +156,8 @@ class Statistic(Method, ABC):
                 )
             if p.span != shard_span(p.total, p.shard, p.unit):
                 raise ValueError(f"merge {self.name}: shard {p.shard} spans rows {p.span}, not its own")
+            if p.rows_sha256 != first.rows_sha256:
+                raise ValueError(f"merge {self.name}: shards of different calibration rows")
         indices = sorted(p.shard[0] for p in parts)
         if indices != list(range(count)):
             raise ValueError(f"merge {self.name}: need each of the {count} shards once, got shards {indices}")
@@ -258,6 +263,7 @@ def save_partial(part: Partial, path: str | Path) -> None:
         "total": part.total,
         "unit": part.unit,
         "counts": part.counts,
+        "rows_sha256": part.rows_sha256,
     }
     _save(part.statistic, part.sums, path, partial=partial)
 
@@ -304,5 +310,12 @@ def load_partial(path: str | Path) -> Partial:
     header, sums = _read(path, None, partial=True)
     p = header["partial"]
     return Partial(
-        header["statistic"], sums, p["counts"], tuple(p["shard"]), tuple(p["span"]), p["total"], p["unit"]
+        header["statistic"],
+        sums,
+        p["counts"],
+        tuple(p["shard"]),
+        tuple(p["span"]),
+        p["total"],
+        p["unit"],
+        p["rows_sha256"],
     )

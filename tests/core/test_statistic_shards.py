@@ -152,6 +152,9 @@ def test_shards_and_merges_are_checked(make_tiny) -> None:
             gram.merge(bad)
     with pytest.raises(ValueError, match="a shard holds"):
         STATISTICS.create("gram").merge(parts)
+    other_rows = gram.collect_shard(model, rows.flip(0), shard=(1, 3))
+    with pytest.raises(ValueError, match="shards of different calibration rows"):
+        gram.merge([parts[0], other_rows, parts[2]])
 
 
 def test_sampled_draws_depend_on_the_row_not_on_the_batch(make_tiny) -> None:
