@@ -137,6 +137,7 @@ class ModuleSource:
     """One parsed module: its top-level statements, their digests and what they bind, register and do."""
 
     name: str
+    path: str
     is_package: bool
     body: list[ast.stmt]
     digests: list[str]
@@ -149,7 +150,7 @@ class ModuleSource:
 @functools.lru_cache(maxsize=4096)
 def _parse(path: str, mtime_ns: int, size: int, name: str, is_package: bool) -> ModuleSource:
     body = _drop_docstrings(ast.parse(Path(path).read_text())).body
-    mod = ModuleSource(name, is_package, body, [_digest(ast.dump(s)) for s in body])
+    mod = ModuleSource(name, path, is_package, body, [_digest(ast.dump(s)) for s in body])
     for i, stmt in enumerate(body):
         for n in _bound_names(stmt):
             mod.bindings.setdefault(n, []).append(i)
@@ -178,18 +179,21 @@ def _parse(path: str, mtime_ns: int, size: int, name: str, is_package: bool) -> 
 class CodeIndex:
     """The modules of some packages (top-level name → source folder) and fingerprints of closures over them.
 
-    The files are listed once per closure (:meth:`refresh`); parsed modules are cached by (path, mtime, size).
+    The sources are read in one snapshot (:meth:`refresh`, first done on first use): a process computes its
+    keys from the code as it was when it started using them, which is the code it has loaded. Parsed
+    modules are cached by (path, mtime, size), so a refresh re-parses only what changed.
     """
 
     def __init__(self, packages: Mapping[str, str | Path]):
         self.packages = {name: Path(root) for name, root in packages.items()}
-        self._files: dict[str, tuple[str, int, int, bool]] = {}
-        self._found: tuple[tuple, tuple[dict[str, list[Part]], list[Part]]] | None = None
-        self._fingerprints: dict[tuple, tuple[tuple, str]] = {}
         self._lock = threading.RLock()
+        self._files: dict[str, tuple[str, int, int, bool]] | None = None
+        self._sources: dict[str, ModuleSource] = {}
+        self._found: tuple[dict[str, list[Part]], list[Part]] | None = None
+        self._fingerprints: dict[tuple, str] = {}
 
     def refresh(self) -> None:
-        """List the modules again, with their (path, mtime, size)."""
+        """Read the sources again (every module's file, parsed unless unchanged)."""
         files = {}
         for top, root in self.packages.items():
             for p in sorted(root.rglob("*.py")):
@@ -201,18 +205,30 @@ class CodeIndex:
                 if all((root.joinpath(*parts[:k]) / "__init__.py").is_file() for k in range(len(parts))):
                     st = p.stat()
                     files[".".join((top, *parts))] = (str(p), st.st_mtime_ns, st.st_size, is_package)
-        self._files = files
+        with self._lock:
+            self._files = files
+            self._sources = {
+                name: _parse(path, t, size, name, pkg) for name, (path, t, size, pkg) in files.items()
+            }
+            self._found = None
+            self._fingerprints = {}
+
+    def _snapshot(self) -> None:
+        if self._files is None:
+            self.refresh()
 
     def is_module(self, name: str) -> bool:
-        return name in self._files
+        self._snapshot()
+        return name in self._sources
 
     def source(self, name: str) -> ModuleSource:
-        path, mtime_ns, size, is_package = self._files[name]
-        return _parse(path, mtime_ns, size, name, is_package)
+        self._snapshot()
+        return self._sources[name]
 
     def modules(self) -> list[str]:
-        """Every module of the packages (as of the last :meth:`refresh`)."""
-        return sorted(self._files)
+        """Every module of the packages."""
+        self._snapshot()
+        return sorted(self._sources)
 
     # -- imports -------------------------------------------------------------------------------------------
 
@@ -269,10 +285,9 @@ class CodeIndex:
     @property
     def _registrations(self) -> tuple[dict[str, list[Part]], list[Part]]:
         """Registrations by the module they register into, and the import-time effects of every module."""
-        stamp = tuple(sorted(self._files.items()))
-        if self._found is None or self._found[0] != stamp:
-            self._found = (stamp, self._find_registrations())
-        return self._found[1]
+        if self._found is None:
+            self._found = self._find_registrations()
+        return self._found
 
     def _find_registrations(self) -> tuple[dict[str, list[Part]], list[Part]]:
         by_registry: dict[str, list[Part]] = {}
@@ -347,43 +362,32 @@ class CodeIndex:
             deps += self._imports_in(module, stmt)
         return (module, mod.digests[part[2]]), deps
 
-    def closure(self, entries: Iterable[Part], refresh: bool = True) -> set[tuple[str, str]]:
+    def closure(self, entries: Iterable[Part]) -> set[tuple[str, str]]:
         """The (module, statement digest) of every statement the entries and all effects bring in."""
         with self._lock:
-            if refresh:
-                self.refresh()
-            return self._closure(entries)
-
-    def _closure(self, entries: Iterable[Part]) -> set[tuple[str, str]]:
-        todo = [*entries, *self._registrations[1]]
-        seen: set[Part] = set()
-        items: set[tuple[str, str]] = set()
-        while todo:
-            part = todo.pop()
-            if part in seen or not self.is_module(part[1]):
-                continue
-            seen.add(part)
-            item, deps = self._expand(part)
-            if item is not None:
-                items.add(item)
-            todo += deps
-        return items
+            self._snapshot()
+            todo = [*entries, *self._registrations[1]]
+            seen: set[Part] = set()
+            items: set[tuple[str, str]] = set()
+            while todo:
+                part = todo.pop()
+                if part in seen or not self.is_module(part[1]):
+                    continue
+                seen.add(part)
+                item, deps = self._expand(part)
+                if item is not None:
+                    items.add(item)
+                todo += deps
+            return items
 
     def fingerprint(self, entries: Iterable[Part]) -> str:
-        """Hash of the closure of ``entries`` (``("name", module, name)`` or ``("module", module)``),
-        remembered until a module changes."""
+        """Hash of the closure of ``entries`` (``("name", module, name)`` or ``("module", module)``)."""
         entries = tuple(sorted(entries))
         with self._lock:
-            self.refresh()
-            stamp = tuple(sorted(self._files.items()))
-            known = self._fingerprints.get(entries)
-            if known is None or known[0] != stamp:
-                items = self.closure(entries, refresh=False)
-                known = self._fingerprints[entries] = (
-                    stamp,
-                    _digest("\n".join(f"{m}:{d}" for m, d in sorted(items))),
-                )
-        return known[1]
+            if entries not in self._fingerprints:
+                items = sorted(self.closure(entries))
+                self._fingerprints[entries] = _digest("\n".join(f"{m}:{d}" for m, d in items))
+            return self._fingerprints[entries]
 
     def modules_reached(self, entries: Iterable[Part]) -> set[str]:
         """The modules any statement of which the entries bring in."""

@@ -51,7 +51,8 @@ def code_version() -> str:
 
 @functools.cache
 def code_index() -> CodeIndex:
-    """The lrkv packages whose code a step's key covers (lrkv_kernels where installed)."""
+    """The lrkv packages whose code a step's key covers (lrkv_kernels where installed), read once per
+    process: keys describe the code the process loaded, even if the files change while it runs."""
     packages = {"lrkv_core": Path(lrkv_core.__file__).parent, "lrkv_tasks": Path(__file__).parent}
     spec = importlib.util.find_spec("lrkv_kernels")
     if spec is not None and spec.submodule_search_locations:
@@ -63,7 +64,6 @@ def step_code(module: str, name: str) -> str:
     """The lrkv version plus the fingerprint of the code function ``module.name`` can run (module docstring);
     for a function outside the lrkv packages, that of all their code."""
     index = code_index()
-    index.refresh()
     if index.is_module(module) and name in index.source(module).bindings:
         entries = [("name", module, name)]
     else:

@@ -90,6 +90,7 @@ def toy(tmp_path):
         path = root / name
         stamp = path.stat().st_mtime_ns + 1_000_000
         _write(path, textwrap.dedent(TOY[name]).lstrip().replace(old, new), stamp)
+        index.refresh()  # a process reads the sources once; this test plays several processes
 
     return SimpleNamespace(root=root, index=index, edit=edit)
 
@@ -143,6 +144,7 @@ def test_a_registered_method_is_part_of_every_step_that_reads_its_registry(toy):
 def test_import_time_effects_are_part_of_every_key(toy):
     a = _key(toy.index, "step_a")
     _write(toy.root / "side.py", "import os\n\nos.environ.setdefault('TOY', '1')\n", 10**18)
+    toy.index.refresh()
     assert _key(toy.index, "step_a") != a  # a module no step imports, with an effect on every process
 
 
@@ -193,11 +195,10 @@ def _statement_of(index: CodeIndex, module: str, line: int) -> tuple[str, str] |
 @pytest.mark.slow
 def test_every_function_a_real_step_executes_is_in_its_closure(tmp_path):
     """Soundness on real code: trace the lrkv functions each step calls while it runs."""
-    index = code_index()
-    index.refresh()
-    files = {index._files[m][0]: m for m in index.modules()}
-    for module in index.modules():
+    for module in code_index().modules():
         __import__(module)  # nothing runs at import time under the trace
+    index = CodeIndex(code_index().packages)  # the sources of the code just loaded
+    files = {index.source(m).path: m for m in index.modules()}
 
     model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'calib.parquet', rows=8, seq_len=32)}"
