@@ -61,6 +61,8 @@ class Statistic(Method, ABC):
     n_samples: int | None = None  # the first n calibration rows; None: all of them
     # read the decomposition's factors (``collect(..., factors=...)``), so collected after decomposing
     uses_factors: ClassVar[bool] = False
+    # its sums add up across shards of the rows (``collect_shard`` + ``merge``); one whose do not sets False
+    shardable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.n_samples is not None and self.n_samples < 1:
@@ -100,6 +102,14 @@ class Statistic(Method, ABC):
         """Rows a shard boundary may not split (1: any row boundary will do)."""
         return 1
 
+    def max_shards(self, n_rows: int, batch_size: int) -> int:
+        """The most shards (none empty) this statistic's rows among ``n_rows`` calibration rows split into,
+        collected in batches of ``batch_size``; 1 for a statistic that is not ``shardable``."""
+        if not self.shardable:
+            return 1
+        n = n_rows if self.n_samples is None else min(self.n_samples, n_rows)
+        return -(-n // self.unit(batch_size))
+
     def collect(
         self,
         model: nn.Module,
@@ -129,6 +139,8 @@ class Statistic(Method, ABC):
     ) -> Partial:
         """The sums over shard ``(index, count)`` of the statistic's rows (:func:`shard_span`); ``rows`` are
         all the calibration rows, as ``collect`` takes them. Merging every shard's gives ``collect``'s."""
+        if not self.shardable:
+            raise ValueError(f"statistic {self.name} cannot be collected in shards: collect it in one pass")
         rows = self.rows(rows)
         unit = self.unit(batch_size)
         start, stop = shard_span(rows.shape[0], shard, unit)

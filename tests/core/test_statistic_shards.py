@@ -85,6 +85,10 @@ def test_merged_shards_equal_one_collect(make_tiny, spec) -> None:
     model, rows, factors = _setup(make_tiny)
     stat = STATISTICS.create(spec)
     extra = _extra(stat, factors)
+    if not stat.shardable:  # none is now; one that is not must say so
+        with pytest.raises(ValueError, match="cannot be collected in shards"):
+            stat.collect_shard(model, rows, shard=(0, 1), batch_size=BATCH, **extra)
+        return
     values, meta = stat.collect(model, rows, batch_size=BATCH, **extra)
     n = stat.rows(rows).shape[0]
     for count in (1, 2, 3):
@@ -110,6 +114,8 @@ def test_shards_own_values_averaged_unweighted_are_not_the_statistic(make_tiny, 
     the merge (sums and counts added, divided once) matches them."""
     model, rows, factors = _setup(make_tiny)
     stat = STATISTICS.create(spec)
+    if not stat.shardable:
+        pytest.skip(f"{stat.name} is not shardable")
     extra = _extra(stat, factors)
     values, _ = stat.collect(model, rows, batch_size=BATCH, **extra)
     parts = [stat.collect_shard(model, rows, shard=(i, 3), batch_size=BATCH, **extra) for i in range(3)]
@@ -131,6 +137,20 @@ def test_shard_spans_cover_the_rows_in_order_and_refuse_empty_shards() -> None:
     for bad in ((3, 3), (-1, 3), (0, 0)):
         with pytest.raises(ValueError, match="needs 0 ≤ index < count"):
             shard_span(7, bad)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_id)
+def test_max_shards_is_the_most_a_statistic_splits_into(spec) -> None:
+    stat = STATISTICS.create(spec)
+    if not stat.shardable:
+        assert stat.max_shards(ROWS, BATCH) == 1
+        return
+    n = stat.n_samples or ROWS
+    most = stat.max_shards(ROWS, BATCH)
+    assert most == (-(-n // BATCH) if spec == {"name": "fisher", "per_row": False} else n)
+    assert shard_span(n, (most - 1, most), stat.unit(BATCH))[1] == n
+    with pytest.raises(ValueError, match="a shard may not be empty"):
+        shard_span(n, (0, most + 1), stat.unit(BATCH))
 
 
 def test_shards_and_merges_are_checked(make_tiny) -> None:
@@ -194,6 +214,8 @@ def test_shard_files_merge_into_the_statistic_file(tmp_path, stories_factors, na
     """stories260k, the first 5 calibration rows (256 tokens) in float64: 3 shard files merged are the file
     statistic_file writes (same header, same summary, values within the tolerance)."""
     spec = {"name": name, "n_samples": 5}
+    if not STATISTICS.create(spec).shardable:
+        pytest.skip(f"{name} is not shardable")
     kw = dict(dtype="float64", batch_size=BATCH)
     factors = stories_factors if STATISTICS.create(spec).uses_factors else ()
     whole = tmp_path / "whole.safetensors"
