@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import lrkv_core
 from lrkv_core.code_fingerprint import CodeIndex, normalized_dump
 from lrkv_tasks import convert as t
 from lrkv_tasks.keys import code_index, step_code, task_key
@@ -180,7 +181,14 @@ def test_task_keys_differ_by_statistic_and_step(monkeypatch):
         "lrkv_tasks.convert", "collect_statistic"
     )
     assert gram["code"] != key(t.decompose_layer)["code"]
-    assert gram["code"].startswith(__import__("lrkv_core").__version__ + "+")
+    assert gram["code"].startswith(lrkv_core.__version__ + "+")
+
+
+def test_a_task_function_outside_the_packages_gets_all_their_code():
+    index = code_index()
+    everything = index.fingerprint([("module", m) for m in index.modules()])
+    assert step_code(__name__, "a_test_task") == f"{lrkv_core.__version__}+{everything[:16]}"
+    assert step_code("lrkv_tasks.convert", "no_such_task").endswith(everything[:16])
 
 
 def _statement_of(index: CodeIndex, module: str, line: int) -> tuple[str, str] | None:
