@@ -1,0 +1,279 @@
+"""lrkv beside kvpress's presses on the same long-context windows and passkey prompts, at matched KV bytes.
+
+    S=/work/shared; D=text:$S/data/wikitext-2/valid.txt; M=~/.cache/lrkv-assets/smollm2-135m
+    python benchmarks/long_peer.py tasks --model $M --dataset "$D[90%:]" --lengths 1024,2048 --out tasks.json
+    python benchmarks/long_peer.py lrkv --tasks tasks.json --name original --model-dir $M --rows rows.jsonl
+    python benchmarks/long_peer.py lrkv --tasks tasks.json --name "lrkv 0.5" --model-dir R05 --rows rows.jsonl
+    python benchmarks/long_peer.py peer --tasks tasks.json --model $M --presses knorm,snapkv --rows rows.jsonl
+    python benchmarks/long_peer.py table --rows rows.jsonl
+
+``tasks`` writes the evaluation windows and passkey prompts once, as token ids, with lrkv's own functions
+(:func:`~lrkv_core.longcontext.cut_windows` of the held-out stream, :func:`~lrkv_core.needles.make_samples`
+with the seed), so every method sees the same tokens. ``lrkv`` scores a model (original or lrkv-compressed)
+with the long suite's own functions: :func:`~lrkv_core.longcontext.continuation_nll` (context prefilled in one
+chunk, the continuation teacher-forced at its true positions) and
+:func:`~lrkv_core.needles.generate_answer` + :func:`~lrkv_core.needles.is_exact_match`; its KV bytes are
+measured after a prefill of the first window's context (:func:`~lrkv_core.evaluate.kv_bytes_per_token`:
+every tensor the cache holds, scales and positions included) over the original cache's. ``peer`` runs
+``benchmarks/peers/kvpress/run.py`` in the kvpress environment for each press at each ratio (default: one
+minus each lrkv row's measured bytes fraction, so each press holds as many bytes as an lrkv model) and scores
+its answers with the same exact-match rule. Rows (one per method × length × measure) are appended to a JSONL
+file; ``table`` prints method × KV bytes × continuation PPL × passkey accuracy per length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoConfig
+
+from lrkv_core import evaluate, needles
+from lrkv_core.data import token_sequences
+from lrkv_core.longcontext import ANSWER_RESERVE, cap_lengths, continuation_nll, cut_windows
+from lrkv_core.models import load_model, load_tokenizer
+from lrkv_core.needles import NeedleSample, answer_tokens, generate_answer, is_exact_match, make_samples
+
+PRESSES = ("knorm", "snapkv", "streamingllm", "expected_attention", "tova", "think")
+RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress" / "run.py"
+DEFAULT_PEER_PYTHON = "/work/peer/kvpress-venv/bin/python"
+
+
+def build_tasks(
+    tokenizer: Any,
+    dataset: str,
+    *,
+    lengths: list[int],
+    continuation: int = 256,
+    windows: int = 8,
+    depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    samples: int = 2,
+    seed: int = 0,
+    max_positions: int | None = None,
+) -> dict[str, Any]:
+    """Continuation windows ((windows, C + N) token ids per context C) and passkey prompts of ``dataset``."""
+    seqs = token_sequences(dataset, tokenizer)
+    haystack = torch.cat([s.reshape(-1) for s in seqs])
+    question = needles._content("passkey", np.random.default_rng(seed))[1]  # fixed text for the passkey
+    question_len = len(needles._encode(tokenizer, question))
+    blocks = [
+        {"context": c, "windows": cut_windows(seqs, c + continuation, windows).tolist()}
+        for c in cap_lengths(lengths, max_positions, continuation)
+    ]
+    prompts = []
+    for n in cap_lengths(lengths, max_positions, ANSWER_RESERVE):
+        for depth in depths:
+            cell = make_samples(
+                "passkey", tokenizer, haystack, length=n, depth=depth, samples=samples, seed=seed
+            )
+            for s in cell:
+                fields = dataclasses.asdict(s) | {"input_ids": s.input_ids.tolist()}
+                prompts.append(fields | {
+                    "key": f"{n}/{depth:g}/{s.index}",
+                    "question_len": question_len,
+                    "max_new_tokens": answer_tokens(tokenizer, s.answer),
+                })  # fmt: skip
+    protocol = {"dataset": dataset, "lengths": list(lengths), "continuation": continuation,
+                "windows": windows, "depths": list(depths), "samples": samples, "seed": seed,
+                "task": "passkey"}  # fmt: skip
+    return {"protocol": protocol, "continuation": blocks, "passkey": prompts}
+
+
+def save_tasks(tasks: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(tasks))
+
+
+def load_tasks(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def needle_sample(prompt: dict[str, Any]) -> NeedleSample:
+    """The :class:`NeedleSample` a tasks-file prompt was written from."""
+    names = {f.name for f in dataclasses.fields(NeedleSample)}
+    fields = {k: v for k, v in prompt.items() if k in names}
+    return NeedleSample(**fields | {"input_ids": torch.tensor(prompt["input_ids"], dtype=torch.long)})
+
+
+def matched_press_ratio(kv_fraction: float) -> float:
+    """kvpress ``compression_ratio`` (share of KV pairs removed) that keeps ``kv_fraction`` of the bytes."""
+    if not 0.0 < kv_fraction <= 1.0:
+        raise ValueError(f"a kept bytes fraction is in (0, 1], got {kv_fraction}")
+    return 1.0 - kv_fraction
+
+
+def passkey_rows(
+    method: dict[str, Any], tasks: dict[str, Any], outputs: dict[str, str]
+) -> list[dict[str, Any]]:
+    """One passkey row per length: exact matches of ``outputs`` (prompt key -> generated text)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for p in tasks["passkey"]:
+        if p["key"] not in outputs:
+            continue
+        empty = {"kind": "passkey", "length": p["length"], "samples": 0, "correct": 0, "by_depth": {},
+                 "outputs": {}}  # fmt: skip
+        row = rows.setdefault(p["length"], method | empty)
+        hit = is_exact_match(outputs[p["key"]], p["answer"])
+        row["samples"] += 1
+        row["correct"] += hit
+        row["by_depth"][f"{p['depth']:g}"] = row["by_depth"].get(f"{p['depth']:g}", 0) + hit
+        row["outputs"][p["key"]] = outputs[p["key"]]
+    return [r | {"accuracy": r["correct"] / r["samples"]} for r in rows.values()]
+
+
+def continuation_row(method: dict[str, Any], context: int, nll_sum: float, tokens: int, windows: int) -> dict:
+    nll = nll_sum / tokens
+    return method | {"kind": "continuation", "length": context, "windows": windows, "tokens": tokens,
+                     "nll": nll, "ppl": math.exp(nll)}  # fmt: skip
+
+
+def run_lrkv(name: str, model_dir: str, tasks: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of one lrkv-loadable model (original or compressed) on the tasks, with its measured bytes."""
+    model, tokenizer = load_model(model_dir)
+    first = tasks["continuation"][0]
+    kv = evaluate.kv_bytes_per_token(model, torch.tensor(first["windows"][:1])[:, : first["context"]])
+    fraction = kv["kv_bytes_per_token"] / kv["dense_kv_bytes_per_token"]
+    method = {"method": name, "family": "lrkv", "model": str(model_dir), "kv_fraction": fraction,
+              "kv_bytes_per_token": kv["kv_bytes_per_token"],
+              "dense_kv_bytes_per_token": kv["dense_kv_bytes_per_token"]}  # fmt: skip
+    rows = []
+    with torch.no_grad():
+        for block in tasks["continuation"]:
+            windows = torch.tensor(block["windows"])  # (N, C + n)
+            c = block["context"]
+            nll, tokens = continuation_nll(model, windows, context_len=c, chunk_size=c)
+            rows.append(continuation_row(method, c, nll, tokens, windows.shape[0]))
+            print(f"{name}: continuation {c} ppl {rows[-1]['ppl']:.3f}", flush=True)
+        outputs = {p["key"]: generate_answer(model, tokenizer, needle_sample(p)) for p in tasks["passkey"]}
+    return rows + passkey_rows(method, tasks, outputs)
+
+
+def run_peer(
+    press: str, ratio: float, *, tasks_path: str, model_dir: str, python: str, lengths: str = ""
+) -> list[dict[str, Any]]:
+    """Rows of one kvpress press at ``ratio``: the runner in the kvpress environment, scored here."""
+    tasks = load_tasks(tasks_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [python, str(RUNNER), "--tasks", tasks_path, "--model", model_dir, "--press", press,
+               "--ratio", f"{ratio:.6f}", "--out", str(out), "--lengths", lengths]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        result = json.loads(out.read_text())
+    rows = []
+    for block in result["continuation"]:
+        w = block["windows"]
+        method = {"method": f"kvpress {press}", "family": "kvpress", "press": press, "press_ratio": ratio,
+                  "kv_fraction": sum(x["kv_fraction"] for x in w) / len(w),
+                  "kv_fraction_held": sum(x["kv_fraction_held"] for x in w) / len(w)}  # fmt: skip
+        nll, tokens = sum(x["nll_sum"] for x in w), sum(x["tokens"] for x in w)
+        rows.append(continuation_row(method, block["context"], nll, tokens, len(w)))
+    method = {"method": f"kvpress {press}", "family": "kvpress", "press": press, "press_ratio": ratio}
+    outputs = {x["key"]: x["output"] for x in result["passkey"]}
+    return rows + passkey_rows(method, tasks, outputs)
+
+
+def append_rows(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: method × KV bytes (of the original's) × continuation PPL and passkey accuracy per length."""
+    lengths = sorted({r["length"] for r in rows})
+    by_method: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (r["method"], round(r.get("press_ratio") or 0.0, 4))
+        entry = by_method.setdefault(key, {"method": r["method"], "ratio": r.get("press_ratio")})
+        if r["kind"] == "continuation":
+            entry["kv"] = r["kv_fraction"]
+            entry[("ppl", r["length"])] = r["ppl"]
+        else:
+            entry[("passkey", r["length"])] = f"{r['correct']}/{r['samples']}"
+        if "kv_fraction" in r and r["family"] == "lrkv":
+            entry["kv"] = r["kv_fraction"]
+    head = ["method", "press ratio", "KV bytes"]
+    head += [f"ppl {n}" for n in lengths] + [f"passkey {n}" for n in lengths]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for e in sorted(by_method.values(), key=lambda e: (-e.get("kv", 1.0), e["method"])):
+        cells = [e["method"], "" if e["ratio"] is None else f"{e['ratio']:.4f}",
+                 f"{e['kv']:.4f}" if "kv" in e else ""]  # fmt: skip
+        cells += [f"{e[('ppl', n)]:.3f}" if ("ppl", n) in e else "" for n in lengths]
+        cells += [e.get(("passkey", n), "") for n in lengths]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("tasks")
+    t.add_argument("--model", required=True)
+    t.add_argument("--dataset", required=True)
+    t.add_argument("--lengths", default="1024,2048")
+    t.add_argument("--continuation", type=int, default=256)
+    t.add_argument("--windows", type=int, default=8)
+    t.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    t.add_argument("--samples", type=int, default=2)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True)
+    lr = sub.add_parser("lrkv")
+    lr.add_argument("--tasks", required=True)
+    lr.add_argument("--name", required=True)
+    lr.add_argument("--model-dir", required=True)
+    lr.add_argument("--rows", required=True)
+    p = sub.add_parser("peer")
+    p.add_argument("--tasks", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--presses", default=",".join(PRESSES))
+    p.add_argument("--ratios", default="", help="comma list; default: matched to the lrkv rows in --rows")
+    p.add_argument("--lengths", default="", help="comma list: only these lengths")
+    p.add_argument("--python", default=DEFAULT_PEER_PYTHON)
+    p.add_argument("--rows", required=True)
+    tb = sub.add_parser("table")
+    tb.add_argument("--rows", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    start = time.time()
+    if args.command == "tasks":
+        tokenizer = load_tokenizer(args.model)
+        limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+        tasks = build_tasks(tokenizer, args.dataset, lengths=[int(x) for x in args.lengths.split(",")],
+                            continuation=args.continuation, windows=args.windows,
+                            depths=[float(x) for x in args.depths.split(",")], samples=args.samples,
+                            seed=args.seed, max_positions=limit)  # fmt: skip
+        tasks["protocol"]["model"] = args.model
+        save_tasks(tasks, args.out)
+    elif args.command == "lrkv":
+        append_rows(args.rows, run_lrkv(args.name, args.model_dir, load_tasks(args.tasks)))
+    elif args.command == "peer":
+        if args.ratios:
+            ratios = [float(x) for x in args.ratios.split(",")]
+        else:
+            lrkv = [r for r in read_rows(args.rows) if r["family"] == "lrkv" and r["kv_fraction"] < 0.999]
+            ratios = sorted({round(matched_press_ratio(r["kv_fraction"]), 4) for r in lrkv})
+        for ratio in ratios:
+            for press in args.presses.split(","):
+                rows = run_peer(press, ratio, tasks_path=args.tasks, model_dir=args.model, python=args.python,
+                                lengths=args.lengths)  # fmt: skip
+                append_rows(args.rows, rows)
+    else:
+        print(table(read_rows(args.rows)))
+    print(f"{args.command}: {time.time() - start:.0f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""benchmarks/long_peer.py's pure parts: the tasks file round-trips to the same windows and prompts lrkv's own
+functions make, the press ratio matched to a bytes fraction, and the exact-match rows and table. Nothing here
+needs the kvpress environment.
+
+Text is tokenized by a byte-level BPE trained here (lrkv_demo's tokenizer trainer): no file or download.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lrkv_core.data import token_sequences
+from lrkv_core.longcontext import cut_windows
+from lrkv_core.needles import INTRO, TASKS, _content, make_sample
+from lrkv_demo.corpus import train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def long_peer():
+    spec = importlib.util.spec_from_file_location("long_peer", ROOT / "benchmarks" / "long_peer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _text(n_sentences: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    words = "the a river garden king queen sword letter night morning walked spoke saw found old".split()
+    sentences = (
+        " ".join(rng.choice(words, rng.integers(4, 9))).capitalize() + "." for _ in range(n_sentences)
+    )
+    return " ".join(sentences)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    rng = np.random.default_rng(0)
+    templates = "".join("".join(n) + q for n, q, _, _ in (_content(t, rng) for t in TASKS))
+    return train_tokenizer(_text(400, seed=1) + (INTRO + templates) * 10, 600, 4096)
+
+
+@pytest.fixture
+def dataset(tmp_path) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_text(_text(600))
+    return f"text:{path}[50%:]"
+
+
+def test_tasks_round_trip_to_lrkv_windows_and_prompts(long_peer, tokenizer, dataset, tmp_path):
+    tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[96, 160], continuation=16, windows=3,
+                                  depths=[0.0, 1.0], samples=2, seed=5)  # fmt: skip
+    path = tmp_path / "tasks.json"
+    long_peer.save_tasks(tasks, path)
+    loaded = long_peer.load_tasks(path)
+    assert loaded == tasks
+    seqs = token_sequences(dataset, tokenizer)
+    for block in loaded["continuation"]:
+        expected = cut_windows(seqs, block["context"] + 16, 3)
+        assert torch.equal(torch.tensor(block["windows"]), expected)
+    haystack = torch.cat(seqs)
+    assert len(loaded["passkey"]) == 2 * 2 * 2
+    for prompt in loaded["passkey"]:
+        sample = long_peer.needle_sample(prompt)
+        again = make_sample("passkey", tokenizer, haystack, length=prompt["length"], depth=prompt["depth"],
+                            seed=5, index=prompt["index"])  # fmt: skip
+        assert torch.equal(sample.input_ids, again.input_ids) and sample.answer == again.answer
+        assert sample.input_ids.numel() == prompt["length"]
+        question = tokenizer.decode(prompt["input_ids"][-prompt["question_len"] :])
+        assert question == "\n\nWhat is the pass key? The pass key is"
+        assert prompt["answer"] not in question
+
+
+def test_matched_press_ratio_keeps_the_lrkv_bytes(long_peer):
+    assert long_peer.matched_press_ratio(0.5) == 0.5
+    # 3-bit latents at half width with fp16 scale and zero-point per token and group of 96 latents:
+    fraction = 0.5 * (3 / 16 + 2 * 16 / (16 * 96))
+    assert math.isclose(1 - long_peer.matched_press_ratio(fraction), fraction)
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError):
+            long_peer.matched_press_ratio(bad)
+
+
+def test_rows_score_by_exact_match_and_tabulate(long_peer, tokenizer, dataset):
+    tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[96], continuation=16, windows=2,
+                                  depths=[0.0, 1.0], samples=2, seed=0)  # fmt: skip
+    keys = [p["key"] for p in tasks["passkey"]]
+    answers = {p["key"]: p["answer"] for p in tasks["passkey"]}
+    outputs = {keys[0]: " " + answers[keys[0]] + ".", keys[1]: answers[keys[1]] + "0", keys[2]: "no"}
+    method = {"method": "kvpress knorm", "family": "kvpress", "press": "knorm", "press_ratio": 0.5}
+    (row,) = long_peer.passkey_rows(method, tasks, outputs)
+    assert (row["samples"], row["correct"], row["accuracy"]) == (3, 1, 1 / 3)
+    cont = long_peer.continuation_row(method | {"kv_fraction": 0.5}, 96, nll_sum=64.0, tokens=32, windows=2)
+    assert math.isclose(cont["ppl"], math.exp(2.0))
+    original = {"method": "original", "family": "lrkv", "kv_fraction": 1.0}
+    rows = [long_peer.continuation_row(original, 96, 32.0, 32, 2), cont, row]
+    text = long_peer.table(rows)
+    lines = text.splitlines()
+    assert lines[0] == "| method | press ratio | KV bytes | ppl 96 | passkey 96 |"
+    assert lines[2].startswith("| original |  | 1.0000 | 2.718 |")
+    assert lines[3] == f"| kvpress knorm | 0.5000 | 0.5000 | {math.exp(2.0):.3f} | 1/3 |"
