@@ -7,6 +7,7 @@ Model references (a local directory, a hub id, ``SCHEME:REST`` such as ``builtin
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -21,6 +22,9 @@ from .refs import resolve_model_dir  # also imported from here by callers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DEVICE_FORMS = "cpu, cuda, cuda:N or auto (cuda where torch sees a GPU, else cpu)"
+# transformers' from_pretrained is not thread-safe: two at once in one process (the flows' thread runner
+# collecting statistics side by side) both fail with "Cannot copy out of meta tensor". Loads take turns.
+_LOADING = threading.RLock()
 
 
 def parse_device(device: str | torch.device, *, here: bool = True) -> torch.device:
@@ -85,15 +89,16 @@ def load_model(
     device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
     """Load ``(model, tokenizer)`` in eval mode on ``device`` (:func:`parse_device`); lrkv-compressed
-    directories load through load_compressed."""
+    directories load through load_compressed. Safe to call from several threads at once (loads take turns)."""
     device = parse_device(device)
     model_dir = resolve_model_dir(ref)  # a Path is always a local directory, never SCHEME:REST
     config = AutoConfig.from_pretrained(str(model_dir))
     if getattr(config, "lrkv", None):
         from .io import load_compressed
 
-        model = load_compressed(model_dir, dtype=dtype, attn_implementation=attn_implementation)
-        return model.to(device), load_tokenizer(model_dir)
+        with _LOADING:
+            model = load_compressed(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+            return model.to(device), load_tokenizer(model_dir)
     get_adapter(config)  # fail early, with the list of supported families
     problem = missing_safetensors(model_dir)
     if problem is not None:
@@ -101,8 +106,9 @@ def load_model(
     kwargs = {"dtype": parse_dtype(dtype), "use_safetensors": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).eval()
-    return model.to(device), load_tokenizer(model_dir)
+    with _LOADING:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).eval()
+        return model.to(device), load_tokenizer(model_dir)
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
