@@ -142,9 +142,16 @@ def run_lrkv(name: str, model_dir: str, tasks: dict[str, Any]) -> list[dict[str,
     first = tasks["continuation"][0]
     kv = evaluate.kv_bytes_per_token(model, torch.tensor(first["windows"][:1])[:, : first["context"]])
     fraction = kv["kv_bytes_per_token"] / kv["dense_kv_bytes_per_token"]
+    # A quantized cache's bytes (packed codes, fp16 scales, int32 positions) do not follow the model's
+    # dtype: its match is against the original's cache in float16, the dtype such a cache is deployed with.
+    storage = (getattr(model.config, "lrkv", None) or {}).get("cache", {})
+    dense16 = evaluate.dense_kv_bytes(model.config, 1, first["context"], torch.float16) / first["context"]
+    quantized = isinstance(storage, dict) and storage.get("name") not in (None, "dense")
     method = {"method": name, "family": "lrkv", "model": str(model_dir), "kv_fraction": fraction,
               "kv_bytes_per_token": kv["kv_bytes_per_token"],
-              "dense_kv_bytes_per_token": kv["dense_kv_bytes_per_token"]}  # fmt: skip
+              "dense_kv_bytes_per_token": kv["dense_kv_bytes_per_token"],
+              "kv_fraction_fp16": kv["kv_bytes_per_token"] / dense16,
+              "match_fraction": kv["kv_bytes_per_token"] / dense16 if quantized else fraction}  # fmt: skip
     rows = []
     with torch.no_grad():
         for block in tasks["continuation"]:
@@ -188,19 +195,20 @@ def append_rows(path: str | Path, rows: list[dict[str, Any]]) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: method × KV bytes (of the original's) × continuation PPL and passkey accuracy per length."""
+    """Markdown: method × KV bytes (of the original's; lrkv rows: the fraction presses are matched to) ×
+    continuation PPL and passkey accuracy per length."""
     lengths = sorted({r["length"] for r in rows})
     by_method: dict[tuple, dict[str, Any]] = {}
     for r in rows:
         key = (r["method"], round(r.get("press_ratio") or 0.0, 4))
         entry = by_method.setdefault(key, {"method": r["method"], "ratio": r.get("press_ratio")})
         if r["kind"] == "continuation":
-            entry["kv"] = r["kv_fraction"]
+            entry["kv"] = r.get("match_fraction", r["kv_fraction"])
             entry[("ppl", r["length"])] = r["ppl"]
         else:
             entry[("passkey", r["length"])] = f"{r['correct']}/{r['samples']}"
         if "kv_fraction" in r and r["family"] == "lrkv":
-            entry["kv"] = r["kv_fraction"]
+            entry["kv"] = r.get("match_fraction", r["kv_fraction"])
     head = ["method", "press ratio", "KV bytes"]
     head += [f"ppl {n}" for n in lengths] + [f"passkey {n}" for n in lengths]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             ratios = [float(x) for x in args.ratios.split(",")]
         else:
             lrkv = [r for r in read_rows(args.rows) if r["family"] == "lrkv" and r["kv_fraction"] < 0.999]
-            ratios = sorted({round(matched_press_ratio(r["kv_fraction"]), 4) for r in lrkv})
+            ratios = sorted({round(matched_press_ratio(r["match_fraction"]), 4) for r in lrkv})
         for ratio in ratios:
             for press in args.presses.split(","):
                 rows = run_peer(press, ratio, tasks_path=args.tasks, model_dir=args.model, python=args.python,
