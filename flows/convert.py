@@ -1,7 +1,7 @@
-"""The convert flow: calibration → statistics → decompose (per layer) → summarize (per layer) → plan → build
-→ [LoRA recovery] → evaluate → log (with the model) → register → export. Which statistics and features are
-computed follows from the methods' ``needs``; with ``lora:`` the recovered model is what is evaluated,
-logged, registered and exported, and the model before recovery is evaluated next to it.
+"""The convert flow: calibration → the conversion's steps (:func:`lrkv_core.steps.conversion_steps`, each a
+cached task, all submitted at once so independent ones run together) → [LoRA recovery] → evaluate → log
+(with the model) → register → export. With ``lora:`` the recovered model is what is evaluated, logged,
+registered and exported, and the model before recovery is evaluated next to it.
 
 The flow's MLflow run is opened first, so an interrupted or failed conversion leaves a run marked KILLED or
 FAILED; a re-run whose every step came from the cache removes its empty run and returns the one that holds
@@ -14,11 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow
 from prefect.exceptions import TerminationSignal
 
-from lrkv_core.allocation import statistics_for
 from lrkv_core.heldout import overlap as data_overlap
+from lrkv_core.steps import conversion_steps
 from lrkv_tasks import convert as t
 from lrkv_tasks.lora import lora_recover
 from lrkv_tasks.preflight import prepare
@@ -30,7 +30,7 @@ from lrkv_tasks.tracking import OPEN_RUNS, close_run, discard_run, open_run
 from lrkv_tasks.zeroshot import zeroshot
 
 from .interrupt import FLOW_RUNS, require_api
-from .runner import ConfiguredTaskRunner
+from .runner import ConfiguredTaskRunner, worker_count
 
 
 def _record(timings: list[dict], name: str, future) -> Any:
@@ -81,7 +81,10 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         return task.with_options(result_storage=storage)
 
     timings: list[dict] = []
-    comp, cal = recipe.compression, recipe.calibration
+    cal = recipe.calibration  # the shards it used are recorded with the run
+    cal = cal.model_copy(update={"shards": cal.shards or worker_count()})
+    recipe = recipe.model_copy(update={"calibration": cal})
+    comp = recipe.compression
     config = comp.to_config()
     model = _record(timings, "resolve_model", stored(t.resolve_model).submit(recipe.model, store))
     calib = _record(
@@ -89,84 +92,19 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         "extract_calibration",
         stored(t.extract_calibration).submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
     )
-    stats = {
-        s.name: _record(
-            timings,
-            f"collect_statistic[{s.name}]",
-            stored(t.collect_statistic).submit(
-                model, calib, s.to_dict(), recipe.dtype, cal.batch_size, store
-            ),
-        )
-        for s in config.needed_statistics()
-        if not s.uses_factors
-    }
-    layer_ids = list(range(model.meta["shape"]["L"]))
-    decomposed = stored(t.decompose_layer).map(
-        model=unmapped(model),
-        stats=unmapped({name: stats[name] for name in config.decomposition.needs}),
-        layer=layer_ids,
-        group_size=unmapped(comp.group_size),
-        decomposition=unmapped(comp.decomposition.to_dict()),
-        store=unmapped(store),
+    graph = conversion_steps(
+        config, model.meta["shape"]["L"], shards=cal.shards, rows=cal.n_samples, batch_size=cal.batch_size
     )
-    layers = [_record(timings, f"decompose_layer[{i}]", f) for i, f in enumerate(decomposed)]
-    for s in config.needed_statistics():  # those that read the factors (kl_response), after decomposing
-        if s.uses_factors:
-            stats[s.name] = _record(
-                timings,
-                f"collect_statistic[{s.name}]",
-                stored(t.collect_statistic).submit(
-                    model, calib, s.to_dict(), recipe.dtype, cal.batch_size, store, layers=layers
-                ),
-            )
-    features = sorted(config.features())
-    summarized = stored(t.summarize_layer).map(
-        factors=layers,
-        stats=unmapped({name: stats[name] for name in statistics_for(features)}),
-        features=unmapped(features),
-        store=unmapped(store),
-    )
-    summaries = [_record(timings, f"summarize_layer[{i}]", f) for i, f in enumerate(summarized)]
-    plan = _record(
-        timings,
-        "plan_ranks",
-        stored(t.plan_ranks).submit(
-            model, summaries, comp.ratio, comp.group_size, comp.rank_multiple, comp.allocator.to_dict(), store
-        ),
-    )
-    if config.refines:  # the plan the model is built with: the refined one
-        plan = _record(
-            timings,
-            "refine_plan",
-            stored(t.refine_plan).submit(
-                model,
-                calib,
-                layers,
-                plan,
-                config.refine_steps,
-                comp.refine_rows,
-                comp.refine_radius,
-                comp.refine_objective,
-                recipe.dtype,
-                cal.batch_size,
-                store,
-            ),
-        )
-    built = _record(
-        timings,
-        "build_model",
-        stored(t.build_model).submit(
-            model,
-            layers,
-            plan,
-            comp.decomposition.to_dict(),
-            comp.cache.to_dict(),
-            recipe.dtype,
-            store,
-            rotation=comp.rotation,
-            rotation_seed=comp.rotation_seed,
-        ),
-    )
+    ctx = t.StepContext(model, calib, recipe.dtype, cal.batch_size, store, stored)
+    futures: dict[str, Any] = {}
+    for s in graph:  # every step submitted before any is awaited: independent ones run at once
+        futures[s.name] = t.submit_step(s, futures, ctx)
+    base_future = None
+    if recipe.eval.dataset:  # the original's evaluation needs nothing of the conversion
+        ev = recipe.eval.model_dump()
+        base_future = stored(t.evaluate).submit(model, ev, recipe.dtype, "base", store=store)
+    done = {s.name: _record(timings, t.step_label(s), futures[s.name]) for s in graph}
+    plan, built = done[graph.result], done["build"]
     before_lora = recovered = None
     if recipe.lora is not None:  # downstream, "compressed" is the recovered model
         lora = recipe.lora.model_dump(mode="json")
@@ -175,32 +113,23 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         )
         before_lora, built = built, recovered
     base_eval = comp_eval = pre_eval = None
-    if recipe.eval.dataset:
-        ev = recipe.eval.model_dump()
-        base_eval = _record(
-            timings, "evaluate[base]", stored(t.evaluate).submit(model, ev, recipe.dtype, "base", store=store)
-        )
+    if base_future is not None:
+        label = "compressed" if recovered is None else "recovered"
+        comp_future = stored(t.evaluate).submit(built, ev, recipe.dtype, label, model, store)
+        pre_future = None
         if before_lora is not None:  # the same task and label as a run without LoRA: served from its cache
-            pre_eval = _record(
-                timings,
-                "evaluate[before-lora]",
-                stored(t.evaluate).submit(before_lora, ev, recipe.dtype, "compressed", model, store),
-            )
-        comp_eval = _record(
-            timings,
-            "evaluate[compressed]",
-            stored(t.evaluate).submit(
-                built, ev, recipe.dtype, "compressed" if recovered is None else "recovered", model, store
-            ),
-        )
+            pre_future = stored(t.evaluate).submit(before_lora, ev, recipe.dtype, "compressed", model, store)
+        zeroshots = {}
         if recipe.eval.zeroshot_tasks:
             for label, ref in (("base", model), ("compressed", built)):
-                result = _record(
-                    timings,
-                    f"zeroshot[{label}]",
-                    stored(zeroshot).submit(ref, ev, recipe.dtype, label, store),
-                )
-                (base_eval if label == "base" else comp_eval)["zeroshot"] = result
+                zeroshots[label] = stored(zeroshot).submit(ref, ev, recipe.dtype, label, store)
+        base_eval = _record(timings, "evaluate[base]", base_future)
+        if pre_future is not None:
+            pre_eval = _record(timings, "evaluate[before-lora]", pre_future)
+        comp_eval = _record(timings, "evaluate[compressed]", comp_future)
+        for label, future in zeroshots.items():
+            result = _record(timings, f"zeroshot[{label}]", future)
+            (base_eval if label == "base" else comp_eval)["zeroshot"] = result
     require_api()  # publish nothing the orchestrator did not record
     logged = _record(
         timings,

@@ -30,3 +30,15 @@ class ConfiguredTaskRunner(ThreadPoolTaskRunner):
 
     def duplicate(self) -> TaskRunner:
         return configured_task_runner()
+
+
+def worker_count() -> int:
+    """Workers of the running flow's task runner: those of its Dask cluster, else 1 (threads share one
+    process, so splitting a whole-model pass among them gains nothing)."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    runner = ctx.task_runner if ctx is not None else None
+    if runner is None or not hasattr(runner, "client"):
+        return 1
+    return max(1, len(runner.client.scheduler_info().get("workers", {})))

@@ -38,6 +38,15 @@ from .linalg import group_slices
 from .refine import OBJECTIVES, REFINE_OBJECTIVE, REFINE_RADIUS, REFINE_ROWS, refine_plan
 from .rotation import ROTATIONS
 from .statistics import STATISTICS, LayerValue, Statistic
+from .steps import (
+    Step,
+    StepGraph,
+    conversion_steps,
+    decompose_step,
+    statistic_inputs,
+    statistic_step,
+    summarize_step,
+)
 
 Progress = Callable[[int, int], None] | None
 # the largest group of KV heads picked when the group size is left to lrkv (see resolve_group_size)
@@ -187,17 +196,21 @@ def collect_statistics(
     """Every layer's value of each statistic over the calibration ``rows`` (N, T).
 
     ``factors`` (every layer's, in order) go to the statistics that read them (``uses_factors``)."""
+    _require_rows(rows, statistics)
+    out = {}
+    for s in statistics:
+        extra = {"factors": factors} if s.uses_factors else {}
+        out[s.name] = s.collect(model, rows, batch_size=batch_size, progress=progress, **extra)[0]
+    return out
+
+
+def _require_rows(rows: torch.Tensor | None, statistics: Sequence[Statistic]) -> None:
     if statistics and rows is None:
         names = [s.name for s in statistics]
         raise ValueError(
             f"the chosen methods need calibration statistics {names}: pass calibration rows, or convert "
             "data-free with decomposition='plain' and allocator='uniform' or 'lorc'"
         )
-    out = {}
-    for s in statistics:
-        extra = {"factors": factors} if s.uses_factors else {}
-        out[s.name] = s.collect(model, rows, batch_size=batch_size, progress=progress, **extra)[0]
-    return out
 
 
 @torch.no_grad()
@@ -213,24 +226,94 @@ def model_layer_weights(model: nn.Module, layer: int, reads: Collection[str] = (
 
 @dataclass
 class Conversion:
-    """A planned conversion: the resolved config, every layer's factors, and the rank plan."""
+    """A planned conversion: the resolved config, every layer's factors, the rank plan, and the step graph
+    they came from (its ``build`` step says how :meth:`apply` fuses them)."""
 
     config: CompressionConfig
     factors: list[LayerFactors]
     summaries: list[LayerSummary]
     plan: RankPlan
+    graph: StepGraph
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Fuse the planned factors into ``model`` in place (see :func:`lrkv_core.fuse.compress_model`)."""
-        return compress_model(
-            model,
-            self.factors,
-            self.plan,
-            decomposition=self.config.decomposition.to_dict(),
-            cache=self.config.cache.to_dict(),
-            rotation=self.config.rotation,
-            rotation_seed=self.config.rotation_seed,
-        )
+        return compress_model(model, self.factors, self.plan, **self.graph["build"].params)
+
+
+def run_steps(
+    model: nn.Module,
+    calibration: torch.Tensor | None,
+    steps: Sequence[Step],
+    results: dict[str, Any] | None = None,
+    *,
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> dict[str, Any]:
+    """Run ``steps`` (of a :func:`~lrkv_core.steps.conversion_steps` graph, in its order) in memory and
+    return every step's result by name, ``results`` (those already at hand) included. A ``build`` step is
+    not run here: :meth:`Conversion.apply` fuses."""
+    results = dict(results or {})
+    adapter = get_adapter(model.config)
+    shape = adapter.shape(model.config)
+
+    def stats_of(step: Step, layer: int) -> dict[str, LayerValue]:
+        return {name: results[s][layer] for name, s in statistic_inputs(step).items()}
+
+    for step in steps:
+        p = step.params
+        if step.kind in ("statistic", "statistic_shard", "merge_statistic"):
+            stat = STATISTICS.create(p["statistic"])
+            _require_rows(calibration, [stat])
+            if step.kind == "merge_statistic":
+                results[step.name] = stat.merge([results[s] for s in step.inputs])[0]
+                continue
+            kw = dict(batch_size=batch_size, progress=progress)
+            if stat.uses_factors:
+                kw["factors"] = [results[s] for s in step.inputs]
+            if step.kind == "statistic_shard":
+                results[step.name] = stat.collect_shard(
+                    model, calibration, shard=(p["shard"], p["count"]), **kw
+                )
+            else:
+                results[step.name] = stat.collect(model, calibration, **kw)[0]
+        elif step.kind == "decompose":
+            method = DECOMPOSITIONS.create(p["decomposition"])
+            layer = p["layer"]
+            results[step.name] = decompose_layer(
+                layer,
+                model_layer_weights(model, layer, method.reads(adapter.rope)),
+                stats_of(step, layer),
+                n_kv_heads=shape.Hkv,
+                head_dim=shape.D,
+                group_size=p["group_size"],
+                decomposition=method,
+            )
+        elif step.kind == "summarize":
+            layer = p["layer"]
+            factors = results[step.inputs[0]]
+            results[step.name] = summarize_layer(factors, stats_of(step, layer), p["features"])
+        elif step.kind == "plan":
+            summaries = [results[s] for s in step.inputs]
+            results[step.name] = plan_from_summaries(summaries, head_dim=shape.D, **p)
+        elif step.kind == "refine":
+            if calibration is None:
+                raise ValueError("refine_steps measures the plan on calibration rows: pass calibration rows")
+            *factors, plan = (results[s] for s in step.inputs)
+            results[step.name] = refine_plan(
+                model,
+                factors,
+                plan,
+                calibration[: p["rows"]],
+                steps=p["steps"],
+                radius=p["radius"],
+                objective=p["objective"],
+                batch_size=batch_size,
+            )
+    return results
+
+
+def _given(graph_statistics: Mapping[str, list[LayerValue]] | None) -> dict[str, list[LayerValue]]:
+    return {statistic_step(name): values for name, values in (graph_statistics or {}).items()}
 
 
 def decompose_model(
@@ -247,26 +330,16 @@ def decompose_model(
     (:func:`plan_conversion`), factors alone do not.
     """
     config = (config or CompressionConfig()).for_model(model.config)
-    adapter = get_adapter(model.config)
-    shape = adapter.shape(model.config)
-    given = dict(statistics or {})
-    needs = config.decomposition.needs
-    todo = [s for s in config.needed_statistics() if s.name in needs and s.name not in given]
-    stats = given | collect_statistics(model, calibration, todo, batch_size=batch_size, progress=progress)
-    reads = config.decomposition.reads(adapter.rope)
-    factors = [
-        decompose_layer(
-            layer,
-            model_layer_weights(model, layer, reads),
-            {name: values[layer] for name, values in stats.items()},
-            n_kv_heads=shape.Hkv,
-            head_dim=shape.D,
-            group_size=config.group_size,
-            decomposition=config.decomposition,
-        )
-        for layer in range(shape.L)
-    ]
-    return factors, stats
+    n_layers = get_adapter(model.config).shape(model.config).L
+    graph = conversion_steps(config, n_layers, given=list(statistics or {}))
+    wanted = {decompose_step(layer) for layer in range(n_layers)}
+    wanted |= {s for name in wanted for s in graph[name].inputs}
+    todo = [s for s in graph if s.name in wanted]
+    kw = dict(batch_size=batch_size, progress=progress)
+    results = run_steps(model, calibration, todo, _given(statistics), **kw)
+    factors = [results[decompose_step(layer)] for layer in range(n_layers)]
+    names = set(statistics or {}) | set(config.decomposition.needs)
+    return factors, {name: results[statistic_step(name)] for name in names}
 
 
 def plan_conversion(
@@ -278,7 +351,8 @@ def plan_conversion(
     batch_size: int = 8,
     progress: Progress = None,
 ) -> Conversion:
-    """Statistics, factors, summaries and the rank plan of ``model``, without changing it.
+    """Statistics, factors, summaries and the rank plan of ``model``, without changing it: the steps of
+    :func:`~lrkv_core.steps.conversion_steps` but the last, run in memory.
 
     Parameters
     ----------
@@ -286,37 +360,13 @@ def plan_conversion(
     statistics : already collected statistics by name (those given are not collected again).
     """
     config = (config or CompressionConfig()).for_model(model.config)
+    n_layers = get_adapter(model.config).shape(model.config).L
+    graph = conversion_steps(config, n_layers, given=list(statistics or {}))
     kw = dict(batch_size=batch_size, progress=progress)
-    factors, stats = decompose_model(model, calibration, config, statistics=statistics, **kw)
-    todo = [s for s in config.needed_statistics() if s.name not in stats]  # the allocator's
-    stats |= collect_statistics(model, calibration, todo, factors=factors, **kw)
-    summaries = [
-        summarize_layer(f, {name: values[f.layer] for name, values in stats.items()}, config.features())
-        for f in factors
-    ]
-    plan = plan_from_summaries(
-        summaries,
-        ratio=config.ratio,
-        group_size=config.group_size,
-        head_dim=get_adapter(model.config).shape(model.config).D,
-        rank_multiple=config.rank_multiple,
-        allocator=config.allocator,
-    )
-    if config.refines:
-        if calibration is None:
-            raise ValueError("refine_steps measures the plan on calibration rows: pass calibration rows")
-        rows = calibration[: config.refine_rows]
-        plan = refine_plan(
-            model,
-            factors,
-            plan,
-            rows,
-            steps=config.refine_steps,
-            radius=config.refine_radius,
-            objective=config.refine_objective,
-            batch_size=batch_size,
-        )
-    return Conversion(config, factors, summaries, plan)
+    results = run_steps(model, calibration, graph, _given(statistics), **kw)
+    factors = [results[decompose_step(layer)] for layer in range(n_layers)]
+    summaries = [results[summarize_step(layer)] for layer in range(n_layers)]
+    return Conversion(config, factors, summaries, results[graph.result], graph)
 
 
 def convert(

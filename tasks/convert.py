@@ -12,15 +12,18 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.futures import PrefectFuture
 
 from lrkv_core import pipeline
 from lrkv_core.fingerprint import hash_dir
 from lrkv_core.models import model_fingerprint, resolve_model_dir
+from lrkv_core.steps import Step, statistic_inputs
 
 from .cache import checked
 from .device import task_device
@@ -161,6 +164,64 @@ def collect_statistic(
                 progress=advance,
                 factors=[_local(f) for f in layers or ()],
             ),
+        )
+
+
+@task(
+    name="collect_statistic_shard",
+    task_run_name="collect_statistic[{statistic[name]}/{shard}]",
+    cache_key_fn=TASK_KEY,
+    **CACHED,
+)
+def collect_statistic_shard(
+    model: ArtifactRef,
+    calib: ArtifactRef,
+    statistic: dict,
+    shard: int,
+    count: int,
+    dtype: str,
+    batch_size: int,
+    store: str,
+    layers: list[ArtifactRef] | None = None,
+) -> ArtifactRef:
+    """The sums of one calibration statistic over shard ``shard`` of ``count`` of its rows."""
+    with step(f"collect {statistic['name']} (shard {shard + 1} of {count})") as advance:
+        return _stored(
+            store,
+            "statistic-shard",
+            "statistics",
+            ".safetensors",
+            lambda out: pipeline.statistic_shard_file(
+                _local(model),
+                _local(calib),
+                statistic,
+                out,
+                shard=shard,
+                count=count,
+                dtype=dtype,
+                device=task_device(),
+                batch_size=batch_size,
+                progress=advance,
+                factors=[_local(f) for f in layers or ()],
+            ),
+        )
+
+
+@task(
+    name="merge_statistic",
+    task_run_name="merge_statistic[{statistic[name]}]",
+    cache_key_fn=TASK_KEY,
+    **CACHED,
+)
+def merge_statistic(statistic: dict, shards: list[ArtifactRef], store: str) -> ArtifactRef:
+    """One calibration statistic from the sums of all its shards: the values one pass over the rows gives."""
+    with step(f"merge {statistic['name']} ({len(shards)} shards)"):
+        return _stored(
+            store,
+            "statistic",
+            "statistics",
+            ".safetensors",
+            lambda out: pipeline.merge_statistic_files([_local(s) for s in shards], out),
         )
 
 
@@ -317,6 +378,78 @@ def build_model(
                 dtype=dtype,
             ),
         )
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every step of a conversion reads besides its own inputs: the source model and calibration
+    (references or futures of them), the compute dtype, the calibration batch size and the artifact store;
+    ``stored`` gives a task its result storage."""
+
+    model: Any
+    calib: Any
+    dtype: str
+    batch_size: int
+    store: str
+    stored: Callable[[Any], Any]
+
+
+def step_label(step: Step) -> str:
+    """The name a step's task run has in the flow's timings and the Prefect UI."""
+    p = step.params
+    if step.kind in ("statistic", "statistic_shard", "merge_statistic"):
+        name = p["statistic"]["name"]
+        if step.kind == "statistic_shard":
+            return f"collect_statistic[{name}/{p['shard']}]"
+        return f"{'merge' if step.kind == 'merge_statistic' else 'collect'}_statistic[{name}]"
+    if step.kind in ("decompose", "summarize"):
+        return f"{step.kind}_layer[{p['layer']}]"
+    return {"plan": "plan_ranks", "refine": "refine_plan", "build": "build_model"}[step.kind]
+
+
+def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> PrefectFuture:
+    """Submit ``step`` (of :func:`lrkv_core.steps.conversion_steps`) as its cached task; ``results`` maps the
+    names of the steps it reads to their futures (or references), so the task starts when they are done."""
+    p = step.params
+    inputs = [results[name] for name in step.inputs]
+    stats = {name: results[s] for name, s in statistic_inputs(step).items()}
+    stored = ctx.stored
+    if step.kind == "statistic":
+        return stored(collect_statistic).submit(
+            ctx.model, ctx.calib, p["statistic"], ctx.dtype, ctx.batch_size, ctx.store, layers=inputs or None
+        )
+    if step.kind == "statistic_shard":
+        args = (p["shard"], p["count"], ctx.dtype, ctx.batch_size, ctx.store)
+        shard = stored(collect_statistic_shard)
+        return shard.submit(ctx.model, ctx.calib, p["statistic"], *args, layers=inputs or None)
+    if step.kind == "merge_statistic":
+        return stored(merge_statistic).submit(p["statistic"], inputs, ctx.store)
+    if step.kind == "decompose":
+        args = (p["layer"], p["group_size"], p["decomposition"], ctx.store)
+        return stored(decompose_layer).submit(ctx.model, stats, *args)
+    if step.kind == "summarize":
+        return stored(summarize_layer).submit(inputs[0], stats, p["features"], ctx.store)
+    if step.kind == "plan":
+        args = (p["ratio"], p["group_size"], p["rank_multiple"], p["allocator"], ctx.store)
+        return stored(plan_ranks).submit(ctx.model, inputs, *args)
+    if step.kind == "refine":
+        *layers, plan = inputs
+        args = (p["steps"], p["rows"], p["radius"], p["objective"], ctx.dtype, ctx.batch_size, ctx.store)
+        return stored(refine_plan).submit(ctx.model, ctx.calib, layers, plan, *args)
+    if step.kind == "build":
+        *layers, plan = inputs
+        return stored(build_model).submit(
+            ctx.model,
+            layers,
+            plan,
+            p["decomposition"],
+            p["cache"],
+            ctx.dtype,
+            ctx.store,
+            rotation=p["rotation"],
+            rotation_seed=p["rotation_seed"],
+        )
+    raise ValueError(f"the convert flow has no task for {step.kind} steps")
 
 
 def copy_model_dir(src: Path, dst: Path, sha256: str | None = None) -> Path:

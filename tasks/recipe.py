@@ -43,6 +43,12 @@ class CalibrationRecipe(Strict):
     seq_len: int = Field(256, ge=2)
     seed: int = 0
     batch_size: int = Field(8, ge=1)
+    shards: int | None = Field(
+        None,
+        ge=1,
+        description="slices of the rows each whole-model statistic is collected over, one task each, merged "
+        "after (the same values); default: one per worker of a Dask task runner, else 1",
+    )
 
 
 class PaluRecipe(Strict):

@@ -70,8 +70,11 @@ def test_convert_on_a_dask_cluster_matches_threads_and_shares_their_cached_resul
     assert all(row["seconds"] is not None for row in dask["timings"])  # read back from the API
     # every task ran on the cluster's workers, none in this process (the default kl: refine_plan too)
     assert ran["decompose_layer"] == ran["summarize_layer"] == 2  # the tiny model's 2 layers
-    # gram, attention_gram, output_fisher (the default decomposition's), kl_response (the default allocator's)
-    assert ran["collect_statistic"] == 4 and ran["evaluate"] == 2 and ran["refine_plan"] == 1
+    # gram, attention_gram, output_fisher (the default decomposition's), kl_response (the allocator's):
+    # each whole-model pass split between the 2 workers (its rows halved), then merged
+    assert ran["collect_statistic_shard"] == 2 * 4 and ran["merge_statistic"] == 4
+    assert "collect_statistic" not in ran and ran["evaluate"] == 2 and ran["refine_plan"] == 1
+    assert dask["recipe"].calibration.shards == 2  # one per worker, recorded with the run
     assert sum(ran.values()) == len(dask["timings"])
 
     threads = convert_flow(on_threads)
@@ -86,8 +89,10 @@ def test_convert_on_a_dask_cluster_matches_threads_and_shares_their_cached_resul
         logits = [load_compressed(tmp_path / out)(ids).logits for out in ("out-dask", "out")]
     assert (logits[0] - logits[1]).abs().max() < 1e-4
 
-    # the results the cluster computed are the threads' cache: the same recipe on threads recomputes nothing
-    again = convert_flow(on_dask)
+    # the results the cluster computed are the threads' cache: the same recipe (and shards) on threads
+    # recomputes nothing
+    cal = on_dask.calibration.model_copy(update={"shards": 2})
+    again = convert_flow(on_dask.model_copy(update={"calibration": cal}))
     assert {row["state"] for row in again["timings"]} == {"Cached"}, again["timings"]
     assert again["mlflow"]["run_id"] == dask["mlflow"]["run_id"]
 

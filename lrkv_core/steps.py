@@ -1,0 +1,194 @@
+"""The conversion as a graph of steps: the one definition of what a conversion computes, from what.
+
+:func:`conversion_steps` derives the graph from a :class:`~lrkv_core.convert.CompressionConfig` and the
+model's layer count: the calibration statistics the chosen methods ``need`` → each layer's full-spectrum
+factors → the statistics that read the factors → each layer's summary (spectra and the allocator's
+features) → the rank plan → its refinement, when the config refines → the compressed model. Each
+:class:`Step` names the steps it reads and carries the part of the config it depends on, as plain JSON.
+
+Two executors run the same graph: :func:`lrkv_core.convert.plan_conversion` in memory, and the convert flow,
+which submits each step as a cached Prefect task (a step's inputs are the futures of the steps it reads,
+so independent steps run at once). Neither lists the steps itself.
+
+A statistic whose collection can be split (:attr:`~lrkv_core.statistics.Statistic.shardable`) becomes
+``shards`` steps over disjoint slices of the calibration rows plus one step that merges them, so several
+workers share a whole-model pass; the merged value equals the one-pass value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .allocation import statistics_for
+
+KINDS = (
+    "statistic",
+    "statistic_shard",
+    "merge_statistic",
+    "decompose",
+    "summarize",
+    "plan",
+    "refine",
+    "build",
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a conversion.
+
+    ``name`` is unique in its graph (``statistic[gram]``, ``decompose[3]``, ``plan``, ...); ``kind`` says
+    what it computes (one of :data:`KINDS`); ``inputs`` are the names of the steps it reads, in the order
+    it reads them; ``params`` is the JSON-able configuration it depends on (and nothing else).
+    """
+
+    name: str
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+    inputs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown step kind {self.kind!r}; known: {', '.join(KINDS)}")
+
+
+def statistic_step(name: str) -> str:
+    """The name of the step whose result is the statistic ``name`` (collected or merged)."""
+    return f"statistic[{name}]"
+
+
+def statistic_inputs(step: Step) -> dict[str, str]:
+    """The statistics ``step`` reads: each statistic's name → the step whose result it is."""
+    prefix = "statistic["
+    return {s[len(prefix) : -1]: s for s in step.inputs if s.startswith(prefix) and s.endswith("]")}
+
+
+def decompose_step(layer: int) -> str:
+    return f"decompose[{layer}]"
+
+
+def summarize_step(layer: int) -> str:
+    return f"summarize[{layer}]"
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """The steps of one conversion in an order where every step follows the steps it reads."""
+
+    steps: tuple[Step, ...]
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, name: str) -> Step:
+        for s in self.steps:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.steps]
+
+    @property
+    def result(self) -> str:
+        """The step whose result is the plan the model is built with (``refine`` when it refines)."""
+        return self["build"].inputs[-1]
+
+
+def _statistic_steps(
+    stat: Any, shards: int, rows: int | None, batch_size: int, factor_inputs: tuple[str, ...]
+) -> list[Step]:
+    """The steps collecting one statistic: one step, or ``shards`` shard steps and their merge (never more
+    shards than its rows split into: :meth:`~lrkv_core.statistics.Statistic.max_shards`)."""
+    name = stat.name
+    n = min(shards, stat.max_shards(rows, batch_size)) if rows is not None else shards
+    n = n if stat.shardable else 1
+    if n <= 1:
+        return [Step(statistic_step(name), "statistic", {"statistic": stat.to_dict()}, factor_inputs)]
+    recipe = stat.to_dict()
+    parts = [
+        Step(f"{statistic_step(name)}/{i}", "statistic_shard", {"statistic": recipe, "shard": i, "count": n},
+             factor_inputs)
+        for i in range(n)
+    ]  # fmt: skip
+    return [
+        *parts,
+        Step(statistic_step(name), "merge_statistic", {"statistic": recipe}, tuple(p.name for p in parts)),
+    ]
+
+
+def conversion_steps(
+    config: Any,
+    n_layers: int,
+    *,
+    shards: int = 1,
+    rows: int | None = None,
+    batch_size: int = 8,
+    given: Sequence[str] = (),
+) -> StepGraph:
+    """The conversion ``config`` (a :class:`~lrkv_core.convert.CompressionConfig` resolved for the model by
+    its ``for_model``) describes, for a model of ``n_layers`` layers.
+
+    Parameters
+    ----------
+    shards : how many slices of the calibration rows each shardable statistic is collected over (1: one
+        pass); never more than its rows split into (``rows``: the calibration size, collected in batches
+        of ``batch_size``).
+    given : statistics already at hand: no step collects them (an executor provides their results).
+    """
+    if config.group_size is None:
+        raise ValueError("resolve the config for the model first (CompressionConfig.for_model)")
+    if shards < 1:
+        raise ValueError(f"shards must be ≥ 1, got {shards}")
+    needed = config.needed_statistics()
+    layers = range(n_layers)
+    steps: list[Step] = []
+    for stat in needed:  # those the factors do not depend on come first
+        if not stat.uses_factors and stat.name not in given:
+            steps += _statistic_steps(stat, shards, rows, batch_size, ())
+    decomposition = config.decomposition.to_dict()
+    decompose_reads = tuple(statistic_step(n) for n in sorted(config.decomposition.needs))
+    for layer in layers:
+        params = {"layer": layer, "group_size": config.group_size, "decomposition": decomposition}
+        steps.append(Step(decompose_step(layer), "decompose", params, decompose_reads))
+    factors = tuple(decompose_step(layer) for layer in layers)
+    for stat in needed:
+        if stat.uses_factors and stat.name not in given:
+            steps += _statistic_steps(stat, shards, rows, batch_size, factors)
+    features = sorted(config.features())
+    feature_reads = tuple(statistic_step(n) for n in sorted(statistics_for(features)))
+    for layer in layers:
+        params = {"layer": layer, "features": features}
+        reads = (decompose_step(layer), *feature_reads)
+        steps.append(Step(summarize_step(layer), "summarize", params, reads))
+    plan_params = {
+        "ratio": config.ratio,
+        "group_size": config.group_size,
+        "rank_multiple": config.rank_multiple,
+        "allocator": config.allocator.to_dict(),
+    }
+    steps.append(Step("plan", "plan", plan_params, tuple(summarize_step(layer) for layer in layers)))
+    plan = "plan"
+    if config.refines:
+        refine_params = {
+            "steps": config.refine_steps,
+            "rows": config.refine_rows,
+            "radius": config.refine_radius,
+            "objective": config.refine_objective,
+        }
+        steps.append(Step("refine", "refine", refine_params, (*factors, "plan")))
+        plan = "refine"
+    build_params = {
+        "decomposition": decomposition,
+        "cache": config.cache.to_dict(),
+        "rotation": config.rotation,
+        "rotation_seed": config.rotation_seed,
+    }
+    steps.append(Step("build", "build", build_params, (*factors, plan)))
+    return StepGraph(tuple(steps))
