@@ -2,11 +2,14 @@
 
 Each runner converts the model from scratch (a fresh artifact store and MLflow database, so nothing is
 cached) under one Prefect API server; the script prints each run's wall time and its ratio to the threads
-run, the seconds the per-layer decompositions took in all, and the compressed model's prefill perplexity
-(which must be the same on every runner). A local cluster's time includes starting its worker processes.
+run, the seconds the per-layer decompositions took in all, the statistics' passes (each statistic is split
+into one shard per worker: its longest shard plus the merge, summed over statistics; the threads run
+collects each in one pass) and the compressed model's prefill perplexity (the same on every runner, up to
+the rounding of the shards' sums). A local cluster's time includes starting its worker processes.
 
     python benchmarks/runners.py --model ../shared/models/shakespeare-llama \\
-        --dataset text:../shared/data/shakespeare/train.txt --dask local:1,local:2 [--allocator uniform]
+        --dataset text:../shared/data/shakespeare/train.txt --dask local:1,local:2,local:4 \\
+        [--allocator uniform]
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ def main() -> None:
             seconds = {row["task"]: row["seconds"] or 0.0 for row in result["timings"]}
             decompose = sum(s for task, s in seconds.items() if task.startswith("decompose_layer"))
             ppl = result["eval"]["compressed"]["prefill"]["ppl"]
-            rows.append((runner, wall, decompose, ppl))
+            shards = result["recipe"].calibration.shards
+            rows.append((runner, shards, wall, decompose, statistic_passes(seconds), ppl))
             slowest = sorted(seconds.items(), key=lambda item: -item[1])[:6]
             print(f"{runner}: {wall:.1f} s; slowest tasks: " + ", ".join(f"{t} {s:.1f}" for t, s in slowest))
     finally:
@@ -71,9 +75,38 @@ def main() -> None:
             server.stop()
     base = rows[0][1]
     print(f"\n{args.model}, ratio {args.ratio}, {args.allocator}, {args.n_samples} calibration windows")
-    print(f"{'runner':<10} {'wall s':>8} {'÷ threads':>10} {'decompose s (sum)':>18} {'prefill ppl':>12}")
-    for runner, wall, decompose, ppl in rows:
-        print(f"{runner:<10} {wall:>8.1f} {wall / base:>10.2f} {decompose:>18.1f} {ppl:>12.4f}")
+    header = (
+        "runner",
+        "shards",
+        "wall s",
+        "÷ threads",
+        "decompose s (sum)",
+        "statistics s",
+        "÷ threads",
+        "ppl",
+    )
+    print("{:<10} {:>6} {:>8} {:>10} {:>18} {:>12} {:>10} {:>10}".format(*header))
+    stats_base = rows[0][4]
+    for runner, shards, wall, decompose, stats, ppl in rows:
+        print(
+            f"{runner:<10} {shards:>6} {wall:>8.1f} {wall / base:>10.2f} {decompose:>18.1f} {stats:>12.1f} "
+            f"{stats / stats_base:>10.2f} {ppl:>10.4f}"
+        )
+
+
+def statistic_passes(seconds: dict[str, float]) -> float:
+    """Seconds of the statistics' passes as if one ran after another, each as long as its longest shard
+    plus its merge (task labels ``collect_statistic[NAME]``, ``collect_statistic[NAME/i]``,
+    ``merge_statistic[NAME]``)."""
+    longest: dict[str, float] = {}
+    for task, s in seconds.items():
+        if task.startswith(("collect_statistic[", "merge_statistic[")):
+            name = task.split("[", 1)[1].rstrip("]").split("/")[0]
+            if task.startswith("merge"):
+                longest[name + "+merge"] = s
+            else:
+                longest[name] = max(longest.get(name, 0.0), s)
+    return sum(longest.values())
 
 
 if __name__ == "__main__":
