@@ -173,6 +173,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
     return {
         "recipe": recipe,
         "model": model,
+        "calibration": calib,
         "plan": plan,
         "compressed": built,
         "exported": exported,

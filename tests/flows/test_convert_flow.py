@@ -5,10 +5,12 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from lrkv_core import load_compressed, load_model
-from lrkv_core.allocation import DEFAULT_ALLOCATOR
+from lrkv_core.allocation import DEFAULT_ALLOCATOR, RankPlan
+from lrkv_core.convert import plan_conversion
 from lrkv_core.data import eval_windows, read_token_rows
 from lrkv_flows.convert import convert_flow
 from lrkv_tasks.recipe import load_recipe
+from lrkv_tasks.store import local_path
 from tests.support.inputs import full_rank_kl_bound, max_diff
 from tests.support.models import SHARED, tiny_model_dir, token_parquet
 
@@ -137,6 +139,29 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     states = {row["task"]: row["state"] for row in unrefined["timings"]}
     assert states["plan_ranks"] == "Cached" and "refine_plan" not in states
     assert "kl" not in unrefined["plan"].meta and unrefined["plan"].meta["achieved_ratio"] == 0.5
+
+
+def test_the_flow_and_the_in_memory_api_build_the_same_model(prefect_api, tmp_path):
+    """One step graph, two executors: the flow's tasks (statistics in 3 shards, the default allocator's
+    refinement) and plan_conversion in memory on the flow's calibration rows give the same plan and model."""
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    recipe = _recipe(
+        model_dir, data, tmp_path / "store", tmp_path / "out", f"sqlite:///{tmp_path / 'm.db'}", 0.5
+    )
+    recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"shards": 3})})
+    result = convert_flow(recipe)
+    assert "merge_statistic[gram]" in {row["task"] for row in result["timings"]}
+    rows = read_token_rows(local_path(result["calibration"].uri))
+    model, _ = load_model(model_dir)
+    config = recipe.compression.to_config()
+    conversion = plan_conversion(model, rows, config, batch_size=recipe.calibration.batch_size)
+    assert "refine" in conversion.graph.names
+    assert conversion.plan.ranks == RankPlan.load(local_path(result["plan"].uri)).ranks
+    conversion.apply(model)
+    ids = rows[:4]
+    with torch.no_grad():
+        assert max_diff(model(ids).logits, load_compressed(tmp_path / "out")(ids).logits) < 1e-4
 
 
 def test_convert_flow_on_stories260k_is_exact_at_full_rank(prefect_api, tmp_path):
