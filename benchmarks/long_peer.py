@@ -139,8 +139,13 @@ def continuation_row(method: dict[str, Any], context: int, nll_sum: float, token
 def run_lrkv(name: str, model_dir: str, tasks: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows of one lrkv-loadable model (original or compressed) on the tasks, with its measured bytes."""
     model, tokenizer = load_model(model_dir)
-    first = tasks["continuation"][0]
-    kv = evaluate.kv_bytes_per_token(model, torch.tensor(first["windows"][:1])[:, : first["context"]])
+    if tasks["continuation"]:
+        first = tasks["continuation"][0]
+        ids = torch.tensor(first["windows"][:1])[:, : first["context"]]  # (1, C)
+    else:  # a passkey-only tasks file: the bytes after its first prompt
+        ids = torch.tensor(tasks["passkey"][0]["input_ids"])[None]
+    first = {"context": ids.shape[1]}
+    kv = evaluate.kv_bytes_per_token(model, ids)
     fraction = kv["kv_bytes_per_token"] / kv["dense_kv_bytes_per_token"]
     # A quantized cache's bytes (packed codes, fp16 scales, int32 positions) do not follow the model's
     # dtype: its match is against the original's cache in float16, the dtype such a cache is deployed with.
