@@ -15,8 +15,8 @@ against the float64 original, 3.0e-5 on the last 40 logits of a 530-token prompt
 original's fp32 against its float64, 3.8e-5). Converting the float64 original itself (float64 factors)
 needs two 2 GB float64 models and did not fit a loaded 2-core box in reasonable time.
 
-Runtime on 2 shared, heavily loaded cores (one torch thread): 15.5 min for the file; the fixture's load and
-full-rank conversion 3 min, each test 3.5-5.5 min.
+Runtime on 2 shared, loaded cores (one torch thread): 10 to 15.5 min for the file; the fixture's load and
+full-rank conversion 2-3 min, each Gemma test 2-5.5 min.
 """
 
 from __future__ import annotations
