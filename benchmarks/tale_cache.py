@@ -7,8 +7,9 @@
 
 Protocol (as ``quantized_cache.py``'s, whose ``measure`` this uses): the model is calibrated once
 (``--n-samples`` seeded windows of ``--seq-len`` tokens of ``--calibration``; whitened SVD, uniform ranks,
-rank multiple 1, the default group size) and planned at ``--ratio``. Each ``LOW:KEEP`` of ``--variants``
-switches that model's cache to ``{name: tale, low: LOW, keep: KEEP, sink: --sink, buffer: --buffer}``; its
+rank multiple 1, the default group size) and planned at ``--ratio``. Each ``LOW:KEEP`` of ``--variants``,
+under each rule of ``--rules`` (``recency``: TALE's; ``energy``: lrkv's), switches that model's cache to
+``{name: tale, rule: RULE, low: LOW, keep: KEEP, sink: --sink, buffer: --buffer}``; its
 bytes per token are measured after one prefilled window, and a second model is planned with uniform ranks at
 the ratio whose dense latents take the same bytes (the ratio scaled by the tale cache's latent bytes over the
 dense cache's, positions excluded from both), so each tale row has a uniform row of equal memory below it.
@@ -16,9 +17,10 @@ Prefill PPL: the first ``--max-windows`` windows of ``--eval``, each in one pass
 token of a window that is a whole number of buffers is cut, so prefill shows the cut alone). Decode PPL: the
 first ``--decode-windows`` of them after a ``--decode-prefix``-token prefill, one token at a time (the lazy
 buffer keeps up to ``--buffer`` − 1 of the newest tokens whole). ``--random`` adds each variant with its whole
-tokens drawn at random (the control of the significance rule); ``--bits 4,3`` adds each variant with integer
-levels of those bits, next to the same plan's latents quantized whole after a fused rotation (``quantized``).
-"""
+tokens drawn at random (the control of the energy rule); ``--bits 4,3`` adds each variant with both levels
+at those bits, next to the same plan's latents quantized whole after a fused rotation (``quantized``);
+``--levels 2:4`` adds each variant with the low level at 2 bits and the full level at 4 (TALE's setting).
+A uniform row is measured once per byte count (two rules holding the same bytes share it)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class RandomTaleStore(TaleStore):
 
     generator = torch.Generator().manual_seed(0)
 
-    def significance(self, tail: torch.Tensor) -> torch.Tensor:
+    def significance(self, tail: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return torch.rand(tail.shape[:2], generator=self.generator).to(tail.device)
 
 
@@ -57,16 +59,21 @@ class RandomTaleStorage(TaleStorage):
     name: ClassVar[str] = "tale-random"
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> RandomTaleStore:
-        return RandomTaleStore(ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer, self.bits)
+        low_bits, full_bits = self.level_bits
+        return RandomTaleStore(
+            ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer, low_bits, full_bits, self.rule
+        )
 
 
 def variants(args) -> list[tuple[str, dict[str, Any]]]:
-    """``--variants`` as (label, tale storage) pairs, with ``--sink`` and ``--buffer``."""
+    """``--variants`` × ``--rules`` as (label, tale storage) pairs, with ``--sink`` and ``--buffer``."""
     out = []
     for variant in args.variants.split(","):
         low, keep = (float(v) for v in variant.split(":"))
-        storage = {"name": "tale", "low": low, "keep": keep, "sink": args.sink, "buffer": args.buffer}
-        out.append((f"tale low {low} keep {keep}", storage))
+        for rule in args.rules.split(","):
+            storage = {"name": "tale", "rule": rule, "low": low, "keep": keep}
+            storage |= {"sink": args.sink, "buffer": args.buffer}
+            out.append((f"tale {rule} low {low} keep {keep}", storage))
     return out
 
 
@@ -98,7 +105,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
     p.add_argument("--ratio", type=float, default=0.5)
-    p.add_argument("--variants", default="0.5:0.25,0.5:0.1,0.5:0,0.25:0.25,0:0.5", help="LOW:KEEP,...")
+    p.add_argument("--variants", default="0.5:0.1,0.5:0.25,0.5:0,0.25:0.25,0:0.5", help="LOW:KEEP,...")
+    p.add_argument("--rules", default="recency,energy", help="tale rules to measure each variant with")
     p.add_argument(
         "--random", action="store_true", help="also each variant with its whole tokens drawn at random"
     )
@@ -106,7 +114,13 @@ def main() -> None:
         "--bits",
         type=lambda text: [int(b) for b in text.split(",") if b],
         default=[],
-        help="also each variant with integer levels of these bits, and quantized latents of the plan",
+        help="also each variant with both levels at these bits, and quantized latents of the plan",
+    )
+    p.add_argument(
+        "--levels",
+        type=lambda text: [tuple(int(b) for b in pair.split(":")) for pair in text.split(",") if pair],
+        default=[],
+        help="also each variant with per-level bits LOW:FULL,... (TALE's setting: 2:4)",
     )
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--buffer", type=int, default=32)
@@ -140,6 +154,7 @@ def main() -> None:
     dense = measure(lrkv, windows, args)
     emit({"model": f"lrkv {args.ratio}", "cache": "dense", "achieved_ratio": achieved} | dense)
     positions = 4 * LrkvFormat.of(lrkv.config).n_layers  # int32 positions per token, in every latent cache
+    uniform: set[float] = set()  # the byte shares a uniform row was measured at
     for label, storage in variants(args):
         lrkv.config.lrkv["cache"] = storage
         tale = measure(lrkv, windows, args)
@@ -147,11 +162,14 @@ def main() -> None:
             {"model": f"lrkv {args.ratio}", "cache": label, "achieved_ratio": achieved, "storage": storage}
             | tale
         )
-        if args.random and storage["keep"] > 0:
+        if args.random and storage["keep"] > 0 and storage["rule"] == "energy":
             lrkv.config.lrkv["cache"] = storage | {"name": "tale-random"}
             row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, whole tokens at random"}
             emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
         share = (tale["kv_bytes_per_token"] - positions) / (dense["kv_bytes_per_token"] - positions)
+        if round(share, 6) in uniform:  # another rule held the same bytes: its uniform row stands
+            continue
+        uniform.add(round(share, 6))
         same, same_conversion = compressed(args.ratio * share)
         row = {"model": f"lrkv {args.ratio * share:.4f}", "cache": f"dense, bytes of {label}"}
         emit(row | {"achieved_ratio": same_conversion.plan.achieved_ratio} | measure(same, windows, args))
@@ -168,6 +186,11 @@ def main() -> None:
                 lrkv.config.lrkv["cache"] = storage | {"bits": bits}
                 row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, {bits} bits"}
                 emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
+    for low_bits, full_bits in args.levels:  # TALE's per-level bits
+        for label, storage in variants(args):
+            lrkv.config.lrkv["cache"] = storage | {"low_bits": low_bits, "full_bits": full_bits}
+            row = {"model": f"lrkv {args.ratio}", "cache": f"{label}, {low_bits}/{full_bits} bits"}
+            emit(row | {"achieved_ratio": achieved} | measure(lrkv, windows, args))
     lrkv.config.lrkv["cache"] = {"name": "dense"}
     minutes = (time.perf_counter() - start) / 60
     n_decode = min(args.decode_windows, windows.shape[0])
@@ -175,7 +198,7 @@ def main() -> None:
     table += "\n".join("| " + " | ".join(_fmt(r)) + " |" for r in results) + "\n"
     section = (
         f"## {Path(args.model).name}\n\n"
-        f"Measured {time.strftime('%Y-%m-%d')} (CPU, float32, {args.threads} threads, {minutes:.1f} min):\n\n"
+        f"Measured (CPU, float32, {args.threads} threads, {minutes:.1f} min):\n\n"
         f"```bash\npython benchmarks/tale_cache.py {shlex.join(sys.argv[1:])}\n```\n\n"
         f"Protocol: calibration {args.n_samples} × {args.seq_len} tokens of `{args.calibration}` (seed 0), "
         f"uniform ranks, rank multiple 1; prefill PPL on {windows.shape[0]} windows of {args.seq_len} tokens "
@@ -185,10 +208,13 @@ def main() -> None:
         "KV bytes after one prefilled window, positions and the tale cache's indices and significances "
         "included. Each `dense, bytes of …` row is a uniform plan whose dense latents take the bytes of "
         "the tale row above it; `whole tokens at random`: the same cache with the tokens kept whole drawn at "
-        "random (seeded) instead of by significance. `quantized b bits`: the same plan with a rotation "
+        "random (seeded) instead of by energy. `tale recency`: TALE's rule (the sinks and the newest share); "
+        "`tale energy`: lrkv's (the sinks and the tokens whose tails hold the most energy); `l/f bits`: "
+        "the low level at l bits, the full level at f. `quantized b bits`: the same plan with a rotation "
         "(auto) fused and its latents quantized whole (the `quantized` storage), with `residual` "
         "newest tokens in full precision (half tale's buffer: what it holds on average while decoding); "
-        "`tale …, b bits`: the tale cache with integer levels (each block rotated in the store).\n\n" + table
+        "`tale …, b bits`: the tale cache with both levels at b bits (each block rotated in the store).\n\n"
+        + table
     )
     print(section)
     if args.out:

@@ -1,41 +1,51 @@
-"""The ``tale`` cache storage: token-adaptive ranks, each token's latents cut to a prefix by its significance.
+"""The ``tale`` cache storage: token-adaptive ranks, each token's latents cut to a prefix by its level.
 
-TALE (Lee et al., TACL 2025) gives tokens different ranks by their significance, approximates lazily (the
-newest tokens stay as computed until the cache must take them in) and attends without rebuilding keys and
-values. lrkv's latents are already prefixes of an ordered spectrum (whitened SVD, plain SVD and PCA order
+TALE (Lee et al., TACL 2025) keeps the attention sinks and the most recent tokens at a high rank and the
+middle tokens at a low one (§2.2.1), approximates lazily (§2.2.2) and gives each level its own bit width
+(§2.3). lrkv's latents are already prefixes of an ordered spectrum (whitened SVD, plain SVD and PCA order
 their bases by energy), so cutting one token to rank l is keeping its first l latents and padding the rest
-with zeros, exactly as a plan of rank l would give; the fused up-projections (Palu's form) already attend
-without rebuilding values. Here, per layer and kind (K or V), with two levels:
+with zeros, exactly as a plan of rank l would give (TALE's "online low-rank approximation": a truncation).
+Here, per layer and kind (K or V), with two levels:
 
-1. **Ordinary tokens** keep the first ``⌊low · r_g⌋`` latents of every group ("the low level"; ``low: 0``
+1. **The low level**: a token keeps the first ``⌊low · r_g⌋`` latents of every group (TALE's r_0; ``low: 0``
    keeps nothing of them, which is token eviction).
-2. **Significant tokens** keep every latent. A token's significance is the energy of what the low level
-   would drop, ``Σ_g ‖h_g[l_g:]‖²`` (lrkv's rule: the truncation error, measured in the latent coordinates;
-   TALE's own rule may differ). The cache keeps the ``round(keep · S)`` most significant of its S
-   compressed tokens at full rank, re-ranked over the whole cache each time tokens come in, so a token
-   that was kept can later give its place to a more significant one (its tail is then dropped).
-   The first ``sink`` tokens of the sequence always keep every latent (attention sinks) and are not
-   counted in that share.
+2. **The full level**: a token keeps every latent (TALE's r_1: the plan's rank). Which tokens, by ``rule``:
+
+   - ``recency`` (TALE's rule, the default): the first ``sink`` tokens of the sequence (TALE's α) and the
+     newest ``⌊keep · (S − α)⌋`` of the S cut tokens (TALE's p, "the ratio of higher rank r_1 tokens does
+     not exceed a threshold ratio p"). A new token enters at the full level; when the share would pass
+     ``keep``, the oldest full-level tokens move down to the low level (their tails are dropped).
+   - ``energy`` (lrkv's variant): the sinks and the ``round(keep · (S − α))`` cut tokens whose tails hold
+     the most energy, ``Σ_g ‖h_g[l_g:]‖²`` (the truncation error in latent coordinates), re-ranked over the
+     whole cache each time tokens come in.
+
+   Both keep the full-level tokens as one ranked set, :attr:`TaleStore.kept`; recency ranks by the
+   sequence position, so the same re-ranking moves the oldest down.
 3. **Lazy buffer**: new tokens stay as computed until ``buffer`` of them wait; then all waiting tokens in
-   whole multiples of ``buffer`` are cut together (``buffer: 0`` cuts every update as it comes).
+   whole multiples of ``buffer`` are cut together (TALE's batched moves, Appendix A; ``buffer: 0`` cuts every
+   update as it comes). The buffer is not counted in the share.
 
-Parts, per token: ``k_low_latents`` (B, S, Σ_g l_g) and ``v_low_latents``, in the model's dtype. Across
-tokens, in :attr:`TaleStore.kept`: per kind, the kept tokens' tails (``tail_latents``, (B, K, Σ_g (r_g −
-l_g))), their indices among the compressed tokens (B, K) int32 and their significance (B, K) float32 (what
-the next re-ranking compares). K is the same for every batch row; after a crop or a sliding window a row may
-hold fewer kept tokens than another, and its spare slots hold zeros with significance −inf (they add nothing
-and are the first to go). The cache's reported bytes are all of these, the buffer's tokens and the positions
-included.
+**Bits per level** (``low_bits``, ``full_bits``: null for the model's dtype, or 2, 3, 4, 8; TALE's b_0 ≤ b_1):
+a block of latents is rotated by an orthogonal matrix of its own width (:func:`block_rotation`), then
+quantized per token and block (:mod:`lrkv_core.quant`: packed codes, float16 scale and zero-point).
+Every token's low level is stored at ``low_bits`` (blocks: each group's first l_g latents). A full-level
+token adds, when both levels have the same bits, only its tail (blocks: each group's r_g − l_g last latents;
+its head is the low level's); otherwise its whole latents at ``full_bits`` (blocks: each group), which is
+what attention reads for it. ``bits`` is the form recorded before per-level bits: both levels at once.
+Ranking reads the exact tails.
 
-**Integer levels** (``bits``: 2, 3, 4 or 8): every group's low level, and every whole token's tail, is a
-block of latents that is rotated by an orthogonal matrix of its own width (:func:`block_rotation`), then
-quantized per token and block (:mod:`lrkv_core.quant`: packed codes, float16 scale and zero-point; parts
-``…_codes``, ``…_scale``, ``…_zero`` instead of ``…_latents``). Rotating within a block keeps the order
-between levels, which a rotation fused into the factors would not, and spreads the whitened latents'
-leading coordinates before quantizing (what the fused rotation is for). Ranking reads the exact tails.
+Parts, per token: ``k_low_latents`` (B, S, Σ_g l_g) and ``v_low_latents`` (or ``…_codes``, ``…_scale``,
+``…_zero``). Across tokens, in :attr:`TaleStore.kept`: per kind, the full-level tokens' ``tail_*`` (B, K, Σ_g
+(r_g − l_g)) or ``whole_*`` (B, K, Σ_g r_g), their indices among the cut tokens (B, K) int32 and their rank
+key (B, K) float32 (energy, or sequence position). K is the same for every batch row; after a crop or a
+sliding window a row may hold fewer of them than another, and its spare slots hold zeros with key −inf
+(they add nothing and are the first to go). The cache's reported bytes are all of these, the buffer's tokens
+and the positions included.
 
 The view gives attention every group at its full rank r_g (zeros past a token's level), so attention
-costs what the dense cache's does; only memory shrinks.
+costs what the dense cache's does; only memory shrinks. Keys are rebuilt from their latents and then
+rotated (RoPE), as for every storage: TALE's reconstruction-free keys keep keys out of the low-rank
+approximation altogether, which a converted model's key latents cannot undo (docs/tale-cache.md).
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -51,9 +61,11 @@ from ..quant import INTEGER_BITS, QuantizedRows, dequantize, pack_codes, quantiz
 from ..rotation import rotation_matrix
 from .storage import CACHE_STORAGES, CacheStorage, LatentStore, split_groups
 
+RULES = ("recency", "energy")
+
 
 def low_ranks(ranks: Sequence[int], low: float) -> tuple[int, ...]:
-    """Latents kept per group by an ordinary token: ``⌊low · r_g⌋`` (never more than ``low`` of them)."""
+    """Latents kept per group by a low-level token: ``⌊low · r_g⌋`` (never more than ``low`` of them)."""
     return tuple(int(low * r + 1e-9) for r in ranks)
 
 
@@ -91,25 +103,25 @@ def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class TaleStore(LatentStore):
-    """Latents cut to a per-token level: significant tokens whole, the others to a prefix (module docstring).
+    """Latents cut to a per-token level: full-level tokens whole, the others to a prefix (module docstring).
 
     Parameters
     ----------
     ranks_k, ranks_v : per-group ranks of the layer.
-    low : share of each group's rank an ordinary token keeps (0 ≤ low ≤ 1).
-    keep : share of the compressed tokens kept whole, the most significant (0 ≤ keep ≤ 1).
-    sink : the first ``sink`` tokens of the sequence are always kept whole.
+    low : share of each group's rank a low-level token keeps (0 ≤ low ≤ 1; TALE's r_0 / r_1).
+    keep : share of the cut tokens (sinks aside) at the full level (0 ≤ keep ≤ 1; TALE's p).
+    sink : the first ``sink`` tokens of the sequence are always at the full level (TALE's α).
     buffer : tokens kept as computed until this many wait to be cut together (0: every update).
-    bits : None to keep latents in the model's dtype; 2, 3, 4 or 8 to keep them as packed integer codes, per
-        token and per block of a group's low level or tail, each block rotated first (:func:`block_rotation`).
+    low_bits, full_bits : None to keep a level in the model's dtype; 2, 3, 4 or 8 to keep it as packed
+        integer codes, per token and block, each block rotated first (:func:`block_rotation`).
+    rule : ``"recency"`` (the sinks and the newest tokens) or ``"energy"`` (the sinks and the tokens whose
+        tails hold the most energy).
 
     Attributes
     ----------
     lows : ``{"k": (l_g per key group), "v": ...}``, the ranks of the low level.
-    kept : ``{"k": {"index": (B, K) int32, "significance": (B, K) float32, "tail_*": the tails (B, K, ...)
-        as stored}, "v": ...}``: the tokens kept whole beyond their low level (empty before the first cut).
-        A tail is stored as ``tail_latents`` (B, K, Σ (r_g − l_g)), or quantized as ``tail_codes``,
-        ``tail_scale`` and ``tail_zero``.
+    kept : ``{"k": {"index": (B, K) int32, "significance": (B, K) float32, "tail_*" or "whole_*": the
+        latents (B, K, ...) as stored}, "v": ...}``: the full-level tokens (empty before the first cut).
     offset : how many tokens of the sequence were dropped before the first one held (a sliding window);
         token i of the store is token ``offset + i`` of the sequence.
     """
@@ -119,58 +131,78 @@ class TaleStore(LatentStore):
         ranks_k: Sequence[int],
         ranks_v: Sequence[int],
         low: float = 0.5,
-        keep: float = 0.25,
+        keep: float = 0.1,
         sink: int = 4,
         buffer: int = 32,
-        bits: int | None = None,
+        low_bits: int | None = None,
+        full_bits: int | None = None,
+        rule: str = "recency",
     ) -> None:
         super().__init__(ranks_k, ranks_v, residual=buffer)
-        self.low, self.keep, self.sink, self.bits = low, keep, sink, bits
+        self.low, self.keep, self.sink, self.rule = low, keep, sink, rule
+        self.low_bits, self.full_bits = low_bits, full_bits
         self.lows = {"k": low_ranks(self.ranks_k, low), "v": low_ranks(self.ranks_v, low)}
         self.kept: dict[str, dict[str, torch.Tensor]] = {}
         self.offset = 0
+
+    @property
+    def shares_head(self) -> bool:
+        """Whether a full-level token's head is its low level's (both levels at the same bits): the full
+        level then stores only tails."""
+        return self.low_bits == self.full_bits
 
     def _leaving(self, waiting: int) -> int:
         """The lazy buffer: once ``buffer`` tokens wait, all whole multiples of it are cut together."""
         return waiting - waiting % self.residual
 
-    def significance(self, tail: torch.Tensor) -> torch.Tensor:
-        """Significance (B, T) float32 of new tokens from their tails (B, T, Σ (r_g − l_g)): the energy the
-        low level would drop, ``‖tail‖²``."""
+    def significance(self, tail: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Rank key (B, T) float32 of new tokens, the highest at the full level: their sequence positions
+        (B, T) under ``recency``; under ``energy``, the energy the low level would drop from their tails
+        (B, T, Σ (r_g − l_g)), ``‖tail‖²``."""
+        if self.rule == "recency":
+            return position.float().expand(tail.shape[:2])
         return tail.float().pow(2).sum(-1)
 
     def _ranks(self, kind: str) -> tuple[int, ...]:
         return self.ranks_k if kind == "k" else self.ranks_v
 
     def _whole(self, n_encoded: int) -> int:
-        """How many of ``n_encoded`` compressed tokens keep every latent: the significant share plus the
-        sinks among them."""
+        """How many of ``n_encoded`` cut tokens are at the full level: the sinks among them and the share
+        ``keep`` of the others (recency: at most that share, ⌊·⌋; energy: rounded)."""
         sinks = max(0, min(self.sink, self.offset + n_encoded) - self.offset)
-        return min(n_encoded, int(self.keep * (n_encoded - sinks) + 0.5) + sinks)
+        share = self.keep * (n_encoded - sinks)
+        return min(n_encoded, int(share + (1e-9 if self.rule == "recency" else 0.5)) + sinks)
 
-    def _stored(self, x: torch.Tensor, widths: Sequence[int]) -> dict[str, torch.Tensor]:
+    def _stored(self, x: torch.Tensor, widths: Sequence[int], bits: int | None) -> dict[str, torch.Tensor]:
         """Latents x (B, T, Σ w) as kept: ``latents`` as given, or each block of width w rotated and quantized
         (``codes`` packed (B, T, ⌈Σ w · b / 8⌉) uint8, ``scale`` and ``zero`` (B, T, blocks) float16)."""
         blocks = tuple(w for w in widths if w)
-        if self.bits is None or not blocks:
+        if bits is None or not blocks:
             return {"latents": x}
-        q = quantize(x.float() @ block_rotation(blocks, x.device), blocks, self.bits)
-        return {"codes": pack_codes(q.codes, self.bits), "scale": q.scale, "zero": q.zero}
+        q = quantize(x.float() @ block_rotation(blocks, x.device), blocks, bits)
+        return {"codes": pack_codes(q.codes, bits), "scale": q.scale, "zero": q.zero}
 
-    def _read(self, stored: Mapping[str, torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
+    def _read(
+        self, stored: Mapping[str, torch.Tensor], widths: Sequence[int], bits: int | None
+    ) -> torch.Tensor:
         """The latents (B, N, Σ w) in the model's dtype from what :meth:`_stored` kept."""
         if "latents" in stored:
             return stored["latents"]
         blocks = tuple(w for w in widths if w)
-        codes = unpack_codes(stored["codes"], self.bits, sum(blocks))
+        codes = unpack_codes(stored["codes"], bits, sum(blocks))
         x = dequantize(QuantizedRows(codes, stored["scale"], stored["zero"]), blocks, torch.float32)
         return (x @ block_rotation(blocks, x.device).T).to(self.dtype)
 
-    def _tail_widths(self, kind: str) -> tuple[int, ...]:
-        return tuple(r - lo for r, lo in zip(self._ranks(kind), self.lows[kind]))
+    def _full_widths(self, kind: str) -> tuple[str, tuple[int, ...]]:
+        """What the full level stores per token: ``("tail", r_g − l_g per group)`` when it shares the low
+        level's head, else ``("whole", r_g per group)``."""
+        ranks = self._ranks(kind)
+        if self.shares_head:
+            return "tail", tuple(r - lo for r, lo in zip(ranks, self.lows[kind]))
+        return "whole", ranks
 
     def encode(self, h_k: torch.Tensor, h_v: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Cut new tokens to the low level; re-rank the whole cache's tails with theirs (:attr:`kept`)."""
+        """Cut new tokens to the low level; rank the cache's full-level tokens with them (:attr:`kept`)."""
         before = self._encoded()
         B, T = h_k.shape[:2]
         new = torch.arange(before, before + T, device=h_k.device, dtype=torch.int32).expand(B, T)
@@ -178,12 +210,17 @@ class TaleStore(LatentStore):
         parts = {}
         for kind, h in (("k", h_k), ("v", h_v)):
             head, tail = cut(h, self._ranks(kind), self.lows[kind])  # (B, T, Σ l_g), (B, T, Σ (r_g − l_g))
-            parts |= {f"{kind}_low_{n}": t for n, t in self._stored(head, self.lows[kind]).items()}
-            significance = self.significance(tail).masked_fill(self.offset + new < self.sink, float("inf"))
-            candidates = {f"tail_{n}": t for n, t in self._stored(tail, self._tail_widths(kind)).items()}
-            candidates |= {"index": new, "significance": significance}
+            parts |= {
+                f"{kind}_low_{n}": t for n, t in self._stored(head, self.lows[kind], self.low_bits).items()
+            }
+            key = self.significance(tail, self.offset + new)
+            key = key.masked_fill(self.offset + new < self.sink, float("inf"))
+            what, widths = self._full_widths(kind)
+            full = tail if what == "tail" else h
+            candidates = {f"{what}_{n}": t for n, t in self._stored(full, widths, self.full_bits).items()}
+            candidates |= {"index": new, "significance": key}
             old = self.kept.get(kind)
-            if old is not None:  # candidates: the tokens kept whole so far, then the new ones
+            if old is not None:  # candidates: the full-level tokens so far, then the new ones
                 candidates = {name: torch.cat([old[name], t], dim=1) for name, t in candidates.items()}
             ranked = candidates["significance"]  # (B, N): after a crop, fewer than the tokens held
             top = ranked.topk(min(whole, ranked.shape[1]), dim=1).indices  # (B, K)
@@ -195,19 +232,31 @@ class TaleStore(LatentStore):
         for kind in ("k", "v"):
             ranks, lows, kept = self._ranks(kind), self.lows[kind], self.kept[kind]
             prefix = f"{kind}_low_"
-            head = self._read({n[len(prefix) :]: t for n, t in parts.items() if n.startswith(prefix)}, lows)
-            tail = self._read(
-                {n[5:]: t for n, t in kept.items() if n.startswith("tail_")}, self._tail_widths(kind)
+            low = {n[len(prefix) :]: t for n, t in parts.items() if n.startswith(prefix)}
+            head = self._read(low, lows, self.low_bits)  # (B, S_e, Σ l_g)
+            what, widths = self._full_widths(kind)
+            stored = {n[len(what) + 1 :]: t for n, t in kept.items() if n.startswith(what + "_")}
+            full = self._read(stored, widths, self.full_bits).to(head.dtype)  # (B, K, Σ w)
+            index = kept["index"].long().unsqueeze(-1).expand_as(full)
+            if what == "tail":
+                tails = head.new_zeros((*head.shape[:2], full.shape[-1]))  # (B, S_e, Σ (r_g − l_g))
+                # adding onto zeros is exact; spare slots add zeros wherever they point
+                tails.scatter_add_(1, index, full)
+                out.append(join(head, tails, ranks, lows))
+                continue
+            S = head.shape[1]
+            rows = torch.cat(
+                join(head, head.new_zeros((*head.shape[:2], sum(ranks) - head.shape[-1])), ranks, lows), -1
             )
-            full = head.new_zeros((*head.shape[:2], tail.shape[-1]))  # (B, S_e, Σ (r_g − l_g))
-            # adding onto zeros is exact; spare slots add zeros wherever they point
-            full.scatter_add_(1, kept["index"].long().unsqueeze(-1).expand_as(tail), tail.to(head.dtype))
-            out.append(join(head, full, ranks, lows))
+            live = (kept["significance"] > float("-inf")).unsqueeze(-1)  # spare slots write past the end
+            rows = torch.cat([rows, rows.new_zeros(rows.shape[0], 1, rows.shape[-1])], dim=1)
+            rows = rows.scatter(1, torch.where(live, index, S), full)[:, :S]  # (B, S_e, Σ r_g)
+            out.append(split_groups(rows, ranks))
         return out[0], out[1]
 
     def _slice_tokens(self, start: int, end: int) -> None:
-        """Keep tokens ``start..end-1``; kept tails outside them go (a row's spare slots become zeros, with
-        scale and zero-point zero when quantized)."""
+        """Keep tokens ``start..end-1``; full-level latents outside them go (a row's spare slots become
+        zeros, with scale and zero-point zero when quantized)."""
         lo, hi = min(start, self._encoded()), min(end, self._encoded())
         for kind, kept in self.kept.items():
             index = kept["index"].long()
@@ -235,24 +284,47 @@ class TaleStore(LatentStore):
 @CACHE_STORAGES.register
 @dataclass(frozen=True)
 class TaleStorage(CacheStorage):
-    """TALE-style token-adaptive ranks: significant tokens keep every latent, the rest a prefix, lazily."""
+    """TALE's token-adaptive ranks: sinks and recent (or energetic) tokens whole, the rest a prefix."""
 
     name: ClassVar[str] = "tale"
-    low: float = 0.5  # share of each group's rank an ordinary token keeps (0: evict them)
-    keep: float = 0.25  # share of compressed tokens kept whole, the most significant
-    sink: int = 4  # the first tokens of the sequence, always kept whole
+    rule: Literal["recency", "energy"] = "recency"  # which tokens are at the full level (module docstring)
+    low: float = 0.5  # share of each group's rank a low-level token keeps (TALE's r_0: 50 %; 0: evict)
+    keep: float = 0.1  # share of the cut tokens at the full level, sinks aside (TALE's p)
+    sink: int = 4  # the first tokens of the sequence, always at the full level (TALE's α)
     buffer: int = 32  # tokens kept as computed until this many are cut together
-    bits: int | None = None  # None: the model's dtype; 2/3/4/8: integer codes per rotated block
+    low_bits: int | None = None  # the low level: None, the model's dtype; 2/3/4/8: codes per rotated block
+    full_bits: int | None = None  # the full level, likewise (TALE's quantized setting: low 2, full 4)
+    bits: int | None = None  # both levels at once: the form recorded before per-level bits
 
     def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"tale cache rule must be one of {RULES}, got {self.rule!r}")
         for field in ("low", "keep"):
             if not 0.0 <= getattr(self, field) <= 1.0:
                 raise ValueError(f"tale cache {field} must be between 0 and 1, got {getattr(self, field)}")
         for field in ("sink", "buffer"):
             if getattr(self, field) < 0:
                 raise ValueError(f"tale cache {field} must be ≥ 0, got {getattr(self, field)}")
-        if self.bits is not None and self.bits not in INTEGER_BITS:
-            raise ValueError(f"tale cache bits must be null or one of {INTEGER_BITS}, got {self.bits}")
+        for field in ("bits", "low_bits", "full_bits"):
+            if getattr(self, field) is not None and getattr(self, field) not in INTEGER_BITS:
+                raise ValueError(
+                    f"tale cache {field} must be null or one of {INTEGER_BITS}, got {getattr(self, field)}"
+                )
+        if self.bits is not None and (self.low_bits, self.full_bits) != (None, None):
+            raise ValueError("tale cache: give bits (both levels) or low_bits/full_bits, not both")
+        low, full = self.level_bits
+        if (full is not None and low is None) or (low is not None and full is not None and low > full):
+            raise ValueError(
+                f"tale cache: the full level keeps at least the low level's precision (TALE's b_0 ≤ b_1), "
+                f"got low_bits {low}, full_bits {full}"
+            )
+
+    @property
+    def level_bits(self) -> tuple[int | None, int | None]:
+        """The low level's and the full level's bits (None: the model's dtype), ``bits`` applied."""
+        if self.bits is not None:
+            return self.bits, self.bits
+        return self.low_bits, self.full_bits
 
     def check_rotation(self, rotation: str) -> None:
         """A token's level keeps a prefix of its latents, which only means a lower rank when the latents
@@ -264,4 +336,7 @@ class TaleStorage(CacheStorage):
             )
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> TaleStore:
-        return TaleStore(ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer, self.bits)
+        low_bits, full_bits = self.level_bits
+        return TaleStore(
+            ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer, low_bits, full_bits, self.rule
+        )

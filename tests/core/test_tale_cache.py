@@ -84,7 +84,7 @@ def test_with_nothing_cut_the_store_gives_back_the_latents_exactly(options: dict
 
 def test_the_tokens_kept_whole_are_the_sinks_and_the_most_significant() -> None:
     h_k, h_v = _latents(tokens=24)
-    store = filled_store(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
+    store = filled_store(TaleStorage(rule="energy", low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
     k, v = store_view(store)
     for got, truth, ranks in ((k, h_k, RANKS_K), (v, h_v, RANKS_V)):
         tail = (truth - _low_only(truth, ranks, 0.5)).pow(2).sum(-1)  # (B, T): what the low level drops
@@ -97,7 +97,7 @@ def test_the_tokens_kept_whole_are_the_sinks_and_the_most_significant() -> None:
 def test_the_whole_cache_is_re_ranked_as_tokens_come_in() -> None:
     h_k, h_v = _latents(batch=1, tokens=16)
     h_k[:, 12:] *= 10.0  # the last chunk's tokens are far more significant than any before
-    store = filled_store(TaleStorage(low=0.5, keep=0.25, sink=0, buffer=4), h_k, h_v, [8])
+    store = filled_store(TaleStorage(rule="energy", low=0.5, keep=0.25, sink=0, buffer=4), h_k, h_v, [8])
     assert len(store.kept["k"]["index"][0]) == 2  # 8 compressed: 2 kept whole
     first = set(store.kept["k"]["index"][0].tolist())
     for t in range(8, 16):
@@ -121,7 +121,7 @@ def test_the_buffer_keeps_the_newest_tokens_as_computed_until_whole_buffers_are_
 @pytest.mark.parametrize("bits", [None, 3])
 def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned(bits) -> None:
     h_k, h_v = _latents(batch=3, tokens=40, seed=3)
-    storage = TaleStorage(low=0.5, keep=0.25, sink=2, buffer=4, bits=bits)
+    storage = TaleStorage(rule="energy", low=0.5, keep=0.25, sink=2, buffer=4, bits=bits)
     store = filled_store(storage, h_k, h_v, [12, *[1] * 18])
     full = store_view(store)  # 28 compressed, 2 in the buffer
     store.crop(7)  # 23 tokens left
@@ -158,7 +158,7 @@ def test_crop_batch_operations_and_a_sliding_window_keep_the_kept_tails_aligned(
 def test_after_a_crop_that_took_the_whole_tokens_new_ones_are_ranked_among_what_is_left() -> None:
     h_k, h_v = _latents(batch=1, tokens=40, seed=5)
     h_k[:, 20:30] *= 10.0  # the whole tokens are all among the last ones
-    store = filled_store(TaleStorage(low=0.5, keep=0.25, sink=0, buffer=0), h_k, h_v, [30])
+    store = filled_store(TaleStorage(rule="energy", low=0.5, keep=0.25, sink=0, buffer=0), h_k, h_v, [30])
     assert set(store.kept["k"]["index"][0].tolist()) >= {20, 21}
     store.crop(12)  # 18 left: the kept keys went with the crop (spare slots or none)
     for t in range(30, 40):
@@ -172,8 +172,10 @@ def test_after_a_crop_that_took_the_whole_tokens_new_ones_are_ranked_among_what_
 
 def test_quantized_levels_are_each_block_rotated_then_quantized() -> None:
     h_k, h_v = _latents(tokens=24)
-    exact = filled_store(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
-    store = filled_store(TaleStorage(low=0.5, keep=0.25, sink=2, buffer=0, bits=3), h_k, h_v, [24])
+    exact = filled_store(TaleStorage(rule="energy", low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
+    store = filled_store(
+        TaleStorage(rule="energy", low=0.5, keep=0.25, sink=2, buffer=0, bits=3), h_k, h_v, [24]
+    )
     for kind, h, ranks in (("k", h_k, RANKS_K), ("v", h_v, RANKS_V)):
         assert torch.equal(store.kept[kind]["index"], exact.kept[kind]["index"])  # ranked on exact tails
         head, tail = cut(h, ranks, low_ranks(ranks, 0.5))
@@ -216,7 +218,7 @@ def test_options_are_checked() -> None:
         CompressionConfig(cache="tale", rotation="auto")
 
 
-STORAGE = {"name": "tale", "low": 0.5, "keep": 0.25, "sink": 1, "buffer": 0}
+STORAGE = {"name": "tale", "rule": "energy", "low": 0.5, "keep": 0.25, "sink": 1, "buffer": 0}
 
 
 @pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen2", None), ("opt", None), ("llama", 2)])
@@ -262,6 +264,7 @@ def test_the_bytes_reported_are_the_tensors_held(compress, bits) -> None:
     comp = tiny_compressed(compress)
     comp.config.lrkv["cache"] = {
         "name": "tale",
+        "rule": "energy",
         "low": 0.5,
         "keep": 0.25,
         "sink": 1,
@@ -288,9 +291,8 @@ def test_the_bytes_reported_are_the_tensors_held(compress, bits) -> None:
 
 
 def test_a_model_converted_with_the_tale_cache_saves_and_loads_it(tmp_path) -> None:
-    check_saved_with_cache(
-        {"name": "tale", "low": 0.25, "keep": 0.5, "sink": 2, "buffer": 4, "bits": 4}, tmp_path
-    )
+    storage = TaleStorage(rule="energy", low=0.25, keep=0.5, sink=2, buffer=4, low_bits=2, full_bits=4)
+    check_saved_with_cache(storage.to_dict(), tmp_path)
 
 
 def test_a_rotated_model_refuses_the_tale_cache(tmp_path) -> None:
