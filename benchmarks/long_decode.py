@@ -10,7 +10,7 @@ allocated, their ratio and each model's decode seconds so far; then the ratio ``
 reports from a short prefill, which the long decode should reproduce.
 
     python benchmarks/long_decode.py [--tokens 4096] [--batch 4] [--bits 3] [--ratio 0.5]
-    python benchmarks/long_decode.py --cache '{name: gear, bits: 3, outliers: 1, rank: 2, buffer: 32}'
+    python benchmarks/long_decode.py --cache '{name: gear, bits: 3, rank: 2}'
 """
 
 from __future__ import annotations

@@ -97,10 +97,11 @@ def storage(bits: int, residual: int, group: int | None) -> dict[str, Any]:
 
 
 def gear_storage(variant: str, bits: int, group: int | None) -> dict[str, Any]:
-    """``OUTLIERS:RANK:BUFFER`` as the gear storage at ``bits``."""
+    """``OUTLIERS:RANK:BUFFER`` as the gear storage at ``bits``, in lrkv's chunked variant (a count of
+    outliers per token and group, an exact SVD per chunk of ``BUFFER`` tokens)."""
     outliers, rank, buffer = (int(v) for v in variant.split(":"))
-    return {"name": "gear", "bits": bits, "quant_group_size": group, "outliers": outliers, "rank": rank,
-            "buffer": buffer}  # fmt: skip
+    return {"name": "gear", "bits": bits, "quant_group_size": group, "outliers": outliers, "outlier_share": 0,
+            "solver": "svd", "mode": "chunked", "rank": rank, "buffer": buffer}  # fmt: skip
 
 
 def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args, emit: Emit) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""The ``gear`` cache storage: quantized latents + exact outliers + a low-rank residual per chunk (GEAR).
+"""The ``gear`` cache storage in lrkv's variant: a count of outliers per token and group, an exact SVD of the
+residual and a chunk per full buffer (``LRKV``; the paper's rule, the default, is test_gear_paper.py).
 
 The store's pieces are checked against their definitions (the outliers are the entries farthest from their
 group's mean and come back exactly; the residual's factors are its truncated SVD), each correction must
@@ -40,6 +41,8 @@ from tests.support.latents import (
 from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+LRKV = {"outlier_share": 0.0, "outliers": 1, "solver": "svd", "mode": "chunked"}  # lrkv's variant of GEAR
 
 
 def _latents(batch: int = 2, tokens: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +95,9 @@ def test_the_residual_factors_are_its_truncated_svd() -> None:
 def test_without_corrections_gear_is_the_quantized_storage() -> None:
     h_k, h_v = _latents()
     plain = filled_store(QuantizedStorage(bits=2), h_k, h_v, [10, 1, 1, 12])
-    gear = filled_store(GearStorage(bits=2, outliers=0, rank=0, buffer=0), h_k, h_v, [10, 1, 1, 12])
+    gear = filled_store(
+        GearStorage(bits=2, outlier_share=0.0, rank=0, buffer=0, mode="chunked"), h_k, h_v, [10, 1, 1, 12]
+    )
     assert all(torch.equal(a, b) for a, b in zip(store_view(plain), store_view(gear)))
 
 
@@ -102,7 +107,7 @@ def test_each_correction_lowers_the_error_of_plain_quantization(bits: int) -> No
     truth = torch.cat([h_k, h_v], dim=-1)
 
     def error(storage: dict) -> float:
-        store = filled_store({"name": "gear", "bits": bits, "buffer": 0} | storage, h_k, h_v, [64])
+        store = filled_store({"name": "gear", "bits": bits, "buffer": 0} | LRKV | storage, h_k, h_v, [64])
         got = torch.cat(store_view(store), -1)
         return ((got - truth).norm() / truth.norm()).item()
 
@@ -114,11 +119,11 @@ def test_each_correction_lowers_the_error_of_plain_quantization(bits: int) -> No
 
 def test_the_buffer_compresses_whole_buffers_and_keeps_the_rest_as_given() -> None:
     h_k, h_v = _latents(tokens=30)
-    store = filled_store(GearStorage(bits=2, buffer=4), h_k, h_v, [10])
+    store = filled_store(GearStorage(bits=2, buffer=4, **LRKV), h_k, h_v, [10])
     assert store.chunk_sizes == [8] and store.recent["k"].shape[1] == 2 and len(store) == 10
     k, v = store_view(store)
     assert torch.equal(k[:, 8:], h_k[:, 8:10]) and torch.equal(v[:, 8:], h_v[:, 8:10])  # the buffer: as given
-    one_chunk = filled_store(GearStorage(bits=2, buffer=0), h_k, h_v, [8])
+    one_chunk = filled_store(GearStorage(bits=2, buffer=0, **LRKV), h_k, h_v, [8])
     assert torch.equal(k[:, :8], store_view(one_chunk)[0])  # the 8 oldest: compressed together
     for t in range(10, 30):
         store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
@@ -128,7 +133,7 @@ def test_the_buffer_compresses_whole_buffers_and_keeps_the_rest_as_given() -> No
 
 def test_crop_batch_operations_and_a_sliding_window_keep_chunks_aligned() -> None:
     h_k, h_v = _latents(batch=3, tokens=30)
-    storage = GearStorage(bits=3, buffer=4)
+    storage = GearStorage(bits=3, buffer=4, **LRKV)
     store = filled_store(storage, h_k, h_v, [10, *[1] * 20])
     full = store_view(store)
     nbytes = _nbytes(store)
@@ -147,7 +152,7 @@ def test_crop_batch_operations_and_a_sliding_window_keep_chunks_aligned() -> Non
     assert len(store) == 0 and store.chunk_sizes == [] and store.bases == {}
 
 
-STORAGE = {"name": "gear", "bits": 2, "outliers": 1, "rank": 2, "buffer": 0}
+STORAGE = {"name": "gear", "bits": 2, "rank": 2, "buffer": 0} | LRKV
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
@@ -174,7 +179,7 @@ def test_generate_and_beam_search_through_the_gear_cache(compress) -> None:
     comp.config.lrkv["cache"] = STORAGE
     got = greedy(comp, ids, mask, num_beams=2, return_dict_in_generate=True)
     assert torch.equal(greedy(comp, ids, mask), ref_greedy) and torch.equal(got.sequences, ref_beam)
-    assert got.past_key_values.storage == GearStorage(bits=2, outliers=1, rank=2, buffer=0)
+    assert got.past_key_values.storage == GearStorage(bits=2, rank=2, buffer=0, **LRKV)
     comp.config.lrkv["cache"] = STORAGE | {"buffer": 3}  # with a streaming buffer: runs, beams included
     out = greedy(comp, ids, mask, num_beams=2, max_new_tokens=10, return_dict_in_generate=True)
     assert out.sequences.shape == (3, 19) and out.past_key_values.layers[0].store.chunk_sizes[0] == 9
@@ -182,7 +187,7 @@ def test_generate_and_beam_search_through_the_gear_cache(compress) -> None:
 
 def test_the_bytes_reported_are_the_tensors_held(compress) -> None:
     comp = tiny_compressed(compress)
-    comp.config.lrkv["cache"] = {"name": "gear", "bits": 2, "outliers": 1, "rank": 2, "buffer": 4}
+    comp.config.lrkv["cache"] = {"name": "gear", "bits": 2, "rank": 2, "buffer": 4} | LRKV
     with torch.no_grad():
         cache = comp(ids_for(3, 11), use_cache=True).past_key_values  # 8 tokens compressed, 3 in the buffer
     fmt = LrkvFormat.of(comp.config)
@@ -196,9 +201,7 @@ def test_the_bytes_reported_are_the_tensors_held(compress) -> None:
 
 
 def test_a_model_converted_with_the_gear_cache_saves_and_loads_it(tmp_path) -> None:
-    check_saved_with_cache(
-        {"name": "gear", "bits": 3, "quant_group_size": None, "outliers": 1, "rank": 1, "buffer": 4}, tmp_path
-    )
+    check_saved_with_cache(GearStorage(bits=3, rank=1, buffer=4, **LRKV).to_dict(), tmp_path)
 
 
 def test_a_compressed_model_evaluates_with_another_storage_after_loading(compress, tmp_path) -> None:
@@ -213,7 +216,7 @@ def test_a_compressed_model_evaluates_with_another_storage_after_loading(compres
     with torch.no_grad():
         assert torch.equal(loaded(ids, use_cache=True).logits, ref)
     with pytest.raises(ValueError, match="leave nothing to quantize in a group of 4"):
-        use_cache_storage(loaded, {"name": "gear", "outliers": 4})
+        use_cache_storage(loaded, {"name": "gear", "outliers": 4, "outlier_share": 0})
     with pytest.raises(ValueError, match="gear cache bits must be one of"):
         use_cache_storage(loaded, {"name": "gear", "bits": 16})
     with pytest.raises(ValueError, match="dense KV cache"):

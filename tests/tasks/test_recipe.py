@@ -86,11 +86,14 @@ def test_the_quantized_cache_and_the_rotation_are_recipe_fields():
 def test_the_gear_cache_is_a_recipe_field_checked_against_the_rank_multiple():
     r = load_recipe(None, {"compression.cache": {"name": "gear", "bits": 2, "rank": "4"}})
     assert r.model_dump(mode="json")["compression"]["cache"] == {
-        "name": "gear", "bits": 2, "quant_group_size": None, "outliers": 1, "rank": 4, "buffer": 32,
+        "name": "gear", "bits": 2, "quant_group_size": None, "outlier_share": 0.02, "outliers": None,
+        "rank": 4, "solver": "power", "iterations": 3, "mode": "whole", "buffer": 20,
     }  # fmt: skip
     with pytest.raises(ValidationError, match="gear cache buffer must be ≥ 0"):
         load_recipe(None, {"compression.cache": {"name": "gear", "buffer": -1}})
-    too_many = load_recipe(None, {"compression.cache": {"name": "gear", "outliers": 8}})  # rank multiple 8
+    too_many = load_recipe(  # rank multiple 8
+        None, {"compression.cache": {"name": "gear", "outliers": 8, "outlier_share": 0}}
+    )
     with pytest.raises(ValueError, match="leave nothing to quantize in a group of 8"):
         too_many.compression.to_config().for_model(tiny_config("llama", 2))
 
@@ -98,7 +101,8 @@ def test_the_gear_cache_is_a_recipe_field_checked_against_the_rank_multiple():
 def test_the_tale_cache_is_a_recipe_field_and_refuses_a_fused_rotation():
     r = load_recipe(None, {"compression.cache": {"name": "tale", "keep": "0.1"}})
     assert r.model_dump(mode="json")["compression"]["cache"] == {
-        "name": "tale", "low": 0.5, "keep": 0.1, "sink": 4, "buffer": 32, "bits": None,
+        "name": "tale", "rule": "recency", "low": 0.5, "keep": 0.1, "sink": 4, "buffer": 32,
+        "low_bits": None, "full_bits": None, "bits": None,
     }  # fmt: skip
     with pytest.raises(ValidationError, match="tale cache low must be between 0 and 1"):
         load_recipe(None, {"compression.cache": {"name": "tale", "low": 2}})
