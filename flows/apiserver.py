@@ -121,7 +121,8 @@ def running_services() -> dict:
 class OwnedServer:
     """A Prefect API server process that lives exactly as long as this process (see the module docstring)."""
 
-    def __init__(self, timeout: float = 180.0) -> None:
+    # a busy machine (many lrkv commands starting at once on two cores) can take minutes to import the server
+    def __init__(self, timeout: float = 600.0) -> None:
         home = writable_home()
         log = home / "logs"
         log.mkdir(parents=True, exist_ok=True)
@@ -151,8 +152,12 @@ class OwnedServer:
                 raise
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, note = start + timeout, start + 30
         while not healthy(self.api_url):
+            if time.monotonic() > note:  # say why nothing happens yet, once
+                print(f"waiting for the Prefect API server to start (log {self.log_path})", file=sys.stderr)
+                note = float("inf")
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop(drain=False)
                 tail = self.log_path.read_text()[-1500:]
