@@ -46,15 +46,15 @@ def writable_home() -> Path:
 
 
 @contextmanager
-def setup_lock(directory: Path) -> Iterator[None]:
-    """Hold ``directory``'s set-up lock (``.lrkv-setup.lock``, an ``flock``) for the block.
+def setup_lock(directory: Path, name: str = ".lrkv-setup.lock") -> Iterator[None]:
+    """Hold ``directory``'s set-up lock (the file ``name``, an ``flock``) for the block.
 
     Serializes first-time set-up (creating a database, starting a server on it) between the processes, and
     the threads, that share ``directory``: each holder opens the file anew, and ``flock`` locks of separate
     opens exclude each other even within one process (so the block must not take the lock again). The
     kernel releases the lock when its holder ends, however it ends, so a killed holder blocks no one.
     """
-    fd = os.open(Path(directory) / ".lrkv-setup.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(Path(directory) / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

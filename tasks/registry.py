@@ -139,6 +139,27 @@ def register_version(
     ``quality``: ``{"ppl", "base_ppl", "protocol"}`` of the compressed model (None: not evaluated).
     Returns ``{"name", "version", "aliases", "gate"}``.
     """
+    with _registration_lock(name):
+        return _register_version(run, logged, sha256, name, quality, max_ppl_rise)
+
+
+def _registration_lock(name: str):
+    """One registration of ``name`` at a time among the processes of this machine: the gate reads the
+    champion and then moves the alias, so two at once could both find no champion (or the same one) and
+    skip comparing with each other. The lock lives in ``$LRKV_HOME`` (the temporary directory if that
+    cannot be written); registrations from other machines to one MLflow server are not serialized."""
+    from lrkv_core.paths import HomeNotWritableError, setup_lock, writable_home
+
+    try:
+        directory = writable_home()
+    except HomeNotWritableError:
+        directory = Path(tempfile.gettempdir())
+    return setup_lock(directory, f".lrkv-registry-{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.lock")
+
+
+def _register_version(
+    run: dict, logged: dict, sha256: str, name: str, quality: dict | None, max_ppl_rise: float
+) -> dict:
     mc = client(run["tracking_uri"])
     _ensure_registered(mc, name)
     _remove_incomplete(mc, name, sha256)

@@ -101,3 +101,45 @@ def test_versions_a_killed_attempt_left_incomplete_are_removed_and_their_aliases
     assert "does not beat champion v1" in reg["gate"]["reason"]
     assert _state(mc, name) == (["1", "3"], {CANDIDATE: "3", CHAMPION: "1"})
     assert mc.get_model_version(name, "3").tags[COMPLETE_TAG] == "true"
+
+
+def test_registrations_of_one_model_at_once_take_turns_through_the_gate(mlflow_server, tmp_path, monkeypatch):
+    """Two registrations started together: without turns both would read "no champion" and both become
+    the first champion; with them exactly one does and the other is compared with it."""
+    import threading
+
+    from lrkv_tasks import registry
+
+    monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
+    name = f"lrkv-together-{uuid.uuid4().hex[:8]}"
+    both_read = threading.Barrier(2)
+    real = registry._alias_version
+
+    def read_then_wait(mc, model, alias):  # hold each registration after it read the champion
+        version = real(mc, model, alias)
+        if alias == CHAMPION:
+            try:
+                both_read.wait(timeout=3)  # only reached by both at once when nothing serializes them
+            except threading.BrokenBarrierError:
+                pass
+        return version
+
+    monkeypatch.setattr(registry, "_alias_version", read_then_wait)
+    logged = [_logged(mlflow_server, tmp_path, f"v{i}") for i in (1, 2)]
+    results: list[dict] = []
+    threads = [
+        threading.Thread(
+            target=lambda r=r, lg=lg, sha=sha: results.append(
+                register_version(r, lg, sha, name, _quality(10.4), max_ppl_rise=0.05)
+            )
+        )
+        for r, lg, sha in logged
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reasons = sorted(r["gate"]["reason"] for r in results)
+    assert len(results) == 2 and sum("first champion" in why for why in reasons) == 1, reasons
+    first = next(r for r in results if "first champion" in r["gate"]["reason"])
+    assert _state(MlflowClient(mlflow_server), name)[1][CHAMPION] == first["version"]
