@@ -73,7 +73,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    base = rows[0][1]
+    base = rows[0][2]
     print(f"\n{args.model}, ratio {args.ratio}, {args.allocator}, {args.n_samples} calibration windows")
     header = (
         "runner",
