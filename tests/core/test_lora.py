@@ -104,7 +104,7 @@ def test_merge_equals_the_peft_model_and_keeps_the_cache(make_tiny, compress, ar
     with torch.no_grad():
         merged_logits = merged(ids).logits
     assert max_diff(peft_logits, compressed_logits) > 1e-3  # training changed the model
-    # float32 rounding of the merged weights, relative to the logits' scale (measured up to 7e-6 of it)
+    # the merged weights differ from base + adapter by float32 rounding, which scales with the logits
     assert max_diff(merged_logits, peft_logits) <= 1e-5 * peft_logits.abs().max().item()
     assert merged.config.lrkv == section
     assert kv_bytes_per_token(merged, ids)["kv_bytes_per_token"] == bytes_before
