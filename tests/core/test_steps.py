@@ -68,7 +68,11 @@ def test_the_steps_read_what_their_methods_need() -> None:
 
 
 def test_given_statistics_are_not_collected_and_the_config_is_resolved_first() -> None:
-    graph = _graph(given=["gram"], allocator="uniform", decomposition={"name": "whitened", "values": "projection", "keys": "projection"})
+    graph = _graph(
+        given=["gram"],
+        allocator="uniform",
+        decomposition={"name": "whitened", "values": "projection", "keys": "projection"},
+    )
     assert "statistic[gram]" not in graph.names
     assert graph["decompose[0]"].inputs == ("statistic[gram]",)  # the executor provides it
     with pytest.raises(ValueError, match="for_model"):
