@@ -147,17 +147,27 @@ def collect_statistic(
     layers: list[ArtifactRef] | None = None,
 ) -> ArtifactRef:
     """One calibration statistic of every layer (Gram, Fisher, ...; ``layers``: the factors it reads)."""
-    with step(f"collect {statistic['name']}") as advance:
+    return _collect(
+        model, calib, statistic, dtype, batch_size, store, layers, "statistic", pipeline.statistic_file
+    )
+
+
+def _collect(
+    model, calib, statistic, dtype, batch_size, store, layers, kind, write, label="", **where
+) -> ArtifactRef:
+    """Run ``write`` (a pipeline statistic writer, with ``where``: its shard) into the store."""
+    with step(f"collect {statistic['name']}{label}") as advance:
         return _stored(
             store,
-            "statistic",
+            kind,
             "statistics",
             ".safetensors",
-            lambda out: pipeline.statistic_file(
+            lambda out: write(
                 _local(model),
                 _local(calib),
                 statistic,
                 out,
+                **where,
                 dtype=dtype,
                 device=task_device(),
                 batch_size=batch_size,
@@ -185,26 +195,12 @@ def collect_statistic_shard(
     layers: list[ArtifactRef] | None = None,
 ) -> ArtifactRef:
     """The sums of one calibration statistic over shard ``shard`` of ``count`` of its rows."""
-    with step(f"collect {statistic['name']} (shard {shard + 1} of {count})") as advance:
-        return _stored(
-            store,
-            "statistic-shard",
-            "statistics",
-            ".safetensors",
-            lambda out: pipeline.statistic_shard_file(
-                _local(model),
-                _local(calib),
-                statistic,
-                out,
-                shard=shard,
-                count=count,
-                dtype=dtype,
-                device=task_device(),
-                batch_size=batch_size,
-                progress=advance,
-                factors=[_local(f) for f in layers or ()],
-            ),
-        )
+    label = f" (shard {shard + 1} of {count})"
+    write = pipeline.statistic_shard_file
+    return _collect(
+        model, calib, statistic, dtype, batch_size, store, layers, "statistic-shard", write, label,
+        shard=shard, count=count,
+    )  # fmt: skip
 
 
 @task(
