@@ -252,10 +252,12 @@ def main() -> None:
                 decomposition=args.decomposition,
                 rank_multiple=s.rank_multiple,
                 allocator=s.allocator,
-                refine_steps=s.refine_steps,
-                refine_rows=s.refine_rows,
-                refine_radius=s.refine_radius,
-                refine_objective=s.refine_objective,
+                refine={
+                    "steps": s.refine_steps,
+                    "rows": s.refine_rows,
+                    "radius": s.refine_radius,
+                    "objective": s.refine_objective,
+                },
             )
             for name in sorted(config.decomposition.needs - {"gram"}):  # e.g. attention_gram, on gram's rows
                 given[name], spent = statistic(gram_spec | {"name": name})

@@ -101,7 +101,7 @@ def main() -> None:
     for ratio in [float(r) for r in args.ratios.split(",")]:
         for allocator in ALLOCATORS:
             config = CompressionConfig(  # the allocators' own plans: the estimate is what they minimise
-                ratio=ratio, group_size=args.group_size, allocator=allocator, refine_steps=0
+                ratio=ratio, group_size=args.group_size, allocator=allocator, refine={"steps": 0}
             )
             planned = plan_conversion(model, rows, config, statistics=stats)
             estimate = sum(

@@ -152,7 +152,7 @@ def convert(
     refine_steps: Annotated[
         Optional[int],
         typer.Option(
-            help="Gauss–Newton steps refining the plan on the measured KL (0: the allocator's plan; "
+            help="Gauss–Newton steps refining the plan on its measured objective (0: the allocator's plan; "
             "default: kl 3, the others 0)"
         ),
     ] = None,
@@ -219,7 +219,7 @@ def convert(
         "compression.decomposition": decomposition,
         "compression.allocator": allocator,
         "compression.rank_multiple": rank_multiple,
-        "compression.refine_steps": refine_steps,
+        "compression.refine.steps": refine_steps,
         "compression.cache": quantized_cache(bits, quant_group_size, residual_length, cache),
         "compression.rotation": rotation,
         "calibration.n_samples": n_samples,
@@ -402,6 +402,103 @@ def ablate(
     console.print(result["markdown"])
     run = result["mlflow"]
     console.print(f"wrote {result['dir']}; MLflow run {run['run_id']} at {run['tracking_uri']}")
+
+
+@app.command()
+def search(
+    recipe: Annotated[
+        Optional[Path], path_option("--recipe", "YAML search recipe: base (convert recipe) + search", "FILE")
+    ] = None,
+    model: ModelOption = None,
+    dataset: DatasetOption = None,
+    eval_dataset: EvalDatasetOption = None,
+    max_ppl_rise: Annotated[
+        Optional[str],
+        typer.Option(help="prefill PPL rise over the original allowed: 1% or 0.01 (default 1%)"),
+    ] = None,
+    max_kl: Annotated[
+        Optional[float], typer.Option(help="KL(original ‖ compressed) nats/token allowed")
+    ] = None,
+    ratios: Annotated[Optional[str], typer.Option(help="width ratios bisected per arm, comma list")] = None,
+    bits: Annotated[
+        Optional[str],
+        typer.Option(
+            help="cache storages searched, comma list: B (rotated B-bit latents) or dense (default 3,4,dense)"
+        ),
+    ] = None,
+    allocators: Annotated[Optional[str], typer.Option(help=f"comma list of {_choices(ALLOCATORS)}")] = None,
+    n_samples: Annotated[Optional[int], typer.Option(help="calibration windows (default 256)")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
+    out: Annotated[Optional[Path], path_option("--out", "export the model found here", "DIR")] = None,
+    out_dir: Annotated[
+        Optional[Path], path_option("--out-dir", "write search.csv/.md and the Pareto plot here", "DIR")
+    ] = None,
+    store: Annotated[
+        Optional[str],
+        typer.Option(help="artifact store root", parser=store_root, metavar="DIR|s3://BUCKET/PREFIX"),
+    ] = None,
+    mlflow_uri: Annotated[
+        Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
+    ] = None,
+    set_: _set_option("base.eval.max_windows=8") = None,
+    device: DeviceOption = None,
+    dask: DaskOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Find the smallest KV cache within a quality budget (bisection on the width ratio per cache storage and
+    allocator), then convert, export and register it; logs the Pareto front to MLflow."""
+    from lrkv_tasks.recipe import apply_overrides, read_yaml
+    from lrkv_tasks.search import SearchRecipe
+
+    try:
+        rise = None if max_ppl_rise is None else _fraction(max_ppl_rise)
+        caches = csv_list(bits, lambda b: "dense" if b == "dense" else {"name": "quantized", "bits": int(b)})
+    except ValueError as e:
+        raise _fail(f"invalid option: {e}", 2) from None
+    flags = {
+        "base.model": model,
+        "base.calibration.dataset": dataset,
+        "base.eval.dataset": eval_dataset,
+        "base.calibration.n_samples": n_samples,
+        "base.calibration.seq_len": seq_len,
+        "base.eval.seq_len": seq_len,
+        "base.eval.decode_prefix": seq_len // 2 if seq_len else None,
+        "base.out": str(out) if out else None,
+        "base.store": store,
+        "base.tracking.mlflow_uri": mlflow_uri,
+        "search.max_ppl_rise": rise,
+        "search.max_kl": max_kl,
+        "search.ratios": csv_list(ratios, float),
+        "search.caches": caches,
+        "search.allocators": csv_list(allocators),
+    }
+    overrides = flag_overrides(flags, "base.eval.dataset") | parse_set(set_ or [])
+    try:
+        rec = SearchRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
+    except (ValueError, OSError, yaml.YAMLError) as e:
+        raise _fail(f"invalid recipe: {recipe_error(e)}", 2) from None
+    require_home()
+    _configure_prefect(rec.base.store, verbose)
+    try:
+        _build_builtin(rec.base.model)
+    except USER_ERRORS as e:
+        raise _fail(str(e)) from None
+    _use_device(device)
+    with _dask(dask, rec.base.store), _prefect_api() as supervise:
+        from lrkv_flows.search import search_flow
+
+        try:
+            with supervise, rich_progress():
+                result = search_flow(rec, str(out_dir) if out_dir else None)
+        except USER_ERRORS as e:
+            raise _fail(str(e)) from None
+    console.print(result["summary"]["markdown"], markup=False, highlight=False)
+    print_summary(result["winner"])
+
+
+def _fraction(text: str) -> float:
+    """``1%`` or ``0.01`` as 0.01."""
+    return float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
 
 
 @app.command()

@@ -35,7 +35,7 @@ from .cache import CACHE_STORAGES, CacheStorage
 from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
 from .fuse import compress_model
 from .linalg import group_slices
-from .refine import OBJECTIVES, REFINE_OBJECTIVE, REFINE_RADIUS, REFINE_ROWS, refine_plan
+from .refine import RefineConfig, refine_plan
 from .rotation import ROTATIONS
 from .statistics import STATISTICS, LayerValue, Statistic
 from .steps import (
@@ -72,13 +72,10 @@ class CompressionConfig:
     rotation : ``none``, ``hadamard`` or ``auto``: the orthogonal rotation fused into each group's factors
         (:mod:`lrkv_core.rotation`) to spread latents before quantization; ``rotation_seed`` seeds the
         random orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists.
-    refine_steps, refine_rows : Gauss–Newton steps refining the allocator's plan on the measured objective
-        over the first ``refine_rows`` calibration rows (:mod:`lrkv_core.refine`); 0 keeps the allocator's
-        plan, None (the default) takes the allocator's own default (``kl``: 3, the others: 0).
-        ``refine_radius``: the rank steps (of ``rank_multiple``) one step may move each group, halved
-        after a rejected step.
-        ``refine_objective``: what the refinement lowers on those rows, ``nll`` (the loss of the rows' own
-        next tokens, the default) or ``kl`` (the KL to the original's next-token distribution).
+    refine : how the allocator's plan is refined on calibration rows, a
+        :class:`~lrkv_core.refine.RefineConfig` or its mapping form (``{"steps": 0}`` keeps the allocator's
+        plan); its ``steps`` of None (the default) resolves to the allocator's own default (``kl``: 3, the
+        others: 0).
     """
 
     ratio: float = 0.5
@@ -90,10 +87,7 @@ class CompressionConfig:
     cache: CacheStorage | str | Mapping[str, Any] = "dense"
     rotation: str = "none"
     rotation_seed: int = 0
-    refine_steps: int | None = None
-    refine_rows: int = REFINE_ROWS
-    refine_radius: int = REFINE_RADIUS
-    refine_objective: str = REFINE_OBJECTIVE
+    refine: RefineConfig | Mapping[str, Any] = RefineConfig()
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
@@ -106,17 +100,10 @@ class CompressionConfig:
             raise ValueError(f"unknown rotation {self.rotation!r}; choose from {', '.join(ROTATIONS)}")
         object.__setattr__(self, "decomposition", DECOMPOSITIONS.create(self.decomposition))
         object.__setattr__(self, "allocator", ALLOCATORS.create(self.allocator))
-        if self.refine_steps is None:
-            object.__setattr__(self, "refine_steps", self.allocator.refine_steps)
-        if self.refine_steps < 0 or self.refine_rows < 1 or self.refine_radius < 1:
-            raise ValueError(
-                "refine steps must be ≥ 0, refine rows and radius ≥ 1, got "
-                f"{self.refine_steps}, {self.refine_rows}, {self.refine_radius}"
-            )
-        if self.refine_objective not in OBJECTIVES:
-            raise ValueError(
-                f"unknown refine objective {self.refine_objective!r}; choose from {', '.join(OBJECTIVES)}"
-            )
+        refine = RefineConfig.create(self.refine)
+        if refine.steps is None:
+            refine = replace(refine, steps=self.allocator.refine_steps)
+        object.__setattr__(self, "refine", refine)
         stats = tuple(STATISTICS.create(s) for s in self.statistics)
         if len({s.name for s in stats}) != len(stats):
             raise ValueError("each statistic may be configured once")
@@ -127,7 +114,7 @@ class CompressionConfig:
     @property
     def refines(self) -> bool:
         """Whether a conversion refines the allocator's plan: refine steps asked for and something to cut."""
-        return self.refine_steps > 0 and self.ratio < 1
+        return self.refine.steps > 0 and self.ratio < 1
 
     def features(self) -> frozenset[str]:
         """Per-group features the allocator reads besides the spectra: none at ratio 1.0, where every group
@@ -297,18 +284,9 @@ def run_steps(
             results[step.name] = plan_from_summaries(summaries, head_dim=shape.D, **p)
         elif step.kind == "refine":
             if calibration is None:
-                raise ValueError("refine_steps measures the plan on calibration rows: pass calibration rows")
+                raise ValueError("the refinement measures the plan on its rows: pass calibration rows")
             *factors, plan = (results[s] for s in step.inputs)
-            results[step.name] = refine_plan(
-                model,
-                factors,
-                plan,
-                calibration[: p["rows"]],
-                steps=p["steps"],
-                radius=p["radius"],
-                objective=p["objective"],
-                batch_size=batch_size,
-            )
+            results[step.name] = refine_plan(model, factors, plan, calibration, p, batch_size=batch_size)
     return results
 
 

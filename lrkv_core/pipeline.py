@@ -34,7 +34,7 @@ from .hf_quantized_cache import HfQuantizedCacheSpec
 from .io import model_card, save_compressed
 from .longcontext import LongContextProtocol, LongContextResult, evaluate_long_context
 from .models import load_model, load_tokenizer, read_tensors
-from .refine import REFINE_OBJECTIVE, REFINE_RADIUS, refine_plan
+from .refine import RefineConfig, refine_plan
 from .statistics import (
     STATISTICS,
     LayerValue,
@@ -233,28 +233,24 @@ def refine_file(
     factor_paths: list[str],
     plan_path: str,
     out_path: str,
+    config: RefineConfig | Mapping[str, Any],
     *,
-    steps: int,
-    rows: int,
-    radius: int = REFINE_RADIUS,
-    objective: str = REFINE_OBJECTIVE,
     dtype: str = "float32",
     device: str = "cpu",
     batch_size: int = 8,
     progress: Progress = None,
 ) -> dict:
-    """Refine a plan on the measured ``objective`` over the first ``rows`` calibration rows
-    (:mod:`lrkv_core.refine`), the model on ``device``; the summary lists the objective's value for each kept
-    plan under its name."""
+    """Refine a plan as ``config`` says (:class:`lrkv_core.refine.RefineConfig`) on the calibration rows, the
+    model on ``device``; the summary lists the objective's value for each kept plan under its name."""
+    config = RefineConfig.create(config)
+    objective = config.objective
     model, _ = load_model(model_dir, dtype=dtype, device=device)
     plan = refine_plan(
         model,
         [load_layer_factors(p) for p in factor_paths],
         RankPlan.load(plan_path),
-        read_token_rows(calib_path)[:rows],
-        steps=steps,
-        radius=radius,
-        objective=objective,
+        read_token_rows(calib_path),
+        config,
         batch_size=batch_size,
         progress=progress,
     )

@@ -21,17 +21,19 @@ backward pass) and F the Fisher of the cut model (a second pass, targets sampled
 as :mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :class:`LatentProducts`, so two
 passes price every (group, rank). The new plan minimises the summed prices within the budget and no
 narrower than P (the exact knapsack), each group moving at most ``radius`` rank steps; it is kept only if
-its measured J is lower, otherwise the radius halves. Cost per step: two gradient passes and two to four
+its measured J is lower (on the same rows, or with ``accept_rows`` on the calibration rows after them, which
+the step was not priced on), otherwise the radius halves. Cost per step: two gradient passes and two to four
 forward passes over the rows (the KL also needs the original's). J is that of the cut weights: a
 quantized latent cache adds its rounding on top, which the refinement does not see.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -50,6 +52,83 @@ Key = tuple[int, str]  # (layer, "k"|"v")
 REFINE_ROWS = 128  # calibration rows the loss is measured on (docs/decomposition.md: every plan at 0.5)
 REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md: radius)
 REFINE_OBJECTIVE = "nll"  # what the refinement lowers on its rows, "nll" or "kl" (docs/allocation.md)
+
+
+def _describe_fields(schema: dict[str, Any], cls: type) -> None:
+    """A recipe's JSON schema (the Prefect UI's form) takes each field's ``help`` as its description."""
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata and f.name in schema.get("properties", {}):
+            schema["properties"][f.name]["description"] = f.metadata["help"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RefineConfig:
+    """How a conversion refines the allocator's plan (the module doc): the ``refine`` section of
+    :class:`lrkv_core.convert.CompressionConfig` and of a recipe's ``compression`` (one definition: a recipe
+    validates this class itself). A new option is a field here, read by :func:`refine_plan`."""
+
+    # a recipe validates this dataclass strictly (unknown keys fail) and shows each field's help in its form
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "json_schema_extra": _describe_fields}
+
+    steps: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Gauss–Newton steps refining the allocator's plan on the measured objective (each kept "
+            "only if it lowers it); 0: the allocator's plan; null: the allocator's default (kl: 3, the "
+            "others: 0)"
+        },
+    )
+    rows: int = dataclasses.field(
+        default=REFINE_ROWS, metadata={"help": "calibration rows (the first) the objective is measured on"}
+    )
+    radius: int = dataclasses.field(
+        default=REFINE_RADIUS,
+        metadata={
+            "help": "rank steps (of rank_multiple) one refinement step may move each group; halved after a "
+            "step that does not lower the objective"
+        },
+    )
+    accept_rows: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "calibration rows after the first `rows` on which each step is accepted or rejected "
+            "(0: the rows that priced it)"
+        },
+    )
+    objective: Literal["kl", "nll"] = dataclasses.field(
+        default=REFINE_OBJECTIVE,
+        metadata={
+            "help": "what the refinement lowers on its rows: nll, the loss of the rows' own next tokens; kl, "
+            "the KL to the original's next-token distribution"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.accept_rows < 0:
+            raise ValueError(f"refine accept_rows must be ≥ 0, got {self.accept_rows}")
+        if (self.steps is not None and self.steps < 0) or self.rows < 1 or self.radius < 1:
+            raise ValueError(
+                "refine steps must be ≥ 0, refine rows and radius ≥ 1, got "
+                f"{self.steps}, {self.rows}, {self.radius}"
+            )
+        _check(self.objective)
+
+    @classmethod
+    def create(cls, value: RefineConfig | Mapping[str, Any] | None) -> RefineConfig:
+        """The config itself, or one from its mapping form (``{"steps": 2, "objective": "kl"}``)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"refine options must be a mapping, got {value!r}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown refine option(s) {', '.join(sorted(unknown))}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 class PlanWeights:
@@ -194,24 +273,33 @@ def refine_plan(
     factors: Sequence[LayerFactors],
     plan: RankPlan,
     rows: torch.Tensor,
+    config: RefineConfig | Mapping[str, Any],
     *,
-    steps: int,
-    radius: int = REFINE_RADIUS,
-    objective: str = REFINE_OBJECTIVE,
     batch_size: int = 8,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> RankPlan:
-    """The plan after up to ``steps`` accepted-or-rejected Gauss–Newton steps on the measured ``objective``
-    (``nll`` or ``kl``) over ``rows`` (N, T) (see the module doc); the model is left as it was. Its details
-    gain ``refine``: the objective, and its measured value before and after each step (under its name) and
-    whether it was kept. Never above the plan's budget, never a higher measured objective on ``rows`` than
-    the plan's."""
-    if steps < 0 or radius < 1:
-        raise ValueError(f"refine needs steps ≥ 0 and radius ≥ 1, got {steps}, {radius}")
-    measure = OBJECTIVES[_check(objective)]
+    """The plan after up to ``config.steps`` accepted-or-rejected Gauss–Newton steps on the measured
+    ``config.objective`` (``nll`` or ``kl``), priced on the first ``config.rows`` of ``rows`` (N, T) (see the
+    module doc) and accepted on the next ``config.accept_rows`` (on the pricing rows when 0); the model is
+    left as it was. Its details gain ``refine``: the objective, and its measured value on the accepting rows
+    before and after each step (under its name) and whether it was kept. Never above the plan's budget, never
+    a higher measured objective on the accepting rows than the plan's."""
+    config = RefineConfig.create(config)
+    if config.steps is None:
+        raise ValueError("refine needs a number of steps (the conversion resolves the allocator's default)")
+    steps, radius, objective = config.steps, config.radius, config.objective
+    measure = OBJECTIVES[objective]
     if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] < 2:
         raise ValueError(f"refine needs (N, T) calibration rows with T ≥ 2, got {tuple(rows.shape)}")
+    rows, accept = rows[: config.rows], rows[config.rows : config.rows + config.accept_rows]
+    if config.accept_rows and (len(accept) < config.accept_rows or len(rows) < config.rows):
+        raise ValueError(
+            f"refine accepts on {config.accept_rows} rows after the first {config.rows}: it needs "
+            f"{config.rows + config.accept_rows} calibration rows, got {len(rows) + len(accept)}"
+        )
+    if not config.accept_rows:
+        accept = rows
     spectra = [f.spectra() for f in factors]
     problem = RankProblem(spectra, plan.group_width, plan.target_ratio, plan.rank_multiple)
     ranks = plan.ranks
@@ -220,7 +308,7 @@ def refine_plan(
     weights = PlanWeights(model, factors)
     generator = torch.Generator().manual_seed(seed)
     try:
-        value = measure(model, weights, ranks, rows, batch_size)
+        value = measure(model, weights, ranks, accept, batch_size)
         history = [{objective: value}]
         for step in range(steps):
             costs = step_costs(
@@ -237,7 +325,7 @@ def refine_plan(
             if moved == 0:  # no move is estimated to help: a smaller radius offers none either
                 break
             candidate = problem.nest(flat)
-            new_value = measure(model, weights, candidate, rows, batch_size)
+            new_value = measure(model, weights, candidate, accept, batch_size)
             kept = new_value < value
             history.append(
                 {objective: new_value, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
@@ -252,7 +340,13 @@ def refine_plan(
                 progress(step + 1, steps)
     finally:
         weights.restore()
-    details = plan.details | {"refine": {"rows": rows.shape[0], "objective": objective, "steps": history}}
+    record = {
+        "rows": rows.shape[0],
+        "accept_rows": config.accept_rows,
+        "objective": objective,
+        "steps": history,
+    }
+    details = plan.details | {"refine": record}
     return replace(plan, ranks=ranks, details=details)
 
 

@@ -176,13 +176,7 @@ def conversion_steps(
     steps.append(Step("plan", "plan", plan_params, tuple(summarize_step(layer) for layer in layers)))
     plan = "plan"
     if config.refines:
-        refine_params = {
-            "steps": config.refine_steps,
-            "rows": config.refine_rows,
-            "radius": config.refine_radius,
-            "objective": config.refine_objective,
-        }
-        steps.append(Step("refine", "refine", refine_params, (*factors, "plan")))
+        steps.append(Step("refine", "refine", config.refine.to_dict(), (*factors, "plan")))
         plan = "refine"
     build_params = {
         "decomposition": decomposition,

@@ -308,16 +308,13 @@ def refine_plan(
     calib: ArtifactRef,
     layers: list[ArtifactRef],
     plan: ArtifactRef,
-    steps: int,
-    rows: int,
-    radius: int,
-    objective: str,
+    refine: dict,
     dtype: str,
     batch_size: int,
     store: str,
 ) -> ArtifactRef:
-    """Refine the allocator's plan on the measured ``objective`` over calibration rows (Gauss–Newton
-    steps)."""
+    """Refine the allocator's plan on its measured objective over calibration rows (Gauss–Newton steps; the
+    options of :class:`lrkv_core.refine.RefineConfig`)."""
     with step("refine plan") as advance:
         refined = _stored(
             store,
@@ -330,10 +327,7 @@ def refine_plan(
                 [_local(f) for f in layers],
                 _local(plan),
                 out,
-                steps=steps,
-                rows=rows,
-                radius=radius,
-                objective=objective,
+                refine,
                 dtype=dtype,
                 device=task_device(),
                 batch_size=batch_size,
@@ -430,7 +424,7 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
         return stored(plan_ranks).submit(ctx.model, inputs, *args)
     if step.kind == "refine":
         *layers, plan = inputs
-        args = (p["steps"], p["rows"], p["radius"], p["objective"], ctx.dtype, ctx.batch_size, ctx.store)
+        args = (p, ctx.dtype, ctx.batch_size, ctx.store)
         return stored(refine_plan).submit(ctx.model, ctx.calib, layers, plan, *args)
     if step.kind == "build":
         *layers, plan = inputs

@@ -18,7 +18,7 @@ from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
 from lrkv_core.lora import RecoveryConfig
-from lrkv_core.refine import REFINE_OBJECTIVE, REFINE_RADIUS, REFINE_ROWS
+from lrkv_core.refine import RefineConfig
 from lrkv_core.registry import Method
 from lrkv_core.statistics import STATISTICS
 
@@ -72,25 +72,23 @@ class PaluRecipe(Strict):
         "latents before quantization): hadamard, or auto (Hadamard where the rank allows, else random)",
     )
     rotation_seed: int = 0
-    refine_steps: int | None = Field(
-        None,
-        ge=0,
-        description="Gauss–Newton steps refining the allocator's plan on the measured refine_objective "
-        "over calibration rows (each kept only if it lowers it); 0: the allocator's plan; null: the "
-        "allocator's default (kl: 3, the others: 0)",
+    refine: RefineConfig = Field(
+        RefineConfig(), description="how the allocator's plan is refined on calibration rows (steps 0: kept)"
     )
-    refine_rows: int = Field(REFINE_ROWS, ge=1, description="calibration rows the refinement measures on")
-    refine_radius: int = Field(
-        REFINE_RADIUS,
-        ge=1,
-        description="rank steps (of rank_multiple) one refinement step may move each group; halved after a "
-        "step that does not lower refine_objective",
-    )
-    refine_objective: Literal["kl", "nll"] = Field(
-        REFINE_OBJECTIVE,
-        description="what the refinement lowers on its rows: kl, the KL to the original's next-token "
-        "distribution; nll, the loss of the rows' own next tokens",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_refine_keys(cls, data: Any) -> Any:
+        """The flat form ``refine_steps: 2`` (``refine_rows``, ...) is read as ``refine: {steps: 2}``."""
+        if not isinstance(data, dict) or not any(k.startswith("refine_") for k in data):
+            return data
+        data = dict(data)
+        flat = {k[len("refine_") :]: data.pop(k) for k in list(data) if k.startswith("refine_")}
+        nested = data.get("refine") or {}
+        if not isinstance(nested, dict):
+            nested = dataclasses.asdict(nested)
+        data["refine"] = {**nested, **flat}
+        return data
 
     @model_validator(mode="after")
     def _positive_group(self) -> PaluRecipe:
@@ -110,10 +108,7 @@ class PaluRecipe(Strict):
             cache=self.cache,
             rotation=self.rotation,
             rotation_seed=self.rotation_seed,
-            refine_steps=self.refine_steps,
-            refine_rows=self.refine_rows,
-            refine_radius=self.refine_radius,
-            refine_objective=self.refine_objective,
+            refine=self.refine,
         )
 
 

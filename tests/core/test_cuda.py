@@ -43,7 +43,7 @@ def test_allocators_on_cuda_give_the_cpu_conversion(allocator):
     """Statistics collected on the GPU (the default ``kl``'s gradients, refined on the rows' loss by one
     step; Palu's Fisher): the plan and the compressed logits are those of the same conversion on the CPU."""
     rows = ids_for(16, 24, seed=5)
-    kw = dict(ratio=0.5, allocator=allocator, refine_steps=1)
+    kw = dict(ratio=0.5, allocator=allocator, refine={"steps": 1})
     cpu = convert(tiny_model("llama", 2).double(), rows, **kw)
     gpu = convert(tiny_model("llama", 2).double().cuda(), rows.cuda(), **kw)
     assert gpu.config.lrkv["ranks_k"] == cpu.config.lrkv["ranks_k"]

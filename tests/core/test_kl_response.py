@@ -80,7 +80,7 @@ def test_kl_plans_from_the_curves_it_collected_after_decomposing(make_tiny, one_
     conversion = plan_conversion(
         model,
         rows,
-        CompressionConfig(ratio=0.5, group_size=1, rank_multiple=2, allocator="kl", refine_steps=0),
+        CompressionConfig(ratio=0.5, group_size=1, rank_multiple=2, allocator="kl", refine={"steps": 0}),
     )  # the knapsack's own plan, before kl's default refinement
     plan = conversion.plan
     assert plan.kept == plan.budget_width == 32

@@ -12,7 +12,15 @@ import torch
 from lrkv_core.convert import CompressionConfig, plan_conversion
 from lrkv_core.data import calibration_windows
 from lrkv_core.models import load_model
-from lrkv_core.refine import REFINE_RADIUS, PlanWeights, measured_kl, measured_nll, refine_plan, step_costs
+from lrkv_core.refine import (
+    REFINE_RADIUS,
+    PlanWeights,
+    RefineConfig,
+    measured_kl,
+    measured_nll,
+    refine_plan,
+    step_costs,
+)
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
@@ -45,31 +53,34 @@ def test_refine_inputs_are_checked_and_no_steps_keep_the_plan(make_tiny) -> None
     model = make_tiny("llama", 2)
     rows = _rows(4, 12)
     conv = plan_conversion(model, rows, CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1))
-    assert refine_plan(model, conv.factors, conv.plan, rows, steps=0) is conv.plan
+    assert refine_plan(model, conv.factors, conv.plan, rows, {"steps": 0}) is conv.plan
     full = plan_conversion(model, rows, CompressionConfig(ratio=1.0, group_size=1, rank_multiple=1))
-    assert refine_plan(model, full.factors, full.plan, rows, steps=2) is full.plan  # nothing to move
-    for bad, match in (({"steps": -1}, "steps ≥ 0"), ({"steps": 1, "radius": 0}, "radius ≥ 1")):
-        with pytest.raises(ValueError, match=match):
-            refine_plan(model, conv.factors, conv.plan, rows, **bad)
+    assert refine_plan(model, full.factors, full.plan, rows, {"steps": 2}) is full.plan  # nothing to move
     with pytest.raises(ValueError, match="T ≥ 2"):
-        refine_plan(model, conv.factors, conv.plan, rows[:, :1], steps=1)
-    for bad in ({"refine_steps": -1}, {"refine_rows": 0}, {"refine_radius": 0}):
+        refine_plan(model, conv.factors, conv.plan, rows[:, :1], {"steps": 1})
+    with pytest.raises(ValueError, match="needs a number of steps"):
+        refine_plan(model, conv.factors, conv.plan, rows, {})
+    for bad in ({"steps": -1}, {"rows": 0}, {"radius": 0}):
         with pytest.raises(ValueError, match="refine steps must be ≥ 0, refine rows and radius ≥ 1"):
-            CompressionConfig(**bad)
+            CompressionConfig(refine=bad)
+        with pytest.raises(ValueError, match="refine steps must be ≥ 0, refine rows and radius ≥ 1"):
+            refine_plan(model, conv.factors, conv.plan, rows, {"steps": 1} | bad)
     with pytest.raises(ValueError, match="refine objective must be one of kl, nll, got 'ppl'"):
-        refine_plan(model, conv.factors, conv.plan, rows, steps=1, objective="ppl")
-    with pytest.raises(ValueError, match="unknown refine objective 'ppl'; choose from kl, nll"):
-        CompressionConfig(refine_objective="ppl")
-    assert CompressionConfig().refine_steps == 3  # kl's default
-    assert CompressionConfig(allocator="uniform").refine_steps == 0  # the others keep their plans
-    assert CompressionConfig(allocator="uniform", refine_steps=2).refine_steps == 2
-    assert CompressionConfig(refine_steps=0).refine_steps == 0
+        refine_plan(model, conv.factors, conv.plan, rows, {"steps": 1, "objective": "ppl"})
+    with pytest.raises(ValueError, match="refine objective must be one of kl, nll, got 'ppl'"):
+        CompressionConfig(refine={"objective": "ppl"})
+    with pytest.raises(ValueError, match=r"unknown refine option\(s\) step$"):
+        CompressionConfig(refine={"step": 1})
+    assert CompressionConfig().refine.steps == 3  # kl's default
+    assert CompressionConfig(allocator="uniform").refine.steps == 0  # the others keep their plans
+    assert CompressionConfig(allocator="uniform", refine={"steps": 2}).refine.steps == 2
+    assert CompressionConfig(refine=RefineConfig(steps=0)).refine.steps == 0
     with pytest.raises(ValueError, match="pass calibration rows"):
         plan_conversion(
-            model, None, CompressionConfig(decomposition="plain", allocator="uniform", refine_steps=1)
+            model, None, CompressionConfig(decomposition="plain", allocator="uniform", refine={"steps": 1})
         )
     refined = plan_conversion(
-        model, rows, CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, refine_steps=1)
+        model, rows, CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, refine={"steps": 1})
     )
     steps = refined.plan.details["refine"]["steps"]
     assert refined.plan.details["refine"]["rows"] == 4 and steps[0]["nll"] > 0  # the default objective
@@ -133,7 +144,7 @@ def test_step_estimates_predict_the_measured_objective_of_moving_one_group(shake
 def test_refining_uniforms_plan_lowers_the_kl_on_its_rows_and_on_others(shakespeare) -> None:
     model, rows, conv = shakespeare
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=3, objective="kl")
+    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], {"steps": 3, "objective": "kl"})
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # left as it was
     history = plan.details["refine"]["steps"]
     kept = [history[0]["kl"]] + [s["kl"] for s in history[1:] if s["kept"]]
@@ -156,7 +167,7 @@ def test_the_radius_bounds_each_groups_move(shakespeare) -> None:
     start = [r for kind in ("k", "v") for layer in conv.plan.ranks[kind] for r in layer]
     moves = {}
     for radius in (1, REFINE_RADIUS):
-        refined = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=1, radius=radius)
+        refined = refine_plan(model, conv.factors, conv.plan, rows[:16], {"steps": 1, "radius": radius})
         step = refined.details["refine"]["steps"][1]
         assert step["radius"] == radius and step["kept"]
         after = [r for kind in ("k", "v") for layer in refined.ranks[kind] for r in layer]
@@ -168,7 +179,7 @@ def test_refining_on_the_rows_own_tokens_lowers_their_loss(shakespeare) -> None:
     """``objective="nll"``: the kept plans' measured loss of the rows' own next tokens falls step by step,
     and the refined plan has the lower loss on rows it never saw too."""
     model, rows, conv = shakespeare
-    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], steps=2, objective="nll")
+    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], {"steps": 2, "objective": "nll"})
     refine = plan.details["refine"]
     kept = [refine["steps"][0]["nll"]] + [s["nll"] for s in refine["steps"][1:] if s["kept"]]
     assert refine["objective"] == "nll" and len(kept) > 1 and kept == sorted(kept, reverse=True)
@@ -182,3 +193,26 @@ def test_refining_on_the_rows_own_tokens_lowers_their_loss(shakespeare) -> None:
         )
     finally:
         weights.restore()
+
+
+def test_steps_are_accepted_on_the_rows_after_those_that_priced_them(shakespeare) -> None:
+    """``accept_rows``: steps priced on the first ``rows`` rows are kept or rejected by the objective measured
+    on the next ``accept_rows``; the plan's record says so, and too few calibration rows is an error."""
+    model, rows, conv = shakespeare
+    config = {"steps": 2, "rows": 16, "accept_rows": 16, "objective": "nll"}
+    plan = refine_plan(model, conv.factors, conv.plan, rows[:32], config)
+    refine = plan.details["refine"]
+    assert (refine["rows"], refine["accept_rows"]) == (16, 16)
+    kept = [refine["steps"][0]["nll"]] + [s["nll"] for s in refine["steps"][1:] if s["kept"]]
+    weights = PlanWeights(model, conv.factors)
+    try:
+        priced, accepting = rows[:16], rows[16:32]
+        assert measured_nll(model, weights, conv.plan.ranks, accepting, 8) == pytest.approx(kept[0], rel=1e-6)
+        assert measured_nll(model, weights, conv.plan.ranks, priced, 8) != pytest.approx(kept[0], rel=1e-3)
+        assert measured_nll(model, weights, plan.ranks, accepting, 8) == pytest.approx(kept[-1], rel=1e-6)
+    finally:
+        weights.restore()
+    with pytest.raises(ValueError, match="needs 48 calibration rows, got 32"):
+        refine_plan(model, conv.factors, conv.plan, rows[:32], config | {"accept_rows": 32})
+    with pytest.raises(ValueError, match="accept_rows must be ≥ 0"):
+        CompressionConfig(refine={"accept_rows": -1})

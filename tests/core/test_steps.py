@@ -34,7 +34,7 @@ def _check_order(graph: StepGraph) -> None:
         {},
         {"allocator": "uniform"},
         {"allocator": "fisher", "decomposition": "plain"},
-        {"allocator": "kl", "refine_steps": 0},
+        {"allocator": "kl", "refine": {"steps": 0}},
         {"allocator": {"name": "eigen", "rule": "layerwise"}},
         {"decomposition": "plain", "allocator": "lorc"},
         {"ratio": 1.0},
@@ -64,7 +64,7 @@ def test_the_steps_read_what_their_methods_need() -> None:
     assert graph["summarize[0]"].inputs == ("decompose[0]", "statistic[kl_response]")
     assert graph["plan"].inputs == ("summarize[0]", "summarize[1]")
     assert graph["build"].inputs == ("decompose[0]", "decompose[1]", "refine")
-    assert graph["refine"].params["steps"] == 3
+    assert graph["refine"].params == config.refine.to_dict() | {"steps": 3}  # all of RefineConfig
 
 
 def test_given_statistics_are_not_collected_and_the_config_is_resolved_first() -> None:

@@ -8,6 +8,7 @@ from lrkv_core import load_compressed, load_model
 from lrkv_core.allocation import DEFAULT_ALLOCATOR, RankPlan
 from lrkv_core.convert import plan_conversion
 from lrkv_core.data import eval_windows, read_token_rows
+from lrkv_core.refine import RefineConfig
 from lrkv_flows.convert import convert_flow
 from lrkv_tasks.recipe import load_recipe
 from lrkv_tasks.store import local_path
@@ -134,7 +135,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
 
     # refine_steps 0: the allocator's plan, from cache
     unrefined = convert_flow(
-        recipe.model_copy(update={"compression": comp.model_copy(update={"refine_steps": 0})})
+        recipe.model_copy(update={"compression": comp.model_copy(update={"refine": RefineConfig(steps=0)})})
     )
     states = {row["task"]: row["state"] for row in unrefined["timings"]}
     assert states["plan_ranks"] == "Cached" and "refine_plan" not in states

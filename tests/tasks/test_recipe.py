@@ -20,8 +20,8 @@ def test_defaults_are_the_embedded_quickstart():
     assert r.compression.allocator.name == CompressionConfig().allocator.name == DEFAULT_ALLOCATOR == "kl"
     assert r.compression.allocator.solver == "exact" and r.calibration.n_samples == 256
     config = r.compression.to_config()
-    assert (config.refine_steps, config.refine_rows, config.refine_radius) == (3, 128, 4)
-    assert config.refine_objective == CompressionConfig().refine_objective == "nll"
+    assert (config.refine.steps, config.refine.rows, config.refine.radius) == (3, 128, 4)
+    assert config.refine.objective == CompressionConfig().refine.objective == "nll"
     assert r.compression.decomposition.to_dict() == {
         "name": "whitened",
         "values": "attention",
@@ -114,9 +114,9 @@ def test_the_tale_cache_is_a_recipe_field_and_refuses_a_fused_rotation():
 def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("model: some/model\ncompression:\n  ratio: 0.7\n  group_size: 2\n")
-    over = {"compression.ratio": 0.3, "eval.max_windows": 4, "compression.refine_radius": 2}
-    r = load_recipe(p, over | {"compression.refine_objective": "kl"})
-    assert (r.compression.to_config().refine_radius, r.compression.to_config().refine_objective) == (2, "kl")
+    over = {"compression.ratio": 0.3, "eval.max_windows": 4, "compression.refine.radius": 2}
+    r = load_recipe(p, over | {"compression.refine.objective": "kl"})
+    assert (r.compression.to_config().refine.radius, r.compression.to_config().refine.objective) == (2, "kl")
     assert (r.model, r.compression.ratio, r.compression.group_size, r.eval.max_windows) == (
         "some/model",
         0.3,
@@ -134,8 +134,10 @@ def test_yaml_and_overrides(tmp_path):
         "compression:\n  group_size: 0\n",  # not a group
         "compression:\n  decomposition: {name: plain, rank: 3}\n",  # an option plain does not take
         "compression:\n  ratio: 1.5\n",  # out of range
-        "compression:\n  refine_radius: 0\n",  # a refinement step that may move nothing
-        "compression:\n  refine_objective: ppl\n",  # not an objective the refinement has
+        "compression:\n  refine: {radius: 0}\n",  # a refinement step that may move nothing
+        "compression:\n  refine: {objective: ppl}\n",  # not an objective the refinement has
+        "compression:\n  refine: {step: 1}\n",  # not a refinement option
+        "compression:\n  refine_radius: 0\n",  # the flat form is checked the same way
         "eval:\n  seq_len: 64\n  decode_prefix: 64\n",  # prefix outside the window
     ],
 )
