@@ -88,3 +88,32 @@ def plot_loss_curve(history: list[dict], evals: list[dict], path: str | Path) ->
     out = Path(path)
     fig.savefig(out, format="png")
     return out
+
+
+def plot_pareto_front(rows: list[dict], max_ppl_rise: float, best: dict | None, path: str | Path) -> Path:
+    """A search's candidates, KV bytes/token against prefill PPL rise (%), one colour per arm, with the
+    Pareto front, the budget and the smallest candidate within it; writes a PNG."""
+    fig = Figure(figsize=(7.2, 4.4), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ok = [r for r in rows if r.get("error") is None]
+    for arm in dict.fromkeys(r["arm"] for r in ok):
+        pts = sorted((r["kv_bytes_per_token"], 100 * r["ppl_rise_rel"]) for r in ok if r["arm"] == arm)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", alpha=0.7, label=arm)
+    front = sorted((r["kv_bytes_per_token"], 100 * r["ppl_rise_rel"]) for r in ok if r.get("on_front"))
+    if front:
+        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="black", linewidth=1,
+                label="Pareto front")  # fmt: skip
+    ax.axhline(100 * max_ppl_rise, color="tab:red", linestyle="--", linewidth=1, label="budget")
+    if best is not None:
+        ax.plot([best["kv_bytes_per_token"]], [100 * best["ppl_rise_rel"]], "*", markersize=14,
+                color="gold", markeredgecolor="black", label="smallest within budget")  # fmt: skip
+    ax.set_xlabel("measured KV bytes per token")
+    ax.set_ylabel("prefill PPL rise over the original (%)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, format="png")
+    return out

@@ -266,12 +266,20 @@ def log_conversion(
     json_artifacts: dict[str, dict],
     file_artifacts: dict[str, str],
     tags: dict[str, str],
+    tables: dict[str, dict[str, list]] | None = None,
+    figures: dict[str, str] | None = None,
 ) -> dict:
     """One complete MLflow run (open, log, close FINISHED; FAILED if logging fails); returns its ids."""
     run = open_run(tracking_uri, experiment, run_name, tags)
     try:
         log_results(
-            run, params=params, metrics=metrics, json_artifacts=json_artifacts, file_artifacts=file_artifacts
+            run,
+            params=params,
+            metrics=metrics,
+            json_artifacts=json_artifacts,
+            file_artifacts=file_artifacts,
+            tables=tables,
+            figures=figures,
         )
     except BaseException:
         close_run(run, "FAILED")

@@ -1,0 +1,199 @@
+"""The search for the smallest KV cache within a quality budget: its recipe, its rows and its summary (a
+table, the Pareto front's plot, an MLflow run and a Prefect markdown artifact). The search itself is
+:mod:`lrkv_core.search`; the flow that converts its candidates is :mod:`lrkv_flows.search`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import task
+from pydantic import Field, field_validator, model_validator
+
+from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
+from lrkv_core.cache import CACHE_STORAGES
+from lrkv_core.search import Budget, Point, SearchResult
+
+from .ablation import ablation_row
+from .recipe import ConvertRecipe, PaluRecipe, Strict, flatten, method_label
+from .registered import registered
+from .store import LocalStore, is_s3
+
+DEFAULT_RATIOS = [round(0.05 * k, 2) for k in range(1, 21)]
+
+
+class SearchSpace(Strict):
+    """What the search may vary (cache storage with its bits × allocator × width ratio) and the budget."""
+
+    max_ppl_rise: float = Field(
+        0.01, ge=0, description="relative prefill PPL rise over the original allowed (0.01: 1 %)"
+    )
+    max_kl: float | None = Field(None, ge=0, description="KL(original ‖ compressed) per token allowed")
+    ratios: list[float] = Field(DEFAULT_RATIOS, min_length=1, description="width ratios, bisected per arm")
+    caches: list[registered(CACHE_STORAGES)] = Field(  # type: ignore[valid-type]
+        [{"name": "quantized", "bits": 3}, {"name": "quantized", "bits": 4}, "dense"],
+        min_length=1,
+        description="cache storages searched, in this order (small caches first prune the others more)",
+    )
+    allocators: list[registered(ALLOCATORS)] = Field(  # type: ignore[valid-type]
+        [DEFAULT_ALLOCATOR], min_length=1
+    )
+    rotation: Literal["none", "hadamard", "auto"] = Field(
+        "auto", description="rotation fused for every storage but dense (dense keeps the base's)"
+    )
+
+    @field_validator("ratios")
+    @classmethod
+    def _ratios_in_range(cls, value: list[float]) -> list[float]:
+        if any(not 0 < r <= 1 for r in value):
+            raise ValueError(f"ratios must be in (0, 1], got {value}")
+        return sorted(set(value))
+
+    def budget(self) -> Budget:
+        return Budget(self.max_ppl_rise, self.max_kl)
+
+
+class SearchRecipe(Strict):
+    """A search of one model: a ``base`` convert recipe (calibration, evaluation, tracking, registry, store,
+    out: where the winner is exported) and the ``search`` section."""
+
+    base: ConvertRecipe = ConvertRecipe()
+    search: SearchSpace = SearchSpace()
+
+    @model_validator(mode="after")
+    def _evaluated(self) -> SearchRecipe:
+        if self.base.eval.dataset is None:
+            raise ValueError("a search measures quality: base.eval.dataset cannot be null")
+        return self
+
+    def arms(self) -> dict[str, tuple[Any, Any]]:
+        """label -> (cache storage, allocator), caches outermost (the order the search takes)."""
+        return {
+            f"{method_label(c)} {method_label(a)}": (c, a)
+            for c in self.search.caches
+            for a in self.search.allocators
+        }
+
+    def candidate(self, arm: str, ratio: float) -> PaluRecipe:
+        """The base's compression section at this arm and ratio."""
+        cache, allocator = self.arms()[arm]
+        comp = self.base.compression
+        rotation = comp.rotation if cache.name == "dense" else self.search.rotation
+        return comp.model_copy(
+            update={"cache": cache, "allocator": allocator, "ratio": ratio, "rotation": rotation}
+        )
+
+
+def search_row(arm: str, compression: Any, result: dict | None, error: str | None = None) -> dict:
+    """An ablation row (:func:`lrkv_tasks.ablation.ablation_row`) with the arm, the measured KV bytes/token
+    and the relative perplexity rise the budget reads."""
+    row = ablation_row(compression, result, error) | {"arm": arm}
+    if result is None:
+        return row
+    base, comp = result["eval"]["base"], result["eval"]["compressed"]
+    return row | {
+        "kv_bytes_per_token": comp["kv"]["kv_bytes_per_token"],
+        "base_kv_bytes_per_token": base["kv"]["kv_bytes_per_token"],
+        "ppl_rise_rel": comp["prefill"]["ppl"] / base["prefill"]["ppl"] - 1,
+    }
+
+
+def to_point(row: dict) -> Point:
+    if row.get("error") is not None:
+        return Point(row["arm"], row["ratio"], 0.0, math.inf, None, row["error"])
+    return Point(row["arm"], row["ratio"], row["kv_bytes_per_token"], row["ppl_rise_rel"], row["kl"])
+
+
+COLUMNS = ["arm", "ratio", "achieved_ratio", "kv_bytes_per_token", "ppl_rise_rel", "kl", "prefill_ppl",
+           "decode_ppl", "within_budget", "on_front", "error"]  # fmt: skip
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+
+def search_markdown(model: str, rows: list[dict], budget: Budget, best: dict | None, cost: dict) -> str:
+    """The search as markdown: budget, winner, Pareto front, every point, cost."""
+    kl = f", KL ≤ {budget.max_kl}" if budget.max_kl is not None else ""
+    lines = [
+        f"# lrkv search: `{model}`",
+        "",
+        f"Budget: prefill PPL rise ≤ {budget.max_ppl_rise:.2%}{kl}.",
+        "",
+    ]
+    if best is None:
+        lines.append("**No candidate within the budget.**")
+    else:
+        lines.append(
+            f"Smallest within budget: **{best['arm']} at ratio {best['ratio']}**, "
+            f"{best['kv_bytes_per_token']:.1f} KV bytes/token "
+            f"(original {best['base_kv_bytes_per_token']:.1f}), "
+            f"PPL rise {best['ppl_rise_rel']:+.2%}, KL {best['kl']:.4g}."
+        )
+    head = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["", "## Pareto front (KV bytes/token vs PPL rise)", "", *head]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows if r.get("on_front")]
+    lines += ["", "## Every candidate, in the order measured", "", *head]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    lines += ["", "## Cost", "", "| measure | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in cost.items()]
+    return "\n".join(lines) + "\n"
+
+
+@task(name="summarize_search")
+def summarize_search(
+    rows: list[dict], result: SearchResult, best: dict | None, cost: dict, recipe: dict, out_dir: str | None
+) -> dict:
+    """Write the search's table, markdown and Pareto plot, log them to MLflow in one run and publish the
+    markdown as the flow run's Prefect artifact."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from .plots import plot_pareto_front
+    from .tracking import log_conversion, versions
+
+    front = {(p.arm, p.ratio) for p in result.front}
+    rows = [
+        r | {"within_budget": result.budget.admits(to_point(r)), "on_front": (r["arm"], r["ratio"]) in front}
+        for r in rows
+    ]
+    store = recipe["base"]["store"]
+    local_root = LocalStore(None if store is None or is_s3(store) else store).path
+    target = Path(out_dir) if out_dir else local_root / "searches"
+    target.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    markdown = search_markdown(recipe["base"]["model"], rows, result.budget, best, cost)
+    (target / "search.csv").write_text(buf.getvalue())
+    (target / "search.md").write_text(markdown)
+    figures = {}
+    if any(r.get("error") is None for r in rows):
+        plot_pareto_front(rows, result.budget.max_ppl_rise, best, target / "search_pareto.png")
+        figures = {"search_pareto.png": str(target / "search_pareto.png")}
+    tracking = recipe["base"]["tracking"]
+    table = {c: [r.get(c) for r in rows] for c in COLUMNS}
+    metrics = {k: float(v) for k, v in cost.items()}
+    if best is not None:
+        metrics |= {"best_kv_bytes_per_token": best["kv_bytes_per_token"], "best_ratio": best["ratio"]}
+    run = log_conversion(
+        tracking_uri=tracking["mlflow_uri"],
+        experiment=tracking["experiment"],
+        run_name=f"search-{Path(recipe['base']['model']).name}",
+        params={f"recipe.{k}": v for k, v in flatten(recipe).items()}
+        | {f"version.{k}": v for k, v in versions().items()},
+        metrics=metrics,
+        json_artifacts={"search_rows.json": {"rows": rows}},
+        file_artifacts={"search.csv": str(target / "search.csv"), "search.md": str(target / "search.md")},
+        tables={"search_points.json": table, "pareto_front.json": {
+            c: [r.get(c) for r in rows if r["on_front"]] for c in COLUMNS}},
+        figures=figures,
+        tags={"lrkv.kind": "search", "lrkv.model": recipe["base"]["model"]},
+    )  # fmt: skip
+    create_markdown_artifact(
+        markdown, key="lrkv-search", description=f"lrkv search of {recipe['base']['model']}"
+    )
+    return {"dir": str(target), "mlflow": run, "markdown": markdown, "rows": rows}
