@@ -6,7 +6,9 @@
   one, so the UI's Run button (or ``prefect deployment run``) converts with it or an edited copy;
 - ``lrkv-evaluate/evaluate``: the evaluate flow;
 - ``lrkv-nightly/nightly``: :func:`nightly_flow` on a cron schedule (default 02:00 UTC), converting every
-  model of its ``models`` parameter with the same recipe.
+  model of its ``models`` parameter with the same recipe; given a search recipe instead,
+  ``lrkv-nightly-search/nightly-search``: :func:`nightly_search_flow`, a search (:mod:`lrkv_flows.search`)
+  per model, each registering the smallest cache within its budget.
 
 A worker started with ``prefect worker start --pool POOL --type process`` (``lrkv up`` starts one) runs
 them; entrypoints are module paths (``lrkv_flows.convert.convert_flow``), so the worker needs lrkv
@@ -23,12 +25,14 @@ from prefect.deployments.runner import EntrypointType
 from lrkv_core.models import parse_device
 from lrkv_tasks.device import ENV as DEVICE_ENV
 from lrkv_tasks.recipe import ConvertRecipe, EvalRecipe
+from lrkv_tasks.search import SearchRecipe
 
 from .cluster import ENV as DASK_ENV
 from .cluster import parse_dask
 from .convert import convert_flow
 from .evaluate import evaluate_flow
 from .runner import ConfiguredTaskRunner
+from .search import search_flow
 
 DEFAULT_POOL = "lrkv"
 DEFAULT_CRON = "0 2 * * *"
@@ -38,22 +42,42 @@ def work_pool() -> str:
     return os.environ.get("LRKV_WORK_POOL", DEFAULT_POOL)
 
 
-@flow(name="lrkv-nightly", log_prints=True, task_runner=ConfiguredTaskRunner())
-def nightly_flow(models: list[str], recipe: ConvertRecipe) -> dict:
-    """Convert each model with the recipe (one convert subflow each); fail at the end if any failed."""
+def _each_model(models: list[str], run, what: str) -> dict:
+    """``run(model)`` for each model; one model's failure does not stop the others, and the flow fails at
+    the end naming every model that failed."""
     results, failures = {}, {}
     for model in models:
         try:
-            result = convert_flow(recipe.model_copy(update={"model": model}))
-        except Exception as err:  # one model's failure does not stop the others; all are reported below
+            result = run(model)
+        except Exception as err:  # reported below, after the other models
             failures[model] = f"{type(err).__name__}: {err}"
             print(f"{model}: failed ({failures[model]})")
             continue
         results[model] = {"mlflow": result["mlflow"], "registered": result["registered"]}
         print(f"{model}: done, MLflow run {result['mlflow']['run_id']}")
     if failures:
-        raise RuntimeError(f"{len(failures)} of {len(models)} nightly conversions failed: {failures}")
+        raise RuntimeError(f"{len(failures)} of {len(models)} nightly {what} failed: {failures}")
     return results
+
+
+@flow(name="lrkv-nightly", log_prints=True, task_runner=ConfiguredTaskRunner())
+def nightly_flow(models: list[str], recipe: ConvertRecipe) -> dict:
+    """Convert each model with the recipe (one convert subflow each); fail at the end if any failed."""
+    return _each_model(
+        models, lambda model: convert_flow(recipe.model_copy(update={"model": model})), "conversions"
+    )
+
+
+@flow(name="lrkv-nightly-search", log_prints=True, task_runner=ConfiguredTaskRunner())
+def nightly_search_flow(models: list[str], recipe: SearchRecipe) -> dict:
+    """Search each model for its smallest cache within the budget, registering the winner (one search
+    subflow each); fail at the end if any failed."""
+
+    def search(model: str) -> dict:
+        base = recipe.base.model_copy(update={"model": model})
+        return search_flow(recipe.model_copy(update={"base": base}))["winner"]
+
+    return _each_model(models, search, "searches")
 
 
 def ensure_work_pool(name: str) -> None:
@@ -77,8 +101,12 @@ def deploy(
     eval_recipe: EvalRecipe | None = None,
     dask: str | None = None,
     device: str | None = None,
+    search: SearchRecipe | None = None,
 ) -> dict[str, str]:
     """Register the three deployments (see the module docstring); returns deployment name -> id.
+
+    ``search``: the nightly deployment searches each model with this recipe (its ``base.model`` replaced)
+    instead of converting it with ``recipe``.
 
     ``dask`` (``local[:N]`` or ``tcp://HOST:PORT``, :mod:`lrkv_flows.cluster`) becomes the runs' ``LRKV_DASK``
     (a job variable), so their tasks run on Dask; ``local`` starts a cluster on the worker's host per run.
@@ -106,12 +134,21 @@ def deploy(
             tags=["lrkv"],
             **common,
         ),
-        "lrkv-nightly/nightly": nightly_flow.to_deployment(
+    }
+    if search is None:
+        deployments["lrkv-nightly/nightly"] = nightly_flow.to_deployment(
             "nightly",
             cron=cron,
             parameters={"models": nightly_models, "recipe": recipe_json},
             tags=["lrkv", "nightly"],
             **common,
-        ),
-    }
+        )
+    else:
+        deployments["lrkv-nightly-search/nightly-search"] = nightly_search_flow.to_deployment(
+            "nightly-search",
+            cron=cron,
+            parameters={"models": nightly_models, "recipe": search.model_dump(mode="json")},
+            tags=["lrkv", "nightly", "search"],
+            **common,
+        )
     return {name: str(d.apply(work_pool_name=pool)) for name, d in deployments.items()}

@@ -79,6 +79,15 @@ def deploy(
         Optional[str], typer.Option(help="comma list of models the nightly deployment converts")
     ] = None,
     cron: Annotated[str, typer.Option(help="the nightly schedule (cron, UTC)")] = "0 2 * * *",
+    search: Annotated[
+        Optional[Path],
+        path_option(
+            "--search",
+            "YAML search recipe (base + search): the nightly deployment searches each model for its smallest "
+            "cache within the budget instead of converting it with --recipe",
+            "FILE",
+        ),
+    ] = None,
     pool: Annotated[
         Optional[str], typer.Option(help="process work pool (default $LRKV_WORK_POOL or lrkv)")
     ] = None,
@@ -103,7 +112,8 @@ def deploy(
 ) -> None:
     """Register the convert, evaluate and nightly deployments on the Prefect server (the one `lrkv up`
     started, or $PREFECT_API_URL)."""
-    from lrkv_tasks.recipe import load_recipe
+    from lrkv_tasks.recipe import load_recipe, read_yaml
+    from lrkv_tasks.search import SearchRecipe
 
     from .apiserver import running_services
 
@@ -114,15 +124,18 @@ def deploy(
         os.environ["PREFECT_API_URL"] = services["prefect_api"]
     try:
         rec = load_recipe(recipe)
-        models = [m.strip() for m in (nightly or rec.model).split(",") if m.strip()]
+        searched = SearchRecipe.model_validate(read_yaml(search)) if search else None
+        default_model = searched.base.model if searched else rec.model
+        models = [m.strip() for m in (nightly or default_model).split(",") if m.strip()]
         from .deploy import deploy as register
 
-        ids = register(rec, models, cron=cron, pool=pool, dask=dask, device=device)
+        ids = register(rec, models, cron=cron, pool=pool, dask=dask, device=device, search=searched)
     except (ValueError, OSError) as e:
         raise fail(_first_line(e)) from None
     for name, dep_id in ids.items():
         console.print(f"deployment {name} ({dep_id})")
-    console.print(f"nightly: {', '.join(models)} at '{cron}' (UTC)")
+    what = "search" if searched else "nightly"
+    console.print(f"{what}: {', '.join(models)} at '{cron}' (UTC)")
     if dask:
         console.print(f"their tasks run on Dask ({dask})")
     if device:

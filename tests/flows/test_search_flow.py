@@ -5,6 +5,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from lrkv_flows.ablate import ablate_flow
+from lrkv_flows.deploy import deploy
 from lrkv_flows.search import search_flow
 from lrkv_tasks.recipe import AblateRecipe
 from lrkv_tasks.search import SearchRecipe
@@ -12,7 +13,7 @@ from tests.support.models import SHARED
 
 MODEL = SHARED / "models" / "shakespeare-llama"
 DATA = SHARED / "data" / "shakespeare"
-RATIOS = [0.25, 0.5, 0.75, 1.0]
+RATIOS = [0.25, 0.5, 0.75]
 CACHES = [{"name": "quantized", "bits": 4}, "dense"]
 BUDGET = 0.01
 
@@ -117,3 +118,21 @@ def test_an_impossible_budget_fails_clearly_and_registers_nothing(searched):
         search_flow(impossible, str(tmp_path / "summary-impossible"))
     client = MlflowClient(tracking_uri=recipe.base.tracking.mlflow_uri)
     assert client.search_model_versions("name='lrkv-search-impossible'") == []
+
+
+def test_a_nightly_deployment_searches_instead_of_converting(searched):
+    from prefect.client.orchestration import get_client
+
+    _, recipe, _ = searched
+    ids = deploy(recipe.base, [str(MODEL)], cron="15 3 * * *", pool="lrkv-search-pool", search=recipe)
+    assert set(ids) == {
+        "lrkv-convert/convert",
+        "lrkv-evaluate/evaluate",
+        "lrkv-nightly-search/nightly-search",
+    }
+    with get_client(sync_client=True) as client:
+        nightly = client.read_deployment_by_name("lrkv-nightly-search/nightly-search")
+    assert nightly.entrypoint == "lrkv_flows.deploy.nightly_search_flow"
+    assert [s.schedule.cron for s in nightly.schedules] == ["15 3 * * *"]
+    assert nightly.parameters["models"] == [str(MODEL)]
+    assert SearchRecipe.model_validate(nightly.parameters["recipe"]) == recipe
