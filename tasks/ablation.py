@@ -104,37 +104,61 @@ def plot_ppl_vs_ratio(rows: list[dict], base_ppl: float, path: Path) -> None:
     plt.close(fig)
 
 
-@task(name="summarize_ablation")
-def summarize_ablation(rows: list[dict], recipe: dict, store: str, out_dir: str | None) -> dict:
-    """Write the ablation table and plot, and log them to MLflow in one run."""
+def table_csv(rows: list[dict], columns: list[str]) -> str:
+    """``rows`` as CSV text with these columns (other keys left out)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def summary_dir(store: str | None, out_dir: str | None, default: str) -> Path:
+    """Where a summary's tables go: ``out_dir``, else ``default`` under the local store (an S3 store: under
+    ``$LRKV_HOME``); created."""
+    local_root = LocalStore(None if store is None or is_s3(store) else store).path
+    target = Path(out_dir) if out_dir else local_root / default
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def log_summary(recipe: dict, run_name: str, kind: str, **logged) -> dict:
+    """One complete MLflow run of a summary over conversions of ``recipe["base"]["model"]``: the recipe as
+    params with lrkv's versions, tagged ``lrkv.kind``; ``logged``: the metrics, artifacts, tables and figures
+    of :func:`lrkv_tasks.tracking.log_conversion`."""
     from .recipe import flatten
     from .tracking import log_conversion, versions
 
+    tracking, model = recipe["base"]["tracking"], recipe["base"]["model"]
+    return log_conversion(
+        tracking_uri=tracking["mlflow_uri"],
+        experiment=tracking["experiment"],
+        run_name=f"{run_name}-{Path(model).name}",
+        params={f"recipe.{k}": v for k, v in flatten(recipe).items()}
+        | {f"version.{k}": v for k, v in versions().items()},
+        tags={"lrkv.kind": kind, "lrkv.model": model},
+        **logged,
+    )
+
+
+@task(name="summarize_ablation")
+def summarize_ablation(rows: list[dict], recipe: dict, store: str, out_dir: str | None) -> dict:
+    """Write the ablation table and plot, and log them to MLflow in one run."""
     ok = [r for r in rows if r.get("error") is None]
     base = {"prefill_ppl": ok[0]["base_prefill_ppl"], "decode_ppl": ok[0]["base_decode_ppl"]} if ok else {}
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-    local_root = LocalStore(None if is_s3(store) else store).path  # an S3 store: tables go under LRKV_HOME
-    target = Path(out_dir) if out_dir else local_root / "ablations"
-    target.mkdir(parents=True, exist_ok=True)
+    target = summary_dir(store, out_dir, "ablations")
     markdown = to_markdown(rows, base) if ok else "no successful row\n"
-    files = {"ablation.csv": buf.getvalue(), "ablation.md": markdown}
+    files = {"ablation.csv": table_csv(rows, COLUMNS), "ablation.md": markdown}
     for name, text in files.items():
         (target / name).write_text(text)
     if ok:
         plot_ppl_vs_ratio(rows, base["prefill_ppl"], target / "ablation_ppl_vs_ratio.png")
-    tracking = recipe["base"]["tracking"]
-    run = log_conversion(
-        tracking_uri=tracking["mlflow_uri"],
-        experiment=tracking["experiment"],
-        run_name=f"ablate-{Path(recipe['base']['model']).name}",
-        params={f"recipe.{k}": v for k, v in flatten(recipe).items()}
-        | {f"version.{k}": v for k, v in versions().items()},
+    run = log_summary(
+        recipe,
+        "ablate",
+        "ablation",
         metrics={"rows": len(rows), "failed_rows": len(rows) - len(ok)},
         json_artifacts={"ablation_rows.json": {"rows": rows}},
         file_artifacts={p.name: str(p) for p in sorted(target.iterdir()) if p.name.startswith("ablation")},
-        tags={"lrkv.kind": "ablation"},
     )
     return {"dir": str(target), "mlflow": run, "markdown": files["ablation.md"]}

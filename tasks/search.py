@@ -4,10 +4,7 @@ table, the Pareto front's plot, an MLflow run and a Prefect markdown artifact). 
 
 from __future__ import annotations
 
-import csv
-import io
 import math
-from pathlib import Path
 from typing import Any, Literal
 
 from prefect import task
@@ -17,10 +14,9 @@ from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
 from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.search import Budget, Point, SearchResult
 
-from .ablation import ablation_row
-from .recipe import ConvertRecipe, PaluRecipe, Strict, flatten, method_label
+from .ablation import ablation_row, log_summary, summary_dir, table_csv
+from .recipe import ConvertRecipe, PaluRecipe, Strict, method_label
 from .registered import registered
-from .store import LocalStore, is_s3
 
 DEFAULT_RATIOS = [round(0.05 * k, 2) for k in range(1, 21)]
 
@@ -152,47 +148,37 @@ def summarize_search(
     from prefect.artifacts import create_markdown_artifact
 
     from .plots import plot_pareto_front
-    from .tracking import log_conversion, versions
 
     front = {(p.arm, p.ratio) for p in result.front}
     rows = [
         r | {"within_budget": result.budget.admits(to_point(r)), "on_front": (r["arm"], r["ratio"]) in front}
         for r in rows
     ]
-    store = recipe["base"]["store"]
-    local_root = LocalStore(None if store is None or is_s3(store) else store).path
-    target = Path(out_dir) if out_dir else local_root / "searches"
-    target.mkdir(parents=True, exist_ok=True)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
+    target = summary_dir(recipe["base"]["store"], out_dir, "searches")
     markdown = search_markdown(recipe["base"]["model"], rows, result.budget, best, cost)
-    (target / "search.csv").write_text(buf.getvalue())
+    (target / "search.csv").write_text(table_csv(rows, COLUMNS))
     (target / "search.md").write_text(markdown)
     figures = {}
     if any(r.get("error") is None for r in rows):
         plot_pareto_front(rows, result.budget.max_ppl_rise, best, target / "search_pareto.png")
         figures = {"search_pareto.png": str(target / "search_pareto.png")}
-    tracking = recipe["base"]["tracking"]
     table = {c: [r.get(c) for r in rows] for c in COLUMNS}
     metrics = {k: float(v) for k, v in cost.items()}
     if best is not None:
         metrics |= {"best_kv_bytes_per_token": best["kv_bytes_per_token"], "best_ratio": best["ratio"]}
-    run = log_conversion(
-        tracking_uri=tracking["mlflow_uri"],
-        experiment=tracking["experiment"],
-        run_name=f"search-{Path(recipe['base']['model']).name}",
-        params={f"recipe.{k}": v for k, v in flatten(recipe).items()}
-        | {f"version.{k}": v for k, v in versions().items()},
+    run = log_summary(
+        recipe,
+        "search",
+        "search",
         metrics=metrics,
         json_artifacts={"search_rows.json": {"rows": rows}},
         file_artifacts={"search.csv": str(target / "search.csv"), "search.md": str(target / "search.md")},
-        tables={"search_points.json": table, "pareto_front.json": {
-            c: [r.get(c) for r in rows if r["on_front"]] for c in COLUMNS}},
+        tables={
+            "search_points.json": table,
+            "pareto_front.json": {c: [r.get(c) for r in rows if r["on_front"]] for c in COLUMNS},
+        },
         figures=figures,
-        tags={"lrkv.kind": "search", "lrkv.model": recipe["base"]["model"]},
-    )  # fmt: skip
+    )
     create_markdown_artifact(
         markdown, key="lrkv-search", description=f"lrkv search of {recipe['base']['model']}"
     )
