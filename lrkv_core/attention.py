@@ -147,7 +147,8 @@ class LatentAttention(LatentAttentionBase):
 
     A decode step (one query token) on CUDA goes through the flash-decoding kernel
     (:func:`~lrkv_kernels.latent_rope.latent_decode_attention`): the whole layer in one launch, keys rebuilt
-    in registers (Palu's fused reconstruction), online softmax, and the attention-weighted value latents.
+    in registers (Palu's fused reconstruction), online softmax, and the attention-weighted value latents; a
+    quantized cache's packed codes are unpacked and dequantized in the kernel.
     ``fused_decode`` chooses: None (default) on CUDA tensors where Triton is installed, True always (on the
     CPU under ``TRITON_INTERPRET=1``, the tests), False never.
     Everything else (prefill, training, a LoRA-wrapped ``k_up``, flash attention, a RoPE whose frequencies
@@ -225,12 +226,17 @@ class LatentAttention(LatentAttentionBase):
         self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         """One decode step's attention output (B, 1, H·r_v per group): every group in one flash-decoding
-        launch (:func:`~lrkv_kernels.latent_rope.latent_decode_attention`)."""
-        h_k, h_v = joined(view.keys), joined(view.values)  # (B, S, R_k), (B, S, R_v)
+        launch (:func:`~lrkv_kernels.latent_rope.latent_decode_attention`). A storage that hands out its
+        packed codes (:attr:`LatentView.packed`, the quantized one) has them unpacked in the kernel, never
+        dequantized into memory."""
+        if view.packed is not None:
+            h_k, h_v = view.packed  # PackedLatents of S tokens each
+        else:
+            h_k, h_v = joined(view.keys), joined(view.values)  # (B, S, R_k), (B, S, R_v)
         inv_freq, attention_scaling, _ = self.rope_frequencies()
         out = latent_decode_attention(
             q[:, :, 0], h_k, h_v, self.decode_weights(h_k.dtype), view.positions, inv_freq,
-            attention_scaling, self.scaling, additive_mask(attention_mask, h_k.shape[1]),
+            attention_scaling, self.scaling, additive_mask(attention_mask, view.positions.shape[1]),
         )  # (B, Σ_g nq·r_v)  # fmt: skip
         return out.unsqueeze(1)
 

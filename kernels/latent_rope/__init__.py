@@ -2,10 +2,12 @@
 
 Palu fuses reconstruction, RoPE and q·K into one kernel. :func:`latent_decode_attention` goes further for a
 decode step: a whole layer's attention (every group, scores, softmax and the value latents) in one
-flash-decoding launch (:mod:`lrkv_kernels.latent_rope.flash`). :func:`latent_rope_scores` is Palu's kernel
-for one group's scores (:mod:`lrkv_kernels.latent_rope.fused`, Triton): the scores of a group's query heads
-against keys rebuilt in registers, never written out. Both run on CUDA tensors where Triton is installed, and
-on CPU tensors under ``TRITON_INTERPRET=1`` (the tests); elsewhere their torch references, which are the spec.
+flash-decoding launch (:mod:`lrkv_kernels.latent_rope.flash`), over latents as they are or over a quantized
+cache's packed codes (:class:`PackedLatents`, unpacked in registers). :func:`latent_rope_scores` is Palu's
+kernel for one group's scores (:mod:`lrkv_kernels.latent_rope.fused`, Triton): the scores of a group's query
+heads against keys rebuilt in registers, never written out. Both run on CUDA tensors where Triton is
+installed, and on CPU tensors under ``TRITON_INTERPRET=1`` (the tests); elsewhere their torch references,
+which are the spec.
 :func:`reconstruct_rope_keys` (keys materialised, any number of queries) stays the torch reference.
 """
 
@@ -18,6 +20,7 @@ import os
 import torch
 
 from .decode import LatentDecodeWeights, additive_mask, latent_decode_attention_ref
+from .packed import PackedLatents, dequantize_ref, latent_decode_attention_packed_ref
 from .reference import (
     apply_rope,
     latent_rope_scores_ref,
@@ -75,8 +78,8 @@ def latent_rope_scores(
 
 def latent_decode_attention(
     q: torch.Tensor,
-    h_k: torch.Tensor,
-    h_v: torch.Tensor,
+    h_k: torch.Tensor | PackedLatents,
+    h_v: torch.Tensor | PackedLatents,
     weights: LatentDecodeWeights,
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
@@ -84,24 +87,29 @@ def latent_decode_attention(
     scaling: float,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatcher for :func:`latent_decode_attention_ref` (same arguments and result): the flash-decoding
-    Triton kernel where :func:`triton_runs_on` the tensors' device, else the reference."""
+    """Dispatcher for :func:`latent_decode_attention_ref` (same arguments and result), and for
+    :func:`latent_decode_attention_packed_ref` where ``h_k`` and ``h_v`` are a quantized cache's
+    :class:`PackedLatents`: the flash-decoding Triton kernel (which unpacks codes in registers) where
+    :func:`triton_runs_on` the tensors' device, else the reference."""
     if triton_runs_on(q.device):
         from .flash import latent_decode_attention_triton  # Triton reads TRITON_INTERPRET when imported
 
         return latent_decode_attention_triton(
             q, h_k, h_v, weights, positions, inv_freq, attention_scaling, scaling, mask
         )
-    return latent_decode_attention_ref(
-        q, h_k, h_v, weights, positions, inv_freq, attention_scaling, scaling, mask
-    )
+    packed = isinstance(h_k, PackedLatents)
+    reference = latent_decode_attention_packed_ref if packed else latent_decode_attention_ref
+    return reference(q, h_k, h_v, weights, positions, inv_freq, attention_scaling, scaling, mask)
 
 
 __all__ = [
     "LatentDecodeWeights",
+    "PackedLatents",
     "additive_mask",
     "apply_rope",
+    "dequantize_ref",
     "latent_decode_attention",
+    "latent_decode_attention_packed_ref",
     "latent_decode_attention_ref",
     "latent_rope_scores",
     "latent_rope_scores_ref",

@@ -12,17 +12,27 @@ and a split of the cached tokens. It walks its split in tiles of ``BLOCK_S`` tok
   attention-weighted **value latents** (``p · h_v``): values are never rebuilt, since ``B_v`` is folded
   into ``o_proj``.
 
+A quantized cache's latents (:class:`~lrkv_kernels.latent_rope.packed.PackedLatents`) are read as their
+packed b-bit codes (2, 3, 4 or 8 bits) with float16 scales and zero-points: :func:`_latent_tile` gathers each
+latent's byte (and, for a 3-bit code that crosses a byte boundary, the next one), shifts and masks the code
+out and dequantizes it, ``z + q·s`` in float32 rounded to the latents' dtype, exactly as the cache's own
+dequantization, so no dequantized copy of the cache is ever written. Tokens of the cache's unquantized
+residual window (after the packed ones) are read as they are.
+
 Each program writes its split's partial sums; :func:`_combine_kernel` merges the splits of every query head
 into the layout ``o_proj`` reads (per group, head after head, ``r_v`` latents each). Splitting the sequence
 lets a long context use the whole GPU at small batch. The cache is read once, as latents; keys, scores and
 probabilities exist only in registers.
 
-Spec: :func:`lrkv_kernels.latent_rope.reference.latent_decode_attention_ref`. Imported lazily by the
+Spec: :func:`lrkv_kernels.latent_rope.reference.latent_decode_attention_ref`, over packed latents
+:func:`lrkv_kernels.latent_rope.packed.latent_decode_attention_packed_ref`. Imported lazily by the
 dispatcher: ``TRITON_INTERPRET=1`` must be set before this module is first imported for the kernels to run on
 CPU tensors (how the tests run them without a GPU).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,6 +41,7 @@ from triton.language.extra import libdevice
 
 from ..interpreter import read_scalars_as_indices
 from .decode import LatentDecodeWeights, rope_tables_for
+from .packed import PackedLatents
 
 read_scalars_as_indices()  # the sequence loop's trip count is a run-time value
 
@@ -42,11 +53,53 @@ MAX_SPLITS = 256
 
 
 @triton.jit
+def _latent_tile(
+    dense_ptr, sd_b, sd_s, sd_r, codes_ptr, sc_b, sc_s, scale_ptr, zero_ptr, ss_b, ss_s, ss_g,
+    b, offs_s, mask_s, cols, mask_c, g, qw, S_packed,
+    BITS: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The latents (BLOCK_S, C) of tokens ``offs_s``, row columns ``cols``: read as they are (``BITS`` 0),
+    or, for tokens before ``S_packed``, unpacked from their ``BITS``-bit codes (code c in bits
+    [c·BITS, c·BITS + BITS) of the row's little-endian bytes; a 3-bit code may cross into the next byte) and
+    dequantized, ``z + q·s`` in float32 rounded to ``DTYPE``, with the scale and zero-point of column c's
+    quantization group (c // ``qw``, or the latent group ``g`` where ``qw`` is 0); later tokens (the
+    residual window) read as they are, from ``dense_ptr``'s token ``offs_s − S_packed``."""
+    if BITS == 0:
+        return tl.load(
+            dense_ptr + b * sd_b + offs_s[:, None] * sd_s + cols[None, :] * sd_r,
+            mask=mask_s[:, None] & mask_c[None, :], other=0.0,
+        )  # fmt: skip
+    packed = offs_s < S_packed
+    in_codes = (mask_s & packed)[:, None] & mask_c[None, :]
+    bit = cols * BITS
+    byte = (bit // 8)[None, :]
+    shift = (bit % 8)[None, :]
+    row = codes_ptr + b * sc_b + offs_s[:, None] * sc_s
+    word = tl.load(row + byte, mask=in_codes, other=0).to(tl.int32)
+    if 8 % BITS != 0:  # a code past the byte's last bit continues in the next byte
+        crosses = in_codes & (shift + BITS > 8)
+        word = word | (tl.load(row + byte + 1, mask=crosses, other=0).to(tl.int32) << 8)
+    code = (word >> shift) & ((1 << BITS) - 1)  # (BLOCK_S, C)
+    group = tl.where(qw > 0, cols // tl.maximum(qw, 1), g)  # the columns' quantization groups
+    at = b * ss_b + offs_s[:, None] * ss_s + group[None, :] * ss_g
+    scale = tl.load(scale_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
+    x = (code.to(tl.float32) * scale + zero).to(DTYPE)
+    in_recent = (mask_s & (offs_s >= S_packed))[:, None] & mask_c[None, :]
+    recent = tl.load(
+        dense_ptr + b * sd_b + (offs_s - S_packed)[:, None] * sd_s + cols[None, :] * sd_r,
+        mask=in_recent, other=0.0,
+    ).to(DTYPE)  # fmt: skip
+    return tl.where(packed[:, None], x, recent)
+
+
+@triton.jit(do_not_specialize=["k_qw", "v_qw"])  # a group width of 1 stays a tensor (tl.maximum takes it)
 def _flash_decode_kernel(
     q_ptr, hk_ptr, hv_ptr, up_ptr, bias_ptr, norm_ptr, pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, mask_ptr,
     rk_ptr, rv_ptr, koff_ptr, voff_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     acc_ptr, m_ptr, l_ptr,
-    S, split_len, n_splits, table_len, n_rep, scaling, rope_scaling, norm_eps,
+    S, S_packed, k_qw, v_qw, split_len, n_splits, table_len, n_rep, scaling, rope_scaling, norm_eps,
     sq_b, sq_h, sq_d,
     shk_b, shk_s, shk_r,
     shv_b, shv_s, shv_r,
@@ -54,10 +107,13 @@ def _flash_decode_kernel(
     sb_g,
     sp_b, sp_s,
     sm_b, sm_s,
+    skc_b, skc_s, sks_b, sks_s, sks_g,
+    svc_b, svc_s, svs_b, svs_s, svs_g,
     G: tl.constexpr, S_HEADS: tl.constexpr, RK_P: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr,
     HALF: tl.constexpr, HALF_P: tl.constexpr, RV_P: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr,
     PRECISION: tl.constexpr, ACCURATE_TRIG: tl.constexpr, LATENT_SCORES: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -103,9 +159,9 @@ def _flash_decode_kernel(
             else:  # the interpreter (numpy's cos/sin) has no libdevice
                 cos, sin = tl.cos(angle) * rope_scaling, tl.sin(angle) * rope_scaling
 
-        h = tl.load(
-            hk_ptr + b * shk_b + offs_s[:, None] * shk_s + (koff + offs_r)[None, :] * shk_r,
-            mask=mask_s[:, None] & mask_r[None, :], other=0.0,
+        h = _latent_tile(
+            hk_ptr, shk_b, shk_s, shk_r, kc_ptr, skc_b, skc_s, ks_ptr, kz_ptr, sks_b, sks_s, sks_g,
+            b, offs_s, mask_s, koff + offs_r, mask_r, g, k_qw, S_packed, K_BITS, DTYPE,
         )  # (BLOCK_S, RK_P)  # fmt: skip
         scores = tl.zeros((NQ_P, BLOCK_S), tl.float32)
         for kv in range(S_HEADS):
@@ -145,9 +201,9 @@ def _flash_decode_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(scores - m_safe[:, None])  # (NQ_P, BLOCK_S)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            hv_ptr + b * shv_b + offs_s[:, None] * shv_s + (voff + offs_rv)[None, :] * shv_r,
-            mask=mask_s[:, None] & mask_rv[None, :], other=0.0,
+        v = _latent_tile(
+            hv_ptr, shv_b, shv_s, shv_r, vc_ptr, svc_b, svc_s, vs_ptr, vz_ptr, svs_b, svs_s, svs_g,
+            b, offs_s, mask_s, voff + offs_rv, mask_rv, g, v_qw, S_packed, V_BITS, DTYPE,
         )  # (BLOCK_S, RV_P)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -201,10 +257,49 @@ def _multiprocessors(device: torch.device) -> int:
     return 2  # the interpreter: a couple of splits, so the tests merge partial sums
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One kind of latents (keys or values) as the kernel's arguments: the tensor read as it is (the
+    latents, or a packed cache's residual window), and the packed codes, scales, zero-points, bits (0: none)
+    and quantization group width (0: one per latent group)."""
+
+    dense: torch.Tensor
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_width: int
+    dtype: torch.dtype
+    packed_tokens: int
+    length: int
+
+    @classmethod
+    def of(cls, h: torch.Tensor | PackedLatents) -> _Source:
+        if isinstance(h, torch.Tensor):
+            return cls(h, h, h, h, 0, 0, h.dtype, 0, h.shape[1])
+        scale, zero = h.scale, h.zero
+        if scale.stride() != zero.stride():
+            scale, zero = scale.contiguous(), zero.contiguous()
+        dense = h.codes if h.recent is None else h.recent
+        width = h.group_width or 0
+        return cls(dense, h.codes, scale, zero, h.bits, width, h.dtype, h.packed_tokens, len(h))
+
+    def strides(self) -> tuple[int, ...]:
+        """The dense tensor's (b, s, r) strides (zeros where it stands in for a missing window)."""
+        return (0, 0, 0) if self.bits and self.dense is self.codes else self.dense.stride()
+
+    def packed_strides(self) -> tuple[int, ...]:
+        """Codes (b, s), then scales and zero-points (b, s, group)."""
+        return (*self.codes.stride()[:2], *self.scale.stride())
+
+
 def latent_decode_attention_triton(
     q: torch.Tensor,
-    h_k: torch.Tensor,
-    h_v: torch.Tensor,
+    h_k: torch.Tensor | PackedLatents,
+    h_v: torch.Tensor | PackedLatents,
     weights: LatentDecodeWeights,
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
@@ -219,12 +314,24 @@ def latent_decode_attention_triton(
     latent_scores: bool = False,
 ) -> torch.Tensor:
     """:func:`~lrkv_kernels.latent_rope.reference.latent_decode_attention_ref` in two launches (same
-    arguments; (B, width) in the latents' dtype). ``n_splits`` (splits of the sequence), ``block_s`` (tokens
-    per tile, a power of two ≥ 16), ``num_warps`` and ``num_stages`` override the launch's defaults;
-    ``latent_scores`` takes the scores' products in the latents' dtype (16-bit latents: queries and rotated
-    keys rounded to it, as the original model's keys are) instead of float32."""
+    arguments; (B, width) in the latents' dtype). ``h_k`` and ``h_v`` are the latents (B, S, R), or both
+    a quantized cache's :class:`~lrkv_kernels.latent_rope.packed.PackedLatents`, unpacked and dequantized
+    in registers (the spec is then
+    :func:`~lrkv_kernels.latent_rope.packed.latent_decode_attention_packed_ref`). ``n_splits`` (splits of
+    the sequence), ``block_s`` (tokens per tile, a power of two ≥ 16), ``num_warps`` and ``num_stages``
+    override the launch's defaults; ``latent_scores`` takes the scores' products in the latents' dtype
+    (16-bit latents: queries and rotated keys rounded to it, as the original model's keys are) instead of
+    float32."""
+    src_k, src_v = _Source.of(h_k), _Source.of(h_v)
+    if (src_k.packed_tokens, src_k.length) != (src_v.packed_tokens, src_v.length):
+        raise ValueError(
+            f"keys and values of different tokens: {src_k.packed_tokens} + "
+            f"{src_k.length - src_k.packed_tokens} and {src_v.packed_tokens} + "
+            f"{src_v.length - src_v.packed_tokens} (packed + as they are)"
+        )
     B, H, D = q.shape
-    S = h_k.shape[1]
+    S = src_k.length
+    dtype = src_k.dtype
     G = weights.up.shape[0]
     s = weights.up.shape[1] // D
     if D % 2 or weights.up.shape[1] != s * D or H % G or (H // G) % s:
@@ -234,7 +341,7 @@ def latent_decode_attention_triton(
             f"the kernel rotates all D = {D} dims, got {inv_freq.numel()} frequencies (partial RoPE)"
         )
     nq = H // G
-    out = torch.empty(B, weights.width, device=q.device, dtype=h_v.dtype)
+    out = torch.empty(B, weights.width, device=q.device, dtype=src_v.dtype)
     if S == 0:
         return out.fill_(float("nan"))  # a softmax over nothing, as torch's
     rv_p = _pow2(weights.max_rank_v)
@@ -250,25 +357,28 @@ def latent_decode_attention_triton(
     if mask is not None:
         mask = mask.to(torch.float32)
     bias = weights.bias
-    precision = "ieee" if h_k.dtype == torch.float32 else "tf32"
-    latent_scores = latent_scores and h_k.dtype != torch.float32
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    latent_scores = latent_scores and dtype != torch.float32
     cos, sin = rope_tables_for(inv_freq, attention_scaling, S)
     _flash_decode_kernel[(B * G, n_splits)](
-        q, h_k, h_v, weights.up, weights.up if bias is None else bias,
+        q, src_k.dense, src_v.dense, weights.up, weights.up if bias is None else bias,
         weights.up if weights.norm_weight is None else weights.norm_weight, positions,
-        inv_freq.float().contiguous(), cos, sin, h_k if mask is None else mask,
+        inv_freq.float().contiguous(), cos, sin, q if mask is None else mask,
         weights.ranks_k, weights.ranks_v, weights.k_offsets, weights.v_offsets,
+        src_k.codes, src_k.scale, src_k.zero, src_v.codes, src_v.scale, src_v.zero,
         acc, m, l,
-        S, split_len, n_splits, cos.shape[0], nq // s, float(scaling), float(attention_scaling),
-        weights.norm_eps,
-        *q.stride(), *h_k.stride(), *h_v.stride(), *weights.up.stride(),
+        S, src_k.packed_tokens, src_k.group_width, src_v.group_width, split_len, n_splits, cos.shape[0],
+        nq // s, float(scaling), float(attention_scaling), weights.norm_eps,
+        *q.stride(), *src_k.strides(), *src_v.strides(), *weights.up.stride(),
         0 if bias is None else bias.stride(0),
         *positions.stride(), *((0, 0) if mask is None else mask.stride()),
+        *src_k.packed_strides(), *src_v.packed_strides(),
         G=G, S_HEADS=s, RK_P=_pow2(weights.up.shape[2]), NQ=nq, NQ_P=nq_p,
         HALF=D // 2, HALF_P=_pow2(D // 2), RV_P=rv_p,
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_S=block_s,
         HAS_NORM=weights.norm_weight is not None,
         PRECISION=precision, ACCURATE_TRIG=q.is_cuda, LATENT_SCORES=latent_scores,
+        K_BITS=src_k.bits, V_BITS=src_v.bits, DTYPE=_TL_DTYPES[dtype],
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B * G * nq,)](

@@ -12,20 +12,27 @@ float16). With ``residual > 0`` the newest ``residual`` tokens stay as given (KI
 window; see :class:`~lrkv_core.cache.storage.LatentStore`). Attention reads the dequantized latents
 ``z + q·s``, the very tensors :func:`lrkv_core.quant.fake_quantize` gives, and the bytes the cache reports
 are these tensors'.
+A decode step's flash-decoding kernel reads the packed parts themselves (:attr:`LatentView.packed`,
+:class:`~lrkv_kernels.latent_rope.PackedLatents`): the view :class:`QuantizedStore` gives dequantizes only
+when its ``keys`` or ``values`` are read (prefill, the unfused path), so the kernel's path never writes a
+dequantized copy of the cache.
 Rotating each group's rank dimension first (``--rotation``, fused into the weights) spreads the whitened
 latents' energy before quantization.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from lrkv_kernels.latent_rope import PackedLatents
+
 from ..quant import INTEGER_BITS, QuantizedRows, dequantize, group_widths, pack_codes, quantize, unpack_codes
-from .storage import CACHE_STORAGES, CacheStorage, LatentStore, split_groups
+from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView, split_groups
 
 STORED_BITS = (*INTEGER_BITS, 16)
 
@@ -90,6 +97,61 @@ class QuantizedStore(LatentStore):
             split_groups(self._latents(parts, "k"), self.ranks_k),
             split_groups(self._latents(parts, "v"), self.ranks_v),
         )
+
+    def view(self) -> LatentView:
+        """Every stored token; with integer codes, a view that also hands out the packed parts and
+        dequantizes only when its latents are read. A subclass that decodes otherwise (GEAR adds its
+        residual) and a store with nothing encoded yet give the plain view."""
+        plain = type(self).decode is QuantizedStore.decode and type(self)._latents is QuantizedStore._latents
+        if self.bits == 16 or not plain or not self._encoded():
+            return super().view()
+        snapshot = copy.copy(self)  # parts, window and positions as they are now (the store reassigns them)
+        packed = (self._packed_latents("k"), self._packed_latents("v"))
+        return PackedLatentView(lambda: LatentStore.view(snapshot), self.positions, packed)
+
+    def _packed_latents(self, kind: str) -> PackedLatents:
+        """``kind``'s packed parts and residual window as the decode kernel reads them."""
+        ranks = self.ranks_k if kind == "k" else self.ranks_v
+        widths = self.widths[kind]
+        recent = self.recent[kind] if self.recent and self.recent[kind].shape[1] else None
+        return PackedLatents(
+            self.parts[f"{kind}_codes"], self.parts[f"{kind}_scale"], self.parts[f"{kind}_zero"], self.bits,
+            None if widths == ranks else widths[0], recent, self.dtype,
+        )  # fmt: skip
+
+
+class PackedLatentView(LatentView):
+    """A :class:`LatentView` of a quantized store: ``packed`` (keys, values) as
+    :class:`~lrkv_kernels.latent_rope.PackedLatents`, and the per-group latents decoded (once) only when
+    ``keys`` or ``values`` are read."""
+
+    def __init__(
+        self,
+        decoded: Callable[[], LatentView],
+        positions: torch.Tensor | None,
+        packed: tuple[PackedLatents, PackedLatents],
+    ) -> None:
+        object.__setattr__(self, "positions", positions)
+        object.__setattr__(self, "_decoded", decoded)
+        object.__setattr__(self, "_view", None)
+        object.__setattr__(self, "_packed", packed)
+
+    def _latent_view(self) -> LatentView:
+        if self._view is None:
+            object.__setattr__(self, "_view", self._decoded())
+        return self._view
+
+    @property
+    def keys(self) -> tuple[torch.Tensor, ...]:
+        return self._latent_view().keys
+
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        return self._latent_view().values
+
+    @property
+    def packed(self) -> tuple[PackedLatents, PackedLatents]:
+        return self._packed
 
 
 def check_options(storage: CacheStorage, allowed_bits: Sequence[int], *counts: str) -> None:

@@ -24,10 +24,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..registry import Method, Registry
+
+if TYPE_CHECKING:
+    from lrkv_kernels.latent_rope import PackedLatents
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class LatentView:
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
     positions: torch.Tensor | None
+
+    @property
+    def packed(self) -> tuple[PackedLatents, PackedLatents] | None:
+        """The keys and values as a kernel can read them without decoding (a quantized store's packed
+        codes), or None: read ``keys`` and ``values``."""
+        return None
 
     @classmethod
     def from_latents(

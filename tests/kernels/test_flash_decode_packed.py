@@ -1,0 +1,235 @@
+"""The flash-decoding kernel over a quantized cache's packed codes: unpacking 2-, 3- and 4-bit codes (and
+8-bit) in registers and dequantizing them with their float16 scales and zero-points gives the attention of
+the dequantized latents (:func:`latent_decode_attention_packed_ref`), which is the quantized storage's.
+
+Without a GPU the Triton kernel runs in Triton's interpreter on CPU tensors (tests/conftest.py sets
+``TRITON_INTERPRET=1`` when no CUDA device is present); with one, the tests run on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lrkv_core.quant import dequantize, group_widths, pack_codes, packed_width, quantize, unpack_codes
+from lrkv_kernels.latent_rope import (
+    PackedLatents,
+    dequantize_ref,
+    latent_decode_attention,
+    latent_decode_attention_packed_ref,
+    latent_decode_attention_ref,
+    triton_runs_on,
+)
+from tests.kernels.test_flash_decode import DEVICE, layer, relative_error
+from tests.kernels.test_fused_scores import fused
+from tests.support.inputs import PAD, greedy, ids_for, left_padded
+from tests.support.latents import stepwise
+from tests.support.models import tiny_model
+
+pytest.importorskip("triton", reason="the kernel needs Triton (installed by scripts/setup.sh)")
+
+
+def packed(h: torch.Tensor, ranks, bits: int, group_width: int | None, recent: int = 0) -> PackedLatents:
+    """Latents h (B, S, R) as the quantized storage keeps them: the first S − ``recent`` tokens quantized
+    and packed (:mod:`lrkv_core.quant`), the last ``recent`` as they are."""
+    S = h.shape[1]
+    rows = quantize(h[:, : S - recent], group_widths(ranks, group_width), bits)
+    window = h[:, S - recent :] if recent else None
+    return PackedLatents(
+        pack_codes(rows.codes, bits), rows.scale, rows.zero, bits, group_width, window, h.dtype
+    )
+
+
+def packed_layer(B, S, s, D, n_rep, ranks_k, ranks_v, bits, group_width=None, recent=0, norm_eps=None):
+    """:func:`layer`'s inputs with packed key and value latents."""
+    q, h_k, h_v, weights, positions, inv_freq = layer(
+        B, S, s, D, n_rep, ranks_k, ranks_v, True, norm_eps=norm_eps
+    )
+    k = packed(h_k, ranks_k, bits, group_width, recent)
+    v = packed(h_v, ranks_v, bits, group_width, recent)
+    return q, k, v, weights, positions, inv_freq
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("ranks, group_width", [((5, 11), None), ((16, 8, 24), 8), ((13,), None)])
+def test_dequantize_ref_reads_the_storage_layout(bits, ranks, group_width):
+    """The kernels' reference reading of packed codes is the quantized storage's dequantization, exactly."""
+    gen = torch.Generator().manual_seed(bits)
+    h = torch.randn(2, 7, sum(ranks), generator=gen)
+    latents = packed(h, ranks, bits, group_width)
+    widths = group_widths(ranks, group_width)
+    codes = unpack_codes(latents.codes, bits, sum(ranks))
+    rows = dataclasses.replace(quantize(h, widths, bits), codes=codes)
+    assert torch.equal(dequantize_ref(latents, ranks), dequantize(rows, widths, torch.float32))
+
+
+CASES = [  # B, S, s, D, n_rep, ranks_k, ranks_v, group_width, recent
+    (2, 37, 2, 8, 3, (5,), (7,), None, 0),  # head_dim 8, GQA 3, odd ranks: 3-bit codes cross bytes
+    (2, 150, 1, 32, 2, (24, 40), (16, 33), None, 0),  # two groups of different ranks, several splits
+    (1, 70, 1, 64, 3, (96, 80, 16), (96, 64, 24), 8, 0),  # three groups, quantization groups of 8
+    (3, 90, 2, 16, 2, (12, 20), (10, 6), None, 5),  # a residual window of 5 unquantized tokens
+    (1, 40, 1, 16, 2, (6, 10), (4, 8), 1, 0),  # a scale and zero-point per latent
+]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("B, S, s, D, n_rep, ranks_k, ranks_v, group_width, recent", CASES)
+def test_packed_kernel_equals_reference(bits, B, S, s, D, n_rep, ranks_k, ranks_v, group_width, recent):
+    assert triton_runs_on(torch.device(DEVICE))
+    args = packed_layer(B, S, s, D, n_rep, ranks_k, ranks_v, bits, group_width, recent)
+    got = latent_decode_attention(*args, attention_scaling=1.1, scaling=D**-0.5)
+    ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.1, scaling=D**-0.5)
+    assert got.shape == (B, sum(s * n_rep * r for r in ranks_v)) and got.dtype == torch.float32
+    assert relative_error(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_packed_kernel_with_key_norm(bits):
+    """QK-norm (Qwen3): keys rebuilt from unpacked latents are RMS-normed per KV head before RoPE."""
+    args = packed_layer(2, 80, 2, 32, 2, (24, 13), (16, 9), bits, recent=3, norm_eps=1e-6)
+    got = latent_decode_attention(*args, attention_scaling=1.0, scaling=32**-0.5)
+    ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.0, scaling=32**-0.5)
+    assert relative_error(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("n_splits", [1, 3, 7])
+def test_packed_splits_merge_to_the_same_attention(bits, n_splits):
+    """However the sequence is split (splits and tiles that straddle the packed tokens and the residual
+    window included), the merged partial softmaxes give the one-pass result."""
+    from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
+
+    args = packed_layer(2, 200, 1, 32, 2, (24, 16), (8, 24), bits, group_width=8, recent=27)
+    ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.0, scaling=0.2)
+    got = latent_decode_attention_triton(*args, 1.0, 0.2, n_splits=n_splits, block_s=16)
+    assert relative_error(got, ref) < 1e-5
+
+
+def test_packed_reference_is_attention_over_the_quantized_latents():
+    """The packed reference attends to exactly what the quantized storage gives back (its dequantized
+    latents, the residual window as given)."""
+    q, k, v, weights, positions, inv_freq = packed_layer(2, 40, 2, 16, 2, (12, 20), (10, 6), 3, recent=4)
+    keys, values = dequantize_ref(k, (12, 20)), dequantize_ref(v, (10, 6))
+    args = (q, keys, values, weights, positions, inv_freq)
+    ref = latent_decode_attention_ref(*args, attention_scaling=1.0, scaling=0.25)
+    got = latent_decode_attention_packed_ref(q, k, v, *args[3:], attention_scaling=1.0, scaling=0.25)
+    assert torch.equal(got, ref)
+    assert torch.equal(keys[:, 36:], k.recent)  # the window's tokens unchanged
+
+
+def widened(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Packed rows (B, S, bytes) zero-padded to hold ``n`` codes of ``bits`` bits."""
+    return torch.nn.functional.pad(codes, (0, max(packed_width(n, bits) - codes.shape[-1], 0)))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_comparison_detects_a_wrong_scale_or_bit_width(bits):
+    """The comparison the tests above make can fail: one quantization group's scales off by 1 %, or the codes
+    read at another bit width, move the attention far past the tolerance."""
+    args = packed_layer(2, 60, 1, 32, 2, (24, 16), (16, 8), bits)
+    q, k, v = args[:3]
+    got = latent_decode_attention(*args, attention_scaling=1.0, scaling=0.2)
+    ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.0, scaling=0.2)
+    assert relative_error(got, ref) < 1e-5
+    for kind in ("k", "v"):
+        latents = k if kind == "k" else v
+        scale = latents.scale.clone()
+        scale[..., 1] *= 1.01
+        wrong = dataclasses.replace(latents, scale=scale)
+        wrong_args = (q, wrong, v) if kind == "k" else (q, k, wrong)
+        off = latent_decode_attention_packed_ref(*wrong_args, *args[3:], attention_scaling=1.0, scaling=0.2)
+        assert relative_error(got, off) > 1e-4
+    for other in {2, 3, 4} - {bits}:  # the same bytes (zero-padded to the row's width), read at another width
+        misread = [
+            dataclasses.replace(x, bits=other, codes=widened(x.codes, n, other))
+            for x, n in ((k, 40), (v, 24))
+        ]
+        off = latent_decode_attention(q, *misread, *args[3:], attention_scaling=1.0, scaling=0.2)
+        assert relative_error(off, ref) > 1e-2
+
+
+def spy_on_decode(monkeypatch) -> tuple[list[type], list[str]]:
+    """Records the type of the key latents the decode kernel is given, and each dequantization of a
+    quantized store's parts (the kind), while a model runs."""
+    import lrkv_core.attention as attention
+    from lrkv_core.cache import QuantizedStore
+
+    kinds: list[type] = []
+    dequantized: list[str] = []
+    kernel, dequantize_parts = attention.latent_decode_attention, QuantizedStore._dequantized
+
+    def kernel_spy(q, h_k, *args, **kwargs):
+        kinds.append(type(h_k))
+        return kernel(q, h_k, *args, **kwargs)
+
+    def dequantize_spy(self, parts, kind, dtype):
+        dequantized.append(kind)
+        return dequantize_parts(self, parts, kind, dtype)
+
+    monkeypatch.setattr(attention, "latent_decode_attention", kernel_spy)
+    monkeypatch.setattr(QuantizedStore, "_dequantized", dequantize_spy)
+    return kinds, dequantized
+
+
+@pytest.mark.parametrize(
+    "arch, group_size, cache",
+    [
+        ("llama", 2, {"name": "quantized", "bits": 2}),
+        ("llama", 1, {"name": "quantized", "bits": 3, "residual": 3}),  # a residual window after the codes
+        ("qwen3", 2, {"name": "quantized", "bits": 4, "quant_group_size": 2}),  # QK-norm; layer 1 slides
+        ("qwen3", 1, {"name": "quantized", "bits": 3}),
+    ],
+)
+def test_decode_through_the_packed_kernel_gives_the_unfused_logits(
+    compress, monkeypatch, arch, group_size, cache
+):
+    """A quantized cache hands the decode kernel its packed codes: every decode step of every layer reads
+    them (no dequantized copy: the store dequantizes only for the prefill's unfused attention), and the
+    logits are the unfused path's, which attends to the dequantized latents."""
+    comp = compress(tiny_model(arch, 2), group_size, 0.5, rank_multiple=2)[0].to(DEVICE)
+    comp.config.lrkv["cache"] = cache
+    ids = ids_for(2, 14).to(DEVICE)
+    with fused(comp, False):
+        ref, _ = stepwise(comp, ids, prefix=5)
+    kinds, dequantized = spy_on_decode(monkeypatch)
+    with fused(comp, True):
+        got, _ = stepwise(comp, ids, prefix=5)
+    assert kinds == [PackedLatents] * (9 * 2)  # 9 decode steps × 2 layers
+    assert sorted(dequantized) == ["k", "k", "v", "v"]  # the prefill's attention, per layer
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_left_padded_generate_through_the_packed_kernel(compress, monkeypatch, bits):
+    """Greedy generation from left-padded prompts through the packed kernel equals the unfused quantized
+    path's."""
+    comp = compress(tiny_model("llama", 2), 1, 0.5, rank_multiple=1)[0].to(DEVICE)
+    comp.config.lrkv["cache"] = {"name": "quantized", "bits": bits}
+    ids, mask = left_padded((9, 4, 7))
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    with fused(comp, False):
+        ref = greedy(comp, ids, mask, max_new_tokens=10)
+    kinds, _ = spy_on_decode(monkeypatch)
+    with fused(comp, True):
+        got = greedy(comp, ids, mask, max_new_tokens=10)
+    assert kinds and set(kinds) == {PackedLatents}
+    assert torch.equal(got, ref) and (got[:, ids.shape[1] :] != PAD).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="half-precision tl.dot needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_packed_kernel_half_precision_on_cuda(dtype, bits):
+    """16-bit models: codes dequantized in float32 and rounded to the model's dtype, as the storage does."""
+    q, h_k, h_v, weights, positions, inv_freq = layer(
+        4, 3000, 2, 64, 3, (96, 40), (96, 24), True, dtype=dtype
+    )
+    k = packed(h_k, (96, 40), bits, 8, recent=17)
+    v = packed(h_v, (96, 24), bits, 8, recent=17)
+    args = (q, k, v, weights, positions, inv_freq)
+    got = latent_decode_attention(*args, attention_scaling=1.0, scaling=0.125)
+    ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.0, scaling=0.125)
+    assert got.dtype == dtype
+    assert relative_error(got, ref) < (3e-3 if dtype == torch.float16 else 2e-2)
