@@ -233,3 +233,36 @@ def test_packed_kernel_half_precision_on_cuda(dtype, bits):
     ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.0, scaling=0.125)
     assert got.dtype == dtype
     assert relative_error(got, ref) < (3e-3 if dtype == torch.float16 else 2e-2)
+
+
+@pytest.mark.parametrize("storage", [{"bits": 3, "residual": 2}, {"bits": 2, "quant_group_size": 4}])
+def test_quantized_store_hands_out_its_packed_parts(storage):
+    """A quantized store's view carries its packed parts, which read back (the kernels' spec) as exactly
+    the latents its plain view gives, and keeps them after the store drops tokens (a sliding window)."""
+    from lrkv_core.cache import LatentStore
+    from tests.support.latents import RANKS_K, RANKS_V, filled_store
+
+    gen = torch.Generator().manual_seed(5)
+    h_k, h_v = torch.randn(2, 9, sum(RANKS_K), generator=gen), torch.randn(2, 9, sum(RANKS_V), generator=gen)
+    store = filled_store({"name": "quantized"} | storage, h_k, h_v, [6, 1, 2])
+    view, plain = store.view(), LatentStore.view(store)
+    k, v = view.packed
+    assert len(k) == len(v) == 9 and (k.recent is None) == ("residual" not in storage)
+    assert torch.equal(dequantize_ref(k, RANKS_K), torch.cat(plain.keys, -1))
+    assert torch.equal(dequantize_ref(v, RANKS_V), torch.cat(plain.values, -1))
+    store.keep_last(3)
+    assert torch.equal(torch.cat(view.keys, -1), torch.cat(plain.keys, -1))
+    assert torch.equal(torch.cat(view.values, -1), torch.cat(plain.values, -1))
+
+
+@pytest.mark.parametrize(
+    "storage", [{"name": "quantized", "bits": 16}, {"name": "gear", "bits": 4, "buffer": 0}]
+)
+def test_other_storages_hand_out_latents(storage):
+    """Float16 latents and GEAR's (codes plus a low-rank residual) are no packed codes: attention reads
+    their latents."""
+    from tests.support.latents import filled_store
+
+    h = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(1))
+    store = filled_store(storage, h, h, [6])
+    assert store.parts and store.view().packed is None
