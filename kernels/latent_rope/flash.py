@@ -65,32 +65,34 @@ def _latent_tile(
     quantization group (c // ``qw``, or the latent group ``g`` where ``qw`` is 0); later tokens (the
     residual window) read as they are, from ``dense_ptr``'s token ``offs_s − S_packed``."""
     if BITS == 0:
-        return tl.load(
+        out = tl.load(
             dense_ptr + b * sd_b + offs_s[:, None] * sd_s + cols[None, :] * sd_r,
             mask=mask_s[:, None] & mask_c[None, :], other=0.0,
         )  # fmt: skip
-    packed = offs_s < S_packed
-    in_codes = (mask_s & packed)[:, None] & mask_c[None, :]
-    bit = cols * BITS
-    byte = (bit // 8)[None, :]
-    shift = (bit % 8)[None, :]
-    row = codes_ptr + b * sc_b + offs_s[:, None] * sc_s
-    word = tl.load(row + byte, mask=in_codes, other=0).to(tl.int32)
-    if 8 % BITS != 0:  # a code past the byte's last bit continues in the next byte
-        crosses = in_codes & (shift + BITS > 8)
-        word = word | (tl.load(row + byte + 1, mask=crosses, other=0).to(tl.int32) << 8)
-    code = (word >> shift) & ((1 << BITS) - 1)  # (BLOCK_S, C)
-    group = tl.where(qw > 0, cols // tl.maximum(qw, 1), g)  # the columns' quantization groups
-    at = b * ss_b + offs_s[:, None] * ss_s + group[None, :] * ss_g
-    scale = tl.load(scale_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
-    zero = tl.load(zero_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
-    x = (code.to(tl.float32) * scale + zero).to(DTYPE)
-    in_recent = (mask_s & (offs_s >= S_packed))[:, None] & mask_c[None, :]
-    recent = tl.load(
-        dense_ptr + b * sd_b + (offs_s - S_packed)[:, None] * sd_s + cols[None, :] * sd_r,
-        mask=in_recent, other=0.0,
-    ).to(DTYPE)  # fmt: skip
-    return tl.where(packed[:, None], x, recent)
+    else:
+        packed = offs_s < S_packed
+        in_codes = (mask_s & packed)[:, None] & mask_c[None, :]
+        bit = cols * BITS
+        byte = (bit // 8)[None, :]
+        shift = (bit % 8)[None, :]
+        row = codes_ptr + b * sc_b + offs_s[:, None] * sc_s
+        word = tl.load(row + byte, mask=in_codes, other=0).to(tl.int32)
+        if 8 % BITS != 0:  # a code past the byte's last bit continues in the next byte
+            crosses = in_codes & (shift + BITS > 8)
+            word = word | (tl.load(row + byte + 1, mask=crosses, other=0).to(tl.int32) << 8)
+        code = (word >> shift) & ((1 << BITS) - 1)  # (BLOCK_S, C)
+        group = tl.where(qw > 0, cols // tl.maximum(qw, 1), g)  # the columns' quantization groups
+        at = b * ss_b + offs_s[:, None] * ss_s + group[None, :] * ss_g
+        scale = tl.load(scale_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
+        x = (code.to(tl.float32) * scale + zero).to(DTYPE)
+        in_recent = (mask_s & (offs_s >= S_packed))[:, None] & mask_c[None, :]
+        recent = tl.load(
+            dense_ptr + b * sd_b + (offs_s - S_packed)[:, None] * sd_s + cols[None, :] * sd_r,
+            mask=in_recent, other=0.0,
+        ).to(DTYPE)  # fmt: skip
+        out = tl.where(packed[:, None], x, recent)
+    return out
 
 
 @triton.jit(do_not_specialize=["k_qw", "v_qw"])  # a group width of 1 stays a tensor (tl.maximum takes it)
