@@ -448,7 +448,7 @@ def search(
     """Find the smallest KV cache within a quality budget (bisection on the width ratio per cache storage and
     allocator), then convert, export and register it; logs the Pareto front to MLflow."""
     from lrkv_tasks.recipe import apply_overrides, read_yaml
-    from lrkv_tasks.search import SearchRecipe
+    from lrkv_tasks.search_recipe import SearchRecipe
 
     try:
         rise = None if max_ppl_rise is None else _fraction(max_ppl_rise)
@@ -492,7 +492,7 @@ def search(
                 result = search_flow(rec, str(out_dir) if out_dir else None)
         except USER_ERRORS as e:
             raise _fail(str(e)) from None
-    console.print(result["summary"]["markdown"], markup=False, highlight=False)
+    console.print(result["summary"]["markdown"], markup=False, highlight=False, soft_wrap=True)
     print_summary(result["winner"])
 
 

@@ -25,7 +25,7 @@ from prefect.deployments.runner import EntrypointType
 from lrkv_core.models import parse_device
 from lrkv_tasks.device import ENV as DEVICE_ENV
 from lrkv_tasks.recipe import ConvertRecipe, EvalRecipe
-from lrkv_tasks.search import SearchRecipe
+from lrkv_tasks.search_recipe import SearchRecipe
 
 from .cluster import ENV as DASK_ENV
 from .cluster import parse_dask

@@ -113,7 +113,7 @@ def deploy(
     """Register the convert, evaluate and nightly deployments on the Prefect server (the one `lrkv up`
     started, or $PREFECT_API_URL)."""
     from lrkv_tasks.recipe import load_recipe, read_yaml
-    from lrkv_tasks.search import SearchRecipe
+    from lrkv_tasks.search_recipe import SearchRecipe
 
     from .apiserver import running_services
 

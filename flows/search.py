@@ -17,7 +17,8 @@ from prefect import flow
 from lrkv_core.heldout import overlap
 from lrkv_core.search import Point, grid_size, search_smallest
 from lrkv_tasks.preflight import prepare
-from lrkv_tasks.search import SearchRecipe, search_row, summarize_search, to_point
+from lrkv_tasks.search import search_row, summarize_search, to_point
+from lrkv_tasks.search_recipe import SearchRecipe
 
 from .convert import convert_flow
 from .runner import ConfiguredTaskRunner
