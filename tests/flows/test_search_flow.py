@@ -5,7 +5,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from lrkv_flows.ablate import ablate_flow
-from lrkv_flows.deploy import deploy
+from lrkv_flows.deploy import deploy, nightly_search_flow
 from lrkv_flows.search import search_flow
 from lrkv_tasks.recipe import AblateRecipe
 from lrkv_tasks.search_recipe import SearchRecipe
@@ -136,3 +136,10 @@ def test_a_nightly_deployment_searches_instead_of_converting(searched):
     assert [s.schedule.cron for s in nightly.schedules] == ["15 3 * * *"]
     assert nightly.parameters["models"] == [str(MODEL)]
     assert SearchRecipe.model_validate(nightly.parameters["recipe"]) == recipe
+
+
+def test_the_nightly_search_flow_registers_each_model_s_winner(searched):
+    _, recipe, result = searched
+    done = nightly_search_flow([str(MODEL)], recipe)  # every step served from the test's cache
+    assert done[str(MODEL)]["registered"]["name"] == result["winner"]["registered"]["name"]
+    assert done[str(MODEL)]["mlflow"]["run_id"] == result["winner"]["mlflow"]["run_id"]
