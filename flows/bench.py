@@ -5,7 +5,9 @@ latents when asked) and any compressed directories given, it measures on the flo
 (``LRKV_DEVICE``): decode-step latency at every context (one batch size), prefill throughput, the KV bytes
 the cache holds and peak memory (:mod:`lrkv_core.serving`); then the serving trade: within the memory the
 original's cache takes at the batch and the longest context, each compressed model runs the largest batch
-that fits, and its tokens/s are set against the original's. Results are logged to MLflow (tables, metrics,
+that fits, and its tokens/s are set against the original's; and one layer's decode attention alone at every
+context against its roofline (bytes and FLOPs of the step, a copy's bandwidth measured in the same task:
+:func:`~lrkv_core.serving.measure_kernels`). Results are logged to MLflow (tables, metrics,
 the JSON) and attached to the flow run as a markdown artifact; every measurement is a cached task whose key
 names the device, so a re-run on the same machine is served from the store.
 """
@@ -96,6 +98,13 @@ def bench_flow(
             }
         )
     rows = _rows(measured, contexts, batch)
+    kernel_rows = []
+    for label in models:
+        future = stored(b.bench_kernel).submit(
+            models[label], label, contexts, batch, steps, warmup, dtype, device_id, root
+        )
+        kernel = _record(timings, f"bench_kernel[{label}]", future)
+        kernel_rows += [{"model": label, **point} for point in kernel["points"]]
     result = {
         "device": device_id,
         "dtype": dtype,
@@ -104,6 +113,7 @@ def bench_flow(
         "steps": steps,
         "rows": rows,
         "serving": {"context": longest, "cache_budget_bytes": budget, "rows": serving},
+        "kernel": kernel_rows,
         "timings": timings,
     }
     markdown = bench_markdown(model, result)
@@ -170,6 +180,20 @@ def bench_markdown(model: str, result: dict) -> str:
             f"| {r['model']} | {r['batch']} | {r['decode_ms']:.3f} | {r['tokens_per_s']:.1f} | "
             f"{r['tokens_per_s_over_original']:.2f} |"
         )
+    lines += [
+        "",
+        "One layer's decode attention alone, against the bytes it must move (cache + key up-projections + "
+        "queries and output) and a copy's bandwidth measured in the same task:",
+        "",
+        "| model | context | path | µs | KB moved | GB/s | of copy | copy GB/s | GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["kernel"]:
+        lines.append(
+            f"| {r['model']} | {r['context']} | {r['path']} | {r['time_ms'] * 1e3:.1f} | "
+            f"{r['bytes'] / 1e3:.1f} | {r['achieved_gb_per_s']:.3g} | {r['fraction_of_copy']:.3g} | "
+            f"{r['copy_gb_per_s']:.3g} | {r['gflop_per_s']:.3g} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -186,6 +210,10 @@ def _log(model: str, result: dict, tracking: TrackingRecipe) -> dict:
         metrics[f"{r['model'].replace(' ', '_')}.serving_tokens_per_s_over_original"] = r[
             "tokens_per_s_over_original"
         ]
+    for r in result["kernel"]:
+        metrics[f"{r['model'].replace(' ', '_')}.kernel_fraction_of_copy.ctx{r['context']}"] = r[
+            "fraction_of_copy"
+        ]
     params = {k: result[k] for k in ("device", "dtype", "contexts", "batch", "steps")} | {"model": model}
     try:
         log_results(
@@ -195,7 +223,7 @@ def _log(model: str, result: dict, tracking: TrackingRecipe) -> dict:
             json_artifacts={"bench.json": {k: v for k, v in result.items() if k != "timings"}},
             tables={"bench_decode.json": _columns(result["rows"]), "bench_serving.json": _columns(
                 result["serving"]["rows"]
-            )},
+            ), "bench_kernel.json": _columns(result["kernel"])},
         )  # fmt: skip
     except BaseException:
         close_run(run, "FAILED")

@@ -180,7 +180,7 @@ class LatentAttention(LatentAttentionBase):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
-        H, D, s = self.shape.H, self.shape.D, self.layout.group_size
+        H, D = self.shape.H, self.shape.D
         q = self.q_proj(hidden_states).view(B, T, H, D)  # (B, T, H, D)
         if self.q_norm is not None:
             q = self.q_norm(q)
@@ -192,8 +192,18 @@ class LatentAttention(LatentAttentionBase):
         h_k = self.k_down(hidden_states)  # (B, T, R_k)
         h_v = self.v_down(hidden_states)  # (B, T, R_v)
         view = self.cached_latents(h_k, h_v, position_ids, past_key_values, cache)
+        return self.o_proj(self.attend_latents(q, view, attention_mask, **kwargs)), None  # (B, T, d)
+
+    def attend_latents(
+        self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None, **kwargs
+    ) -> torch.Tensor:
+        """The attention of queries q (B, H, T, D) (RoPE'd) over the cached latents ``view``, before
+        ``o_proj``: (B, T, Σ_g nq·r_v). The fused decode kernel where :meth:`decodes_fused`, else keys rebuilt
+        per group and the model's attention interface."""
         if self.decodes_fused(q):
-            return self.o_proj(self.fused_decode_attention(q, view, attention_mask)), None
+            return self.fused_decode_attention(q, view, attention_mask)
+        B = q.shape[0]
+        s = self.layout.group_size
         cos_k, sin_k = self.rope_at(view.keys[0], view.positions.long())  # (B, S, D); keys[0]: dtype only
         outs, nq = [], self.q_heads_per_group
         for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):
@@ -201,7 +211,7 @@ class LatentAttention(LatentAttentionBase):
             v_g = hv_g.unsqueeze(1).expand(B, s, *hv_g.shape[1:])  # (B, s, S, r_g)
             q_g = q[:, g * nq : (g + 1) * nq]  # (B, s·n_rep, T, D)
             outs.append(self.attend(q_g, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_g)
-        return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)
+        return torch.cat(outs, dim=-1)
 
     def projections(self) -> dict[str, list[nn.Linear]]:
         return super().projections() | {"k_up": list(self.k_up)}

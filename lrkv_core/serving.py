@@ -9,6 +9,12 @@ every step: a step's latency, not a pipeline's throughput) and reports their med
 tensors the cache holds after the prefill (:func:`~lrkv_core.cache.cache_nbytes`). Peak memory is the
 device's allocator peak on CUDA, the process's peak resident set elsewhere (a process-wide maximum: read it
 as an upper bound there).
+
+The decode attention alone (:func:`measure_kernels`): one layer's attention timed apart from the rest of the
+step, what it runs on the device (SDPA over the original's dense K/V; a compressed model's latent path, the
+flash kernel on CUDA), with the bytes and FLOPs the step must move and compute
+(:func:`dense_attention_cost`, :func:`latent_attention_cost`) and the device's copy bandwidth measured in the
+same call (:func:`copy_bandwidth`), so the time reads against its roofline.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import cache_kwargs, cache_nbytes, output_cache
+from .attention import LatentAttention
+from .cache import LatentView, cache_kwargs, cache_nbytes, output_cache
 
 Progress = Callable[[int, int], None] | None
 
@@ -171,3 +178,204 @@ def batch_within_budget(budget_bytes: float, kv_bytes_per_token: float, context:
     if kv_bytes_per_token <= 0 or context < 1:
         raise ValueError(f"bytes per token and context must be positive, got {kv_bytes_per_token}, {context}")
     return max(1, int(budget_bytes // (kv_bytes_per_token * context)))
+
+
+# --- the decode attention alone, against its roofline ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one decode step of one layer's attention must move and compute."""
+
+    bytes: int  # read (cache, weights, queries) + written (output)
+    flops: int  # multiply-adds count two
+
+
+def dense_attention_cost(
+    batch: int, context: int, heads: int, kv_heads: int, head_dim: int, itemsize: int
+) -> StepCost:
+    """One decode step of attention over a dense K/V cache: read K and V (B, Hkv, S, D) and the queries
+    (B, H, D), write the output (B, H, D); scores q·K and p·V, 2·S·D FLOPs each per query head."""
+    cache = 2 * batch * kv_heads * context * head_dim * itemsize
+    io = 2 * batch * heads * head_dim * itemsize
+    return StepCost(bytes=cache + io, flops=4 * batch * heads * context * head_dim)
+
+
+def latent_attention_cost(
+    batch: int,
+    context: int,
+    heads: int,
+    head_dim: int,
+    group_size: int,
+    ranks_k: Sequence[int],
+    ranks_v: Sequence[int],
+    cache_bytes: int,
+    weight_bytes: int,
+    itemsize: int,
+) -> StepCost:
+    """One decode step of latent attention (groups g of ``group_size`` KV heads, ranks r_g): read the cached
+    latents as stored (``cache_bytes``), the key up-projections (``weight_bytes``) and the queries (B, H, D);
+    write the output (B, Σ_g nq·r_v,g) with nq = H / G query heads per group. FLOPs: the keys rebuilt,
+    2·S·(s·D)·r_k,g per group; the scores, 2·S·D per query head; p·H_v, 2·S·r_v,g per query head."""
+    groups = len(ranks_k)
+    nq = heads // groups
+    rebuild = sum(2 * context * group_size * head_dim * r for r in ranks_k)
+    scores = 2 * heads * context * head_dim
+    values = sum(2 * nq * context * r for r in ranks_v)
+    io = batch * (heads * head_dim + nq * sum(ranks_v)) * itemsize
+    return StepCost(bytes=cache_bytes + weight_bytes + io, flops=batch * (rebuild + scores + values))
+
+
+def view_nbytes(view: LatentView) -> int:
+    """The bytes a decode step reads from a layer's cache: the latents as stored (a quantized store's packed
+    codes, scales and zero-points and its unquantized window; else the per-group latents) and positions."""
+    if view.packed is not None:
+        parts = [t for p in view.packed for t in (p.codes, p.scale, p.zero, p.recent) if t is not None]
+    else:
+        parts = [*view.keys, *view.values]
+    if view.positions is not None:
+        parts.append(view.positions)
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, *, steps: int, warmup: int) -> list[float]:
+    """Milliseconds of ``steps`` calls of ``fn`` after ``warmup`` untimed ones, the device synchronised around
+    each."""
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+@torch.no_grad()
+def copy_bandwidth(device: torch.device, nbytes: int, *, steps: int = 8, warmup: int = 2) -> float:
+    """The device's achievable memory bandwidth in bytes/s: a copy of ``nbytes`` (make it larger than the
+    caches, 256 MiB on a GPU) timed as :func:`time_call` does, bytes read + written over the median time."""
+    if nbytes < 8:
+        raise ValueError(f"the copy needs at least 8 bytes, got {nbytes}")
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = statistics.median(time_call(lambda: dst.copy_(src), device, steps=steps, warmup=warmup))
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+@dataclass(frozen=True)
+class KernelPoint:
+    """One layer's decode attention alone at one (context, batch), set against the copy bandwidth."""
+
+    context: int
+    batch: int
+    path: str  # what ran: "torch sdpa", "triton flash" or "torch unfused"
+    time_ms: float  # median
+    bytes: int
+    flops: int
+    copy_bytes_per_s: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / (self.time_ms * 1e-3)
+
+    def to_dict(self) -> dict[str, Any]:
+        gbs = self.bytes_per_s / 1e9
+        return asdict(self) | {
+            "achieved_gb_per_s": gbs,
+            "copy_gb_per_s": self.copy_bytes_per_s / 1e9,
+            "fraction_of_copy": self.bytes_per_s / self.copy_bytes_per_s,
+            "gflop_per_s": self.flops / (self.time_ms * 1e-3) / 1e9,
+        }
+
+
+@torch.no_grad()
+def measure_attention(
+    model: nn.Module,
+    *,
+    context: int,
+    batch: int,
+    copy_bytes_per_s: float,
+    steps: int = 16,
+    warmup: int = 2,
+    seed: int = 0,
+) -> KernelPoint:
+    """The first layer's decode attention alone, after a prefill of ``batch`` × ``context`` random tokens:
+    torch SDPA over the original's dense K/V cache, or a compressed model's latent path as its decode step
+    takes it on this device (:meth:`~lrkv_core.attention.LatentAttention.attend_latents`: the flash kernel
+    on CUDA, else the unfused torch path), with random queries; the median of ``steps`` calls."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(model.config.vocab_size, (batch, context), generator=gen).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = output_cache(model(ids, use_cache=True, logits_to_keep=1))
+    finally:
+        model.train(was_training)
+    latent = next((m for m in model.modules() if isinstance(m, LatentAttention)), None)
+    dtype = next(model.parameters()).dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if latent is None:
+        k, v = cache.layers[0].keys, cache.layers[0].values  # (B, Hkv, S, D)
+        heads = model.config.num_attention_heads
+        q = torch.randn(batch, heads, 1, k.shape[-1], generator=gen).to(device, k.dtype)
+        cost = dense_attention_cost(batch, k.shape[2], heads, k.shape[1], k.shape[-1], k.element_size())
+        path = "torch sdpa"
+
+        def step() -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    else:
+        store = cache.layers[latent.layer_idx].store
+        H, D = latent.shape.H, latent.shape.D
+        q = torch.randn(batch, H, 1, D, generator=gen).to(device, dtype)
+        view = store.view()
+        ups = [p for up in latent.k_up for p in up.parameters()]  # B_k and the k bias rows
+        layout = latent.layout
+        cost = latent_attention_cost(
+            batch, view.keys[0].shape[1], H, D, layout.group_size, layout.ranks_k, layout.ranks_v,
+            view_nbytes(view), sum(p.numel() * p.element_size() for p in ups), itemsize,
+        )  # fmt: skip
+        path = "triton flash" if latent.decodes_fused(q) else "torch unfused"
+
+        def step() -> torch.Tensor:  # a fresh view per step, as the model's decode step reads the store
+            return latent.attend_latents(q, store.view(), None)
+
+    times = time_call(step, device, steps=steps, warmup=warmup)
+    return KernelPoint(
+        context=context,
+        batch=batch,
+        path=path,
+        time_ms=statistics.median(times),
+        bytes=cost.bytes,
+        flops=cost.flops,
+        copy_bytes_per_s=copy_bytes_per_s,
+    )
+
+
+def measure_kernels(
+    model: nn.Module,
+    contexts: Sequence[int],
+    batch: int,
+    *,
+    steps: int = 16,
+    warmup: int = 2,
+    copy_nbytes: int | None = None,
+    progress: Progress = None,
+) -> list[KernelPoint]:
+    """The device's :func:`copy_bandwidth` (of ``copy_nbytes``, default 256 MiB on CUDA, 32 MiB elsewhere),
+    then :func:`measure_attention` at every context against it."""
+    device = next(model.parameters()).device
+    nbytes = copy_nbytes or (256 << 20 if device.type == "cuda" else 32 << 20)
+    copy = copy_bandwidth(device, nbytes, steps=steps, warmup=warmup)
+    out = []
+    for i, context in enumerate(contexts):
+        out.append(
+            measure_attention(
+                model, context=context, batch=batch, copy_bytes_per_s=copy, steps=steps, warmup=warmup
+            )
+        )
+        if progress is not None:
+            progress(i + 1, len(contexts))
+    return out

@@ -71,3 +71,26 @@ def bench_model(
         "dtype": dtype,
         "points": [p.to_dict() for p in points],
     }
+
+
+@task(name="bench_kernel", cache_key_fn=TASK_KEY, **CACHED)
+def bench_kernel(
+    model: ArtifactRef,
+    label: str,
+    contexts: list[int],
+    batch: int,
+    steps: int,
+    warmup: int,
+    dtype: str,
+    device_id: str,
+    store: str | None = None,
+) -> dict[str, Any]:
+    """One layer's decode attention alone at every context, against the copy bandwidth measured in the same
+    task, on the task's device (``device_id`` names it, for the cache key and the record)."""
+    device = task_device()
+    with step(f"kernel {label}") as advance:
+        loaded, _ = load_model(_local(model), dtype=dtype, device=device)
+        points = serving.measure_kernels(
+            loaded, contexts, batch, steps=steps, warmup=warmup, progress=advance
+        )
+    return {"label": label, "device": device_id, "dtype": dtype, "points": [p.to_dict() for p in points]}

@@ -3,6 +3,8 @@ and its compressed versions, logged to a real MLflow server, and served from the
 
 from __future__ import annotations
 
+import math
+
 from mlflow.tracking import MlflowClient
 
 from lrkv_core import serving
@@ -43,6 +45,19 @@ def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_ser
     )
     assert 2 < trade["lrkv r0.5"]["batch"] < trade["lrkv r0.5 4-bit"]["batch"]
     assert any(row["task"].startswith("bench_model[lrkv r0.5 4-bit, batch ") for row in first["timings"])
+    # the attention alone: every model at every context, measured against one copy bandwidth per model
+    kernel = {(r["model"], r["context"]): r for r in first["kernel"]}
+    assert set(kernel) == set(rows)
+    assert {r["path"] for r in kernel.values()} == {"torch sdpa", "torch unfused"}  # what runs on the CPU
+    for r in kernel.values():
+        assert r["time_ms"] > 0 and r["copy_gb_per_s"] > 0 and r["gflop_per_s"] > 0
+        assert math.isclose(r["fraction_of_copy"], r["achieved_gb_per_s"] / r["copy_gb_per_s"])
+    assert len({r["time_ms"] for r in kernel.values()}) > 1
+    assert (
+        kernel["lrkv r0.5 4-bit", 48]["bytes"]
+        < kernel["lrkv r0.5", 48]["bytes"]
+        < kernel["original", 48]["bytes"]
+    )
 
     client = MlflowClient(tracking_uri=mlflow_server)
     run = client.get_run(first["mlflow"]["run_id"])
@@ -50,12 +65,15 @@ def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_ser
     assert run.data.metrics["lrkv_r0.5.decode_ms.ctx48"] == rows["lrkv r0.5", 48]["decode_ms"]
     assert "lrkv_r0.5_4-bit.serving_tokens_per_s_over_original" in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"bench.json", "bench_decode.json", "bench_serving.json"} <= artifacts
+    assert {"bench.json", "bench_decode.json", "bench_serving.json", "bench_kernel.json"} <= artifacts
     assert "| lrkv r0.5 4-bit | 48 |" in first["markdown"]
+    assert "| lrkv r0.5 4-bit | 48 | torch unfused |" in first["markdown"]
+    assert "lrkv_r0.5.kernel_fraction_of_copy.ctx48" in run.data.metrics
 
     second = bench_flow(str(model_dir), **kwargs)  # the same machine: every measurement from the store
     assert {row["state"] for row in second["timings"]} == {"Cached"}, second["timings"]
     assert second["rows"] == first["rows"] and second["serving"] == first["serving"]
+    assert second["kernel"] == first["kernel"]
 
 
 def test_batch_within_budget() -> None:

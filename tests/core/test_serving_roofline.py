@@ -1,0 +1,89 @@
+"""The decode attention's roofline arithmetic (bytes and FLOPs of one step, counted by hand), the copy
+bandwidth probe, and one layer's attention timed alone on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lrkv_core import serving
+from lrkv_core.cache import LatentView
+from tests.support.latents import filled_store
+
+
+def test_dense_step_cost_by_hand() -> None:
+    # B=2, S=10, H=4, Hkv=2, D=8, float32: K and V 2·2·2·10·8·4 B, q and out 2·(2·4·8·4) B
+    cost = serving.dense_attention_cost(batch=2, context=10, heads=4, kv_heads=2, head_dim=8, itemsize=4)
+    assert cost.bytes == 2560 + 512
+    assert cost.flops == 4 * 2 * 4 * 10 * 8  # q·K and p·V, 2·S·D each per query head
+
+
+def test_latent_step_cost_by_hand() -> None:
+    # B=1, S=5, H=4, D=2, two groups of one KV head (nq = 2 query heads each), r_k = (3, 1), r_v = (2, 2)
+    cost = serving.latent_attention_cost(
+        batch=1, context=5, heads=4, head_dim=2, group_size=1, ranks_k=(3, 1), ranks_v=(2, 2),
+        cache_bytes=100, weight_bytes=50, itemsize=2,
+    )  # fmt: skip
+    rebuild = 2 * 5 * 2 * 3 + 2 * 5 * 2 * 1  # 2·S·(s·D)·r_k per group
+    scores = 2 * 4 * 5 * 2  # 2·S·D per query head
+    values = 2 * (2 * 2 * 5 * 2)  # 2·S·r_v per query head, two heads per group
+    assert cost.flops == rebuild + scores + values == 240
+    assert cost.bytes == 100 + 50 + (4 * 2 + 2 * 4) * 2  # cache, weights, q (H·D) and out (nq·Σ r_v)
+
+
+def test_view_bytes_count_latents_and_positions() -> None:
+    h_k, h_v = torch.zeros(2, 5, 4), torch.zeros(2, 5, 6, dtype=torch.float16)
+    positions = torch.zeros(2, 5, dtype=torch.int32)
+    view = LatentView.from_latents(h_k, h_v, positions, (3, 1), (6,))
+    assert serving.view_nbytes(view) == 2 * 5 * 4 * 4 + 2 * 5 * 6 * 2 + 2 * 5 * 4
+
+
+def test_view_bytes_of_packed_latents_are_the_codes_and_scales() -> None:
+    h = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(0))
+    view = filled_store({"name": "quantized", "bits": 4}, h, h, [9]).view()
+    assert view.packed is not None and view.positions is None
+    codes = 2 * 9 * (16 * 4 // 8)  # per latent kind: 16 codes of 4 bits a token
+    scales = 2 * 9 * 2 * 2  # scale and zero (float16) per token and quantization group
+    groups = 2 + 1  # key groups (8, 8), one value group (16)
+    assert serving.view_nbytes(view) == 2 * codes + groups * scales
+    assert serving.view_nbytes(view) < serving.view_nbytes(LatentView(view.keys, view.values, None))
+
+
+def test_copy_bandwidth_is_measured() -> None:
+    bw = serving.copy_bandwidth(torch.device("cpu"), 1 << 20, steps=2, warmup=1)
+    assert math.isfinite(bw) and bw > 0
+    with pytest.raises(ValueError):
+        serving.copy_bandwidth(torch.device("cpu"), 4)
+
+
+def test_time_call_times_every_step() -> None:
+    calls = []
+    times = serving.time_call(lambda: calls.append(1), torch.device("cpu"), steps=3, warmup=2)
+    assert len(times) == 3 and len(calls) == 5 and all(t >= 0 for t in times)
+
+
+def test_attention_alone_counts_the_caches_it_reads(compress) -> None:
+    """The original's SDPA reads its dense K/V; the compressed model's unfused CPU path (what its decode step
+    takes here) reads its latents and key up-projections: fewer bytes at half rank; every figure measured."""
+    from lrkv_core.attention import LatentAttention
+    from tests.support.latents import tiny_compressed
+    from tests.support.models import tiny_model
+
+    original, comp = tiny_model(), tiny_compressed(compress)
+    cfg = original.config
+    D = cfg.hidden_size // cfg.num_attention_heads
+    dense = serving.measure_attention(original, context=12, batch=2, copy_bytes_per_s=1e9, steps=2, warmup=1)
+    expected = serving.dense_attention_cost(2, 12, cfg.num_attention_heads, cfg.num_key_value_heads, D, 4)
+    assert dense.path == "torch sdpa" and (dense.bytes, dense.flops) == (expected.bytes, expected.flops)
+    latent = serving.measure_attention(comp, context=12, batch=2, copy_bytes_per_s=1e9, steps=2, warmup=1)
+    layer = next(m for m in comp.modules() if isinstance(m, LatentAttention))
+    cache = 2 * 12 * (sum(layer.layout.ranks_k) + sum(layer.layout.ranks_v)) * 4 + 2 * 12 * 4  # + positions
+    weights = sum(p.numel() * 4 for up in layer.k_up for p in up.parameters())
+    nq = cfg.num_attention_heads // len(layer.layout.ranks_k)
+    io = 2 * (cfg.num_attention_heads * D + nq * sum(layer.layout.ranks_v)) * 4  # q in, output out
+    assert latent.path == "torch unfused" and latent.bytes == cache + weights + io < dense.bytes
+    for point in (dense, latent):
+        row = point.to_dict()
+        assert row["time_ms"] > 0 and row["fraction_of_copy"] == row["achieved_gb_per_s"] / 1.0
