@@ -60,6 +60,7 @@ class Setting:
     refine_rows: int = 32  # calibration rows the refinement measures on (lrkv's default)
     refine_radius: int = 4  # rank steps a refine step may move a group: the documented rows' (lrkv's default)
     refine_objective: str = "kl"  # what the refinement lowers: the documented rows' (lrkv_core.refine)
+    refine_accept_rows: int = 0  # rows after refine_rows that keep or reject each step (0: the same rows)
 
 
 def settings(table: str, rows: int) -> list[Setting]:
@@ -71,16 +72,21 @@ def settings(table: str, rows: int) -> list[Setting]:
     def kl(**options: Any) -> dict[str, dict]:
         return {"kl_response": {"n_samples": rows, **options}}
 
-    def on_loss(label: str, allocator: str, stats: dict, steps: int = 3, n: int = 32) -> Setting:
-        """The allocator's plan refined on the loss of the rows' own next tokens (objective nll)."""
+    def on_loss(
+        label: str, allocator: str, stats: dict, steps: int = 3, n: int = 32, accept: int = 0
+    ) -> Setting:
+        """The allocator's plan refined on the loss of the rows' own next tokens (objective nll), each step
+        kept or rejected on the next ``accept`` rows (on the same rows if 0)."""
+        accepted = f", accepted on the next {accept}" if accept else ""
         return Setting(
-            f"{label} + {steps} refine steps on {n} rows, nll",
+            f"{label} + {steps} refine steps on {n} rows, nll{accepted}",
             allocator,
             rows,
             stats,
             refine_steps=steps,
             refine_rows=n,
             refine_objective="nll",
+            refine_accept_rows=accept,
         )
 
     if table == "allocators":
@@ -104,6 +110,7 @@ def settings(table: str, rows: int) -> list[Setting]:
             on_loss("kl", "kl", kl()),
             *(on_loss("kl", "kl", kl(), steps, n) for steps, n in ((3, 64), (3, 128), (3, 256), (6, 32))),
             on_loss("kl", "kl", kl(), 6, 128),
+            *(on_loss("kl", "kl", kl(), 3, n, 128) for n in (32, 128)),  # accepted on rows not priced on
             on_loss("uniform", "uniform", {}),
             on_loss("fisher (Palu's rule)", "fisher", fisher()),
             on_loss("eigen (one threshold)", {"name": "eigen", "rule": "global"}, {}),
@@ -178,7 +185,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=256, help="calibration rows of every statistic unless changed")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration draw (documented rows: 0)")
-    p.add_argument("--first", type=int, default=16, help="windows of the rise column (issue 8: 16)")
+    p.add_argument("--first", type=int, default=16, help="windows of the rise column (default 16)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluation windows (default: all)")
     p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
     p.add_argument(
@@ -257,6 +264,7 @@ def main() -> None:
                     "rows": s.refine_rows,
                     "radius": s.refine_radius,
                     "objective": s.refine_objective,
+                    "accept_rows": s.refine_accept_rows,
                 },
             )
             for name in sorted(config.decomposition.needs - {"gram"}):  # e.g. attention_gram, on gram's rows

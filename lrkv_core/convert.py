@@ -12,7 +12,7 @@ functions directly.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -78,16 +78,37 @@ class CompressionConfig:
         others: 0).
     """
 
-    ratio: float = 0.5
-    group_size: int | None = None
-    rank_multiple: int = 8
+    # A recipe's ``compression`` section is built from these fields (defaults, and ``help`` as descriptions;
+    # lrkv_tasks.recipe gives the method fields their recipe types), so they are defined once.
+    ratio: float = field(
+        default=0.5, metadata={"help": "compressed KV width / original; 0.5 halves the cache"}
+    )
+    group_size: int | None = field(
+        default=None,
+        metadata={"help": "KV heads decomposed together: 1 = M-LRD, Hkv = J-LRD; auto = min(Hkv, 4)"},
+    )
+    rank_multiple: int = field(default=8, metadata={"help": "ranks are rounded down to multiples of this"})
     decomposition: Decomposition | str | Mapping[str, Any] = "whitened"
     allocator: Allocator | str | Mapping[str, Any] = DEFAULT_ALLOCATOR
-    statistics: Sequence[Statistic | str | Mapping[str, Any]] = ()
+    statistics: Sequence[Statistic | str | Mapping[str, Any]] = field(
+        default=(),
+        metadata={"help": "options of calibration statistics, e.g. [{name: fisher, per_row: false}]"},
+    )
     cache: CacheStorage | str | Mapping[str, Any] = "dense"
-    rotation: str = "none"
-    rotation_seed: int = 0
-    refine: RefineConfig | Mapping[str, Any] = RefineConfig()
+    rotation: str = field(
+        default="none",
+        metadata={
+            "help": "orthogonal rotation of each group's rank dimension fused into the factors (spreads "
+            "latents before quantization): hadamard, or auto (Hadamard where the rank allows, else random)"
+        },
+    )
+    rotation_seed: int = field(
+        default=0, metadata={"help": "seeds the random orthogonal matrices auto draws where Hadamard cannot"}
+    )
+    refine: RefineConfig | Mapping[str, Any] = field(
+        default=RefineConfig(),
+        metadata={"help": "how the allocator's plan is refined on calibration rows (steps 0: kept)"},
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:

@@ -7,19 +7,22 @@ The methods a recipe may name (decomposition, allocator, statistics) come from l
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
+from lrkv_core.allocation import ALLOCATORS
 from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
 from lrkv_core.lora import RecoveryConfig
+from lrkv_core.lora.config import Role  # noqa: F401  (the recipe's roles, re-exported)
 from lrkv_core.refine import RefineConfig
 from lrkv_core.registry import Method
+from lrkv_core.rotation import ROTATIONS
 from lrkv_core.statistics import STATISTICS
 
 from .refs import STORE_FORMS, is_s3, local_dir
@@ -51,30 +54,21 @@ class CalibrationRecipe(Strict):
     )
 
 
-class PaluRecipe(Strict):
-    """Palu's latent cache: low-rank factors per group of KV heads, latents cached, B_v folded into o_proj."""
+def config_fields(config: type, types: dict[str, Any] | None = None) -> dict[str, Any]:
+    """pydantic field definitions of a core config dataclass: its fields' types and defaults (or ``types``'
+    (type, default) where a recipe writes the field differently), and ``help`` (metadata) as descriptions, so
+    a recipe section built from them restates nothing."""
+    hints = typing.get_type_hints(config)
+    fields = {}
+    for f in dataclasses.fields(config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kind, default = (types or {}).get(f.name, (hints[f.name], default))
+        fields[f.name] = (kind, Field(default, description=f.metadata.get("help")))
+    return fields
 
+
+class _Compression(Strict):
     name: Literal["palu"] = "palu"
-    ratio: float = Field(0.5, gt=0, le=1, description="compressed KV width / original; 0.5 halves the cache")
-    group_size: int | Literal["auto"] = Field(
-        "auto", description="KV heads decomposed together: 1 = M-LRD, Hkv = J-LRD; auto = min(Hkv, 4)"
-    )
-    rank_multiple: int = Field(8, ge=1)
-    decomposition: registered(DECOMPOSITIONS) = "whitened"  # type: ignore[valid-type]
-    allocator: registered(ALLOCATORS) = DEFAULT_ALLOCATOR  # type: ignore[valid-type]
-    statistics: list[registered(STATISTICS)] = Field(  # type: ignore[valid-type]
-        [], description="options of calibration statistics, e.g. [{name: fisher, per_row: false}]"
-    )
-    cache: registered(CACHE_STORAGES) = "dense"  # type: ignore[valid-type]
-    rotation: Literal["none", "hadamard", "auto"] = Field(
-        "none",
-        description="orthogonal rotation of each group's rank dimension fused into the factors (spreads "
-        "latents before quantization): hadamard, or auto (Hadamard where the rank allows, else random)",
-    )
-    rotation_seed: int = 0
-    refine: RefineConfig = Field(
-        RefineConfig(), description="how the allocator's plan is refined on calibration rows (steps 0: kept)"
-    )
 
     @model_validator(mode="before")
     @classmethod
@@ -91,25 +85,37 @@ class PaluRecipe(Strict):
         return data
 
     @model_validator(mode="after")
-    def _positive_group(self) -> PaluRecipe:
-        if isinstance(self.group_size, int) and self.group_size < 1:
-            raise ValueError(f"group_size must be ≥ 1 or 'auto', got {self.group_size}")
+    def _valid(self) -> _Compression:
+        self.to_config()  # the core's own checks (ratio, group size, a cache that refuses the rotation, ...)
         return self
 
     def to_config(self) -> CompressionConfig:
         """The in-memory config of this section (group size still unresolved if 'auto')."""
-        return CompressionConfig(
-            ratio=self.ratio,
-            group_size=None if self.group_size == "auto" else self.group_size,
-            rank_multiple=self.rank_multiple,
-            decomposition=self.decomposition,
-            allocator=self.allocator,
-            statistics=tuple(self.statistics),
-            cache=self.cache,
-            rotation=self.rotation,
-            rotation_seed=self.rotation_seed,
-            refine=self.refine,
-        )
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(CompressionConfig)}
+        group = None if self.group_size == "auto" else self.group_size
+        return CompressionConfig(**options | {"group_size": group, "statistics": tuple(self.statistics)})
+
+
+PaluRecipe = create_model(
+    "PaluRecipe",
+    __base__=_Compression,
+    __doc__="""Palu's latent cache: low-rank factors per group of KV heads, latents cached, B_v folded into
+    o_proj; the fields of :class:`lrkv_core.convert.CompressionConfig` (defaults and descriptions taken from
+    it), methods named as the registries know them.""",
+    __module__=__name__,
+    **config_fields(
+        CompressionConfig,
+        {  # how a recipe writes what the in-memory config also takes as instances (or as None)
+            "group_size": (int | Literal["auto"], "auto"),
+            "decomposition": (registered(DECOMPOSITIONS), CompressionConfig.decomposition),
+            "allocator": (registered(ALLOCATORS), CompressionConfig.allocator),
+            "statistics": (list[registered(STATISTICS)], []),
+            "cache": (registered(CACHE_STORAGES), CompressionConfig.cache),
+            "rotation": (Literal[ROTATIONS], CompressionConfig.rotation),
+            "refine": (RefineConfig, CompressionConfig.refine),
+        },
+    ),
+)
 
 
 class EvalRecipe(Strict):
@@ -133,14 +139,7 @@ class EvalRecipe(Strict):
         return self
 
 
-Role = Literal["k_down", "v_down", "k_up", "q_proj", "o_proj"]  # lrkv_core.lora.ROLES (a test checks)
-
-
-class LoraRecipe(Strict):
-    """LoRA recovery after compression (Palu's defaults where they fit: r′ 32, α 32, lr 2e-4, cosine),
-    merged into the projections so the KV cache keeps its width: the data, and the options of
-    :class:`lrkv_core.lora.RecoveryConfig` (a test checks the defaults agree)."""
-
+class _LoraData(Strict):
     dataset: str | None = Field(
         None, description="training data (a dataset spec); default: the calibration data"
     )
@@ -148,34 +147,26 @@ class LoraRecipe(Strict):
         HELD_OUT,
         description="rows for the held-out loss during training; 'heldout': eval.dataset; null: none",
     )
-    steps: int = Field(200, ge=1)
-    r: int = Field(32, ge=1, description="LoRA rank r′")
-    alpha: float = Field(32.0, gt=0, description="LoRA α (the update is α/r′ · B A)")
-    dropout: float = Field(0.0, ge=0, lt=1)
-    targets: list[Role] = Field(
-        ["k_down", "v_down"], min_length=1, description="latent-attention projections that get adapters"
-    )
-    lr: float = Field(2e-4, gt=0)
-    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    batch_size: int = Field(4, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    seq_len: int = Field(256, ge=2)
-    eval_every: int = Field(50, ge=0, description="steps between held-out losses (0: none)")
-    eval_rows: int = Field(8, ge=0)
-    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints (0: only the last)")
-    seed: int = 0
 
     @model_validator(mode="after")
-    def _valid(self) -> LoraRecipe:
+    def _valid(self) -> _LoraData:
         self.to_config()  # the core's own checks (distinct targets, ...), as a validation error
         return self
 
     def to_config(self) -> RecoveryConfig:
         """The in-memory config of this section (the data fields are the task's)."""
         return RecoveryConfig(**self.model_dump(exclude={"dataset", "eval_dataset"}))
+
+
+LoraRecipe = create_model(
+    "LoraRecipe",
+    __base__=_LoraData,
+    __doc__="""LoRA recovery after compression (Palu's defaults where they fit: r′ 32, α 32, lr 2e-4, cosine),
+    merged into the projections so the KV cache keeps its width: the data, and the fields of
+    :class:`lrkv_core.lora.RecoveryConfig` (types, defaults and descriptions taken from it).""",
+    __module__=__name__,
+    **config_fields(RecoveryConfig),
+)
 
 
 class TrackingRecipe(Strict):

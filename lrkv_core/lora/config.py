@@ -15,11 +15,13 @@ a module-name pattern:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, get_args
 
-ROLES = ("k_down", "v_down", "k_up", "q_proj", "o_proj")
-SCHEDULERS = ("cosine", "linear", "constant")
+Role = Literal["k_down", "v_down", "k_up", "q_proj", "o_proj"]
+Scheduler = Literal["cosine", "linear", "constant"]
+ROLES: tuple[str, ...] = get_args(Role)
+SCHEDULERS: tuple[str, ...] = get_args(Scheduler)
 DEFAULT_TARGETS = ("k_down", "v_down")
 
 
@@ -43,24 +45,31 @@ class RecoveryConfig:
         last) on the first ``eval_rows`` held-out rows; 0 turns it off.
     checkpoint_every : steps between checkpoints (0: none); the last step is always checkpointed.
     seed : seeds the adapter's initialisation, dropout and the order rows are drawn in.
+
+    A recipe's ``lora:`` section is built from these fields (types, defaults, and each field's ``help`` as its
+    description), so they are defined once.
     """
 
     steps: int = 200
-    r: int = 32
-    alpha: float = 32.0
+    r: int = field(default=32, metadata={"help": "LoRA rank r′"})
+    alpha: float = field(default=32.0, metadata={"help": "LoRA α (the update is α/r′ · B A)"})
     dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[Role, ...] = field(
+        default=DEFAULT_TARGETS, metadata={"help": "latent-attention projections that get adapters"}
+    )
     lr: float = 2e-4
-    scheduler: str = "cosine"
+    scheduler: Scheduler = "cosine"
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     batch_size: int = 4
     grad_accum: int = 1
     seq_len: int = 256
-    eval_every: int = 50
+    eval_every: int = field(default=50, metadata={"help": "steps between held-out losses (0: none)"})
     eval_rows: int = 8
-    checkpoint_every: int = 50
+    checkpoint_every: int = field(
+        default=50, metadata={"help": "steps between checkpoints (0: only the last)"}
+    )
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -24,6 +24,10 @@ def test_lora_is_off_by_default_and_its_defaults_are_the_cores():
     for f in dataclasses.fields(RecoveryConfig):  # one set of defaults, whichever entry point is used
         assert getattr(recipe.to_config(), f.name) == getattr(core, f.name), f.name
     assert (core.r, core.alpha, core.lr, core.scheduler) == (32, 32.0, 2e-4, "cosine")  # Palu's
+    core_fields = {f.name for f in dataclasses.fields(RecoveryConfig)}
+    assert set(LoraRecipe.model_fields) == core_fields | {"dataset", "eval_dataset"}  # built from the core's
+    help_r = RecoveryConfig.__dataclass_fields__["r"].metadata["help"]
+    assert LoraRecipe.model_fields["r"].description == help_r
     assert set(typing.get_args(Role)) == set(ROLES)
 
 
