@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import LatentAttention
+from .attention import LatentAttention, LatentAttentionBase
 from .cache import LatentView, cache_kwargs, cache_nbytes, output_cache
 
 Progress = Callable[[int, int], None] | None
@@ -365,7 +365,11 @@ def measure_kernels(
     progress: Progress = None,
 ) -> list[KernelPoint]:
     """The device's :func:`copy_bandwidth` (of ``copy_nbytes``, default 256 MiB on CUDA, 32 MiB elsewhere),
-    then :func:`measure_attention` at every context against it."""
+    then :func:`measure_attention` at every context against it. A compressed model without RoPE gives no
+    rows: its latent attention has no decode path of its own (``B_k`` is folded into ``q_proj``)."""
+    latents = [m for m in model.modules() if isinstance(m, LatentAttentionBase)]
+    if latents and not any(isinstance(m, LatentAttention) for m in latents):
+        return []
     device = next(model.parameters()).device
     nbytes = copy_nbytes or (256 << 20 if device.type == "cuda" else 32 << 20)
     copy = copy_bandwidth(device, nbytes, steps=steps, warmup=warmup)

@@ -87,3 +87,14 @@ def test_attention_alone_counts_the_caches_it_reads(compress) -> None:
     for point in (dense, latent):
         row = point.to_dict()
         assert row["time_ms"] > 0 and row["fraction_of_copy"] == row["achieved_gb_per_s"] / 1.0
+
+
+def test_a_compressed_model_without_rope_gives_no_kernel_rows(compress) -> None:
+    """OPT's latent attention folds B_k into q_proj and has no separate decode path: no rows, no error; the
+    original OPT is measured as any dense model."""
+    from tests.support.latents import tiny_compressed
+    from tests.support.models import tiny_model
+
+    kw = dict(batch=2, steps=1, warmup=0, copy_nbytes=1 << 16)
+    assert serving.measure_kernels(tiny_compressed(compress, "opt"), [8], **kw) == []
+    assert [p.path for p in serving.measure_kernels(tiny_model("opt", 4), [8], **kw)] == ["torch sdpa"]
