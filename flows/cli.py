@@ -593,7 +593,7 @@ def eval_cmd(
         typer.Option(
             help="evaluate an original model through transformers' QuantizedCache, the anchor for lrkv's "
             "quantized cache: BACKEND:BITS[:GROUP[:RESIDUAL]], e.g. hqq:4 (hqq: 2/3/4/8 bits, quanto: 2/4; "
-            "per-token groups, default group = head dim, residual 0); needs `pip install 'lrkv[anchor]'`"
+            "per-token groups, default group = head dim, residual 0); needs `pip install 'lrkv\\[anchor]'`"
         ),
     ] = None,
     cache: _cache_option(
