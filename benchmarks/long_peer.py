@@ -136,6 +136,15 @@ def continuation_row(method: dict[str, Any], context: int, nll_sum: float, token
                      "nll": nll, "ppl": math.exp(nll)}  # fmt: skip
 
 
+def stores_codes(storage: Any) -> bool:
+    """Whether a cache storage's recipe form (the model's ``lrkv.cache``) keeps integer codes with fp16
+    scales (quantized, GEAR, TALE with bit widths), whose bytes do not follow the model's dtype; dense
+    latents and a float TALE cache do."""
+    if not isinstance(storage, dict) or storage.get("name") in (None, "dense"):
+        return False
+    return any(storage.get(k) is not None for k in ("bits", "low_bits", "full_bits"))
+
+
 def run_lrkv(name: str, model_dir: str, tasks: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows of one lrkv-loadable model (original or compressed) on the tasks, with its measured bytes."""
     model, tokenizer = load_model(model_dir)
@@ -151,7 +160,7 @@ def run_lrkv(name: str, model_dir: str, tasks: dict[str, Any]) -> list[dict[str,
     # dtype: its match is against the original's cache in float16, the dtype such a cache is deployed with.
     storage = (getattr(model.config, "lrkv", None) or {}).get("cache", {})
     dense16 = evaluate.dense_kv_bytes(model.config, 1, first["context"], torch.float16) / first["context"]
-    quantized = isinstance(storage, dict) and storage.get("name") not in (None, "dense")
+    quantized = stores_codes(storage)
     method = {"method": name, "family": "lrkv", "model": str(model_dir), "kv_fraction": fraction,
               "kv_bytes_per_token": kv["kv_bytes_per_token"],
               "dense_kv_bytes_per_token": kv["dense_kv_bytes_per_token"],

@@ -88,6 +88,19 @@ def test_matched_press_ratio_keeps_the_lrkv_bytes(long_peer):
             long_peer.matched_press_ratio(bad)
 
 
+def test_bytes_of_coded_caches_are_matched_against_float16(long_peer):
+    """Quantized, GEAR and TALE-with-bits caches keep codes (their bytes are set against the original's
+    float16 cache); dense latents and a float TALE cache follow the model's dtype."""
+    from lrkv_core.cache import CACHE_STORAGES
+
+    def form(spec):
+        return CACHE_STORAGES.create(spec).to_dict()
+
+    coded = [form({"name": "quantized", "bits": 3}), form("gear"), form({"name": "tale", "low_bits": 2})]
+    assert all(long_peer.stores_codes(c) for c in coded)
+    assert not any(long_peer.stores_codes(c) for c in (form("dense"), form("tale"), {}, None))
+
+
 def test_rows_score_by_exact_match_and_tabulate(long_peer, tokenizer, dataset):
     tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[96], continuation=16, windows=2,
                                   depths=[0.0, 1.0], samples=2, seed=0)  # fmt: skip
