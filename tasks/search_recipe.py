@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
 from lrkv_core.cache import CACHE_STORAGES
+from lrkv_core.rotation import ROTATIONS
 from lrkv_core.search import Budget
 
 from .recipe import ConvertRecipe, PaluRecipe, Strict, method_label
@@ -34,7 +35,7 @@ class SearchSpace(Strict):
     allocators: list[registered(ALLOCATORS)] = Field(  # type: ignore[valid-type]
         [DEFAULT_ALLOCATOR], min_length=1
     )
-    rotation: Literal["none", "hadamard", "auto"] = Field(
+    rotation: Literal[ROTATIONS] = Field(
         "auto", description="rotation fused for every storage but dense (dense keeps the base's)"
     )
 
