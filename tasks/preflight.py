@@ -63,6 +63,13 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
                 f"statistic {stat.name} asks for {stat.n_samples} calibration rows; calibration.n_samples is "
                 f"{recipe.calibration.n_samples}"
             )
+    refine, n_samples = resolved.refine, recipe.calibration.n_samples
+    if resolved.refines and refine.accept_rows and refine.rows + refine.accept_rows > n_samples:
+        raise ValueError(
+            f"refine.accept_rows {refine.accept_rows} accepts steps on the rows after the first refine.rows "
+            f"{refine.rows}: it needs {refine.rows + refine.accept_rows} calibration rows; "
+            f"calibration.n_samples is {n_samples}"
+        )
     if compression.group_size == "auto":
         notes.append(f"group size {resolved.group_size} (auto: the largest divisor of the KV heads ≤ 4)")
         compression = compression.model_copy(update={"group_size": resolved.group_size})

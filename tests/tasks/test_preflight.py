@@ -100,3 +100,17 @@ def test_evaluation_on_the_calibration_data_is_warned_about(tmp_path, data):
     assert any(n.startswith("warning: the evaluation data") and "quality gate" in n for n in notes), notes
     notes = prepare(_recipe(model_dir, data)).notes  # the held-out default
     assert not any(n.startswith("warning:") for n in notes), notes
+
+
+def test_accepting_refine_steps_on_rows_the_calibration_lacks_is_refused_before_any_work(tmp_path, data):
+    model_dir = tiny_model_dir(tmp_path)
+    recipe = _recipe(model_dir, data)
+    refine = {"steps": 1, "rows": 4, "accept_rows": 5}  # 9 rows; calibration.n_samples is 8
+    too_many = recipe.model_copy(
+        update={"compression": recipe.compression.model_copy(update={"refine": refine})}
+    )
+    with pytest.raises(ValueError, match="it needs 9 calibration rows; calibration.n_samples is 8"):
+        prepare(load_recipe(None, too_many.model_dump(mode="json")))
+    fits = too_many.model_dump(mode="json")
+    fits["compression"]["refine"]["accept_rows"] = 4
+    prepare(load_recipe(None, fits))
