@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +35,11 @@ def set_reporter(factory: Callable[[str], object] | None) -> None:
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
     """Prefect's logger of the current task or flow run (its lines reach the run's logs in the UI), else
-    the ``lrkv`` logger."""
+    the ``lrkv`` logger. Prefect is not imported for it: no run is active where it is not loaded yet, and
+    importing it here (the CLI's progress before it points Prefect at an API) would fix Prefect's settings
+    before ``PREFECT_API_URL`` is set."""
+    if "prefect" not in sys.modules:
+        return log
     from prefect.context import FlowRunContext, TaskRunContext
 
     if TaskRunContext.get() is None and FlowRunContext.get() is None:

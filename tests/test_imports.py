@@ -129,3 +129,10 @@ def test_imports_go_one_way():
         for target in edges:
             src, dst = mod.split(".")[0], target.split(".")[0]
             assert LAYER[dst] <= LAYER[src], f"{mod} imports {target}: against the dependency direction"
+
+
+def test_progress_outside_a_run_imports_no_prefect():
+    """The CLI reports progress (building a builtin model) before it points Prefect at an API server; a
+    Prefect imported then would keep settings without ``PREFECT_API_URL`` and start an ephemeral server."""
+    code = "from lrkv_tasks.progress import step\nwith step('x') as advance:\n    advance(1, 2)"
+    assert _loaded(code, {"prefect"}) == set()
