@@ -22,6 +22,7 @@ from lrkv_core.steps import conversion_steps
 from lrkv_tasks import convert as t
 from lrkv_tasks.lora import lora_recover
 from lrkv_tasks.preflight import prepare
+from lrkv_tasks.progress import run_peak_rss
 from lrkv_tasks.publish import log_run, register_model
 from lrkv_tasks.recipe import ConvertRecipe
 from lrkv_tasks.store import open_store
@@ -34,10 +35,12 @@ from .runner import ConfiguredTaskRunner, worker_count
 
 
 def _record(timings: list[dict], name: str, future) -> Any:
-    """Wait for a task and note its state (Completed / Cached) and its own run time; return its result."""
+    """Wait for a task and note its state (Completed / Cached), its own run time and the peak RSS of its
+    process while its steps ran (None for a cache hit or a task on another worker); return its result."""
     future.wait()
     seconds = t.run_seconds(future.task_run_id)
-    timings.append({"task": name, "state": future.state.name, "seconds": seconds})
+    peak = run_peak_rss(future.task_run_id)
+    timings.append({"task": name, "state": future.state.name, "seconds": seconds, "peak_rss_bytes": peak})
     return future.result()
 
 
@@ -93,9 +96,9 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         stored(t.extract_calibration).submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
     )
     graph = conversion_steps(
-        config, model.meta["shape"]["L"], shards=cal.shards, rows=cal.n_samples, batch_size=cal.batch_size
+        config, model.meta["shape"]["L"], shards=cal.shards, rows=cal.n_samples, batch_size=cal.rows_per_pass
     )
-    ctx = t.StepContext(model, calib, recipe.dtype, cal.batch_size, store, stored)
+    ctx = t.StepContext(model, calib, recipe.dtype, cal.rows_per_pass, store, stored)
     futures: dict[str, Any] = {}
     for s in graph:  # every step submitted before any is awaited: independent ones run at once
         futures[s.name] = t.submit_step(s, futures, ctx)

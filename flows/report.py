@@ -97,11 +97,13 @@ def progress_lines() -> Iterator[None]:
 
 def print_summary(result: dict) -> None:
     steps = Table(title="tasks")
-    for col in ("task", "state", "seconds"):
+    for col in ("task", "state", "seconds", "peak RSS GiB"):
         steps.add_column(col)
     for row in result["timings"]:
         seconds = "—" if row["seconds"] is None else f"{row['seconds']:.2f}"
-        steps.add_row(escape(row["task"]), row["state"], seconds)
+        peak = row.get("peak_rss_bytes")
+        peak = "—" if peak is None else f"{peak / 2**30:.2f}"
+        steps.add_row(escape(row["task"]), row["state"], seconds, peak)
     console.print(steps)
     table = Table(title="result")
     table.add_column("metric")

@@ -18,13 +18,15 @@ latent model), for each group and each rank r near its current r_P, to second or
 
 where ∇J is the gradient of the cross-entropy against the rows' tokens or the original's probabilities (one
 backward pass) and F the Fisher of the cut model (a second pass, targets sampled from its own predictions,
-as :mod:`lrkv_core.statistics.response`). Both are latent prefix sums of :class:`LatentProducts`, so two
-passes price every (group, rank). The new plan minimises the summed prices within the budget and no
-narrower than P (the exact knapsack), each group moving at most ``radius`` rank steps; it is kept only if
-its measured J is lower (on the same rows, or with ``accept_rows`` on the calibration rows after them, which
-the step was not priced on), otherwise the radius halves. Cost per step: two gradient passes and two to four
-forward passes over the rows (the KL also needs the original's). J is that of the cut weights: a
-quantized latent cache adds its rounding on top, which the refinement does not see.
+as :mod:`lrkv_core.statistics.response`, each row's from a generator seeded by the seed, the step and the
+row, so the micro-batch size does not change the draws). Both are latent prefix sums of
+:class:`LatentProducts`, so two passes price every (group, rank). The new plan minimises the summed prices
+within the budget and no narrower than P (the exact knapsack), each group moving at most ``radius`` rank
+steps; it is kept only if its measured J is lower (on the same rows, or with ``accept_rows`` on the
+calibration rows after them, which the step was not priced on), otherwise the radius halves. Cost per step:
+two gradient passes and two to four forward passes over the rows (the KL also needs the original's). J is
+that of the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not
+see.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .adapters import get_adapter
 from .allocation import RankPlan
 from .allocation.knapsack import minimize_separable
 from .allocation.problem import KINDS, RankProblem, Ranks
-from .statistics.gradients import kv_gradient_passes, sampled_targets
+from .statistics.gradients import kv_gradient_passes, row_seed, row_seeded_targets
 from .statistics.response import LatentProducts
 
 if TYPE_CHECKING:
@@ -217,12 +219,13 @@ def step_costs(
     rows: torch.Tensor,
     *,
     batch_size: int,
-    generator: torch.Generator,
+    seed: int,
     objective: str = "kl",
 ) -> dict[Key, torch.Tensor]:
     """Per (layer, kind): (G, m + 1) float64, the estimated change of J when that group alone goes from its
     rank in ``ranks`` to each rank r (0 at its own rank), every other group staying cut. J is the KL to the
-    original (``objective="kl"``) or the rows' own next-token loss (``"nll"``)."""
+    original (``objective="kl"``) or the rows' own next-token loss (``"nll"``). ``seed`` seeds the curvature
+    pass's draws, per row (:func:`~lrkv_core.statistics.gradients.row_seeded_targets`)."""
     _check(objective)
     lin = {key: torch.zeros(len(g), g[0].max_rank, dtype=torch.float64) for key, g in weights.factors.items()}
     quad = {
@@ -254,7 +257,7 @@ def step_costs(
                 model, batch, visit_gradient, batch_size=batch_size, targets=lambda _b, _l, p=p: p
             )
     n, _ = kv_gradient_passes(
-        model, rows, visit_curvature, batch_size=batch_size, targets=sampled_targets(generator)
+        model, rows, visit_curvature, batch_size=batch_size, targets=row_seeded_targets(seed)
     )
     scale = (rows.shape[1] - 1) / (2 * n)
     costs = {}
@@ -306,13 +309,18 @@ def refine_plan(
     if steps == 0 or all(r == s.max_rank for r, s in zip(_flat(problem, ranks), problem.groups)):
         return plan
     weights = PlanWeights(model, factors)
-    generator = torch.Generator().manual_seed(seed)
     try:
         value = measure(model, weights, ranks, accept, batch_size)
         history = [{objective: value}]
         for step in range(steps):
             costs = step_costs(
-                model, weights, ranks, rows, batch_size=batch_size, generator=generator, objective=objective
+                model,
+                weights,
+                ranks,
+                rows,
+                batch_size=batch_size,
+                seed=row_seed(seed, step),
+                objective=objective,
             )
             current = _flat(problem, ranks)
             bounded = []

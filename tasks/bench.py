@@ -18,7 +18,7 @@ from lrkv_core import pipeline, serving
 from lrkv_core.models import load_model, parse_device
 
 from .convert import CACHED, TASK_KEY, _local, _stored
-from .device import task_device
+from .device import model_pass, task_device
 from .progress import step
 from .refs import ArtifactRef
 
@@ -39,7 +39,7 @@ def bench_convert(model: ArtifactRef, ratio: float, bits: int | None, dtype: str
     """A data-free compressed version of ``model`` (plain SVD, uniform ranks) at ``ratio``, with dense latents
     or ``bits``-bit rotated latents: decode speed depends on the ranks and the storage, not on the plan."""
     label = f"r{ratio}" + (f"-{bits}bit" if bits else "")
-    with step(f"convert {label} (data-free)"):
+    with model_pass(), step(f"convert {label} (data-free)"):
         source = _local(model)
         return _stored(
             store, "model", "bench-models", "",
@@ -62,7 +62,7 @@ def bench_model(
     """Decode-step latency, prefill throughput, KV bytes and peak memory of one model at every context ×
     batch, on the task's device (``device_id`` names it, for the cache key and the record)."""
     device = task_device()
-    with step(f"bench {label}") as advance:
+    with model_pass(), step(f"bench {label}") as advance:
         loaded, _ = load_model(_local(model), dtype=dtype, device=device)
         points = serving.measure_grid(loaded, contexts, batches, steps=steps, warmup=warmup, progress=advance)
     return {
@@ -88,7 +88,7 @@ def bench_kernel(
     """One layer's decode attention alone at every context, against the copy bandwidth measured in the same
     task, on the task's device (``device_id`` names it, for the cache key and the record)."""
     device = task_device()
-    with step(f"kernel {label}") as advance:
+    with model_pass(), step(f"kernel {label}") as advance:
         loaded, _ = load_model(_local(model), dtype=dtype, device=device)
         points = serving.measure_kernels(
             loaded, contexts, batch, steps=steps, warmup=warmup, progress=advance

@@ -26,7 +26,7 @@ from lrkv_core.models import model_fingerprint, resolve_model_dir
 from lrkv_core.steps import Step, statistic_inputs
 
 from .cache import checked
-from .device import task_device
+from .device import model_pass, task_device
 from .keys import calibration_key, resolve_key, task_key
 from .progress import step
 from .refs import ArtifactRef
@@ -156,7 +156,7 @@ def _collect(
     model, calib, statistic, dtype, batch_size, store, layers, kind, write, label="", **where
 ) -> ArtifactRef:
     """Run ``write`` (a pipeline statistic writer, with ``where``: its shard) into the store."""
-    with step(f"collect {statistic['name']}{label}") as advance:
+    with model_pass(), step(f"collect {statistic['name']}{label}") as advance:
         return _stored(
             store,
             kind,
@@ -315,7 +315,7 @@ def refine_plan(
 ) -> ArtifactRef:
     """Refine the allocator's plan on its measured objective over calibration rows (Gauss–Newton steps; the
     options of :class:`lrkv_core.refine.RefineConfig`)."""
-    with step("refine plan") as advance:
+    with model_pass(), step("refine plan") as advance:
         refined = _stored(
             store,
             "plan",
@@ -350,7 +350,7 @@ def build_model(
     rotation_seed: int = 0,
 ) -> ArtifactRef:
     """Fuse factors (rotated) into the model and save the compressed model directory."""
-    with step("build model"):
+    with model_pass(), step("build model"):
         return _stored(
             store,
             "model",
@@ -490,7 +490,7 @@ def evaluate(
     store: str | None = None,
 ) -> dict[str, Any]:
     """Prefill and decode perplexity, measured KV bytes/token, and KL against ``base`` when given."""
-    with step(f"evaluate {label}") as advance:
+    with model_pass(), step(f"evaluate {label}") as advance:
         return pipeline.evaluate_dir(
             _local(model),
             eval_cfg["dataset"],

@@ -9,6 +9,9 @@ hosts need it in their own environment (a local cluster inherits the command's).
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from lrkv_core.models import parse_device
 
@@ -21,3 +24,40 @@ def task_device() -> str:
     value = os.environ.get(ENV, "cpu")
     parse_device(value)
     return value
+
+
+PASSES_ENV = "LRKV_MODEL_PASSES"
+
+
+def _pass_limit() -> int:
+    value = os.environ.get(PASSES_ENV, "1")
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(f"{PASSES_ENV} must be a whole number ≥ 1, got {value!r}")
+    return limit
+
+
+_PASSES: threading.BoundedSemaphore | None = None
+_PASSES_LOCK = threading.Lock()
+
+
+@contextmanager
+def model_pass() -> Iterator[None]:
+    """Hold one of this process's ``LRKV_MODEL_PASSES`` slots (default 1) while a task loads a whole model
+    and runs it over its data (a statistic, the refinement, an evaluation, a build).
+
+    Each such task holds its own copy of the model, its activations and its full-vocabulary logits, and
+    torch already spreads one pass over every core, so passes that run at once in one process (the thread
+    runner) add their memory without finishing sooner: by default they take turns. Tasks that only read
+    a layer's weights or small files (decompositions, summaries, the plan) do not wait. Dask workers are
+    processes, each with its own slots."""
+    global _PASSES
+    with _PASSES_LOCK:
+        if _PASSES is None:
+            _PASSES = threading.BoundedSemaphore(_pass_limit())
+        slots = _PASSES
+    with slots:
+        yield

@@ -20,7 +20,7 @@ from lrkv_core.paths import lrkv_home
 
 from .cache import checked
 from .convert import CACHED, _local, _stored
-from .device import task_device
+from .device import model_pass, task_device
 from .keys import lora_key, lora_run_id
 from .plots import plot_loss_curve
 from .progress import run_logger, step
@@ -54,7 +54,7 @@ def lora_recover(built: ArtifactRef, lora: dict, dtype: str, store: str) -> Arti
                         options["steps"], record["loss"], record["eval_loss"])  # fmt: skip
 
     def train(out: str) -> dict:
-        with step("LoRA recovery") as advance:
+        with model_pass(), step("LoRA recovery") as advance:
             summary.update(
                 recover_dir(
                     _local(built),

@@ -1,11 +1,13 @@
 """Progress of long steps, as log lines that reach the logs wherever lrkv runs, and as bars on a terminal.
 
 A task wraps a long step in :func:`step`, which logs when it starts, at every quarter of its progress, when
-it finishes (with its duration), and, while it reports nothing, every :data:`HEARTBEAT_S` seconds, so a
-step that is slow or has no progress to report is never silent. Each line goes to Prefect's logger of the
-current task or flow run (the run's logs in the UI and on a worker's console) and to the ``lrkv`` Python
-logger (which the CLI prints when its output is not a terminal; anyone may attach a handler). A reporter
-installed with :func:`set_reporter` (the CLI's rich progress bars on a terminal) gets every update as well.
+it finishes (with its duration and the process's peak resident memory while it ran, from
+:mod:`lrkv_core.memory`), and, while it reports nothing, every :data:`HEARTBEAT_S` seconds, so a step that
+is slow or has no progress to report is never silent. Each line goes to Prefect's logger of the current
+task or flow run (the run's logs in the UI and on a worker's console) and to the ``lrkv`` Python logger
+(which the CLI prints when its output is not a terminal; anyone may attach a handler). A reporter installed
+with :func:`set_reporter` (the CLI's rich progress bars on a terminal) gets every update as well. A task's
+peak is kept for its flow's table of tasks (:func:`run_peak_rss`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from lrkv_core.memory import gib, peak_rss
 
 log = logging.getLogger("lrkv")
 
@@ -24,6 +29,7 @@ log = logging.getLogger("lrkv")
 _factory: Callable[[str], object] | None = None
 _lock = threading.Lock()
 HEARTBEAT_S = float(os.environ.get("LRKV_PROGRESS_HEARTBEAT", "60"))  # seconds of silence before a line
+_PEAKS: dict[Any, int] = {}  # task run id -> the largest peak RSS of the steps it ran in this process, bytes
 
 
 def set_reporter(factory: Callable[[str], object] | None) -> None:
@@ -31,6 +37,23 @@ def set_reporter(factory: Callable[[str], object] | None) -> None:
     global _factory
     with _lock:
         _factory = factory
+
+
+def _task_run_id() -> Any:
+    """The current Prefect task run's id, or None outside one (Prefect is not imported for it)."""
+    if "prefect" not in sys.modules:
+        return None
+    from prefect.context import TaskRunContext
+
+    ctx = TaskRunContext.get()
+    return None if ctx is None else ctx.task_run.id
+
+
+def run_peak_rss(task_run_id: Any) -> int | None:
+    """The peak RSS (bytes) of the steps task run ``task_run_id`` ran in this process, once; None for a run
+    that ran no step here (a cache hit, or a task on another worker: its log lines carry the figure)."""
+    with _lock:
+        return _PEAKS.pop(task_run_id, None)
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
@@ -61,6 +84,8 @@ class _Lines:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.heartbeat = threading.Thread(target=self._beat, args=(heartbeat,), daemon=True)
+        self.memory = ExitStack()
+        self.task_run = _task_run_id()
 
     def emit(self, message: str, *args) -> None:
         with self.lock:
@@ -70,18 +95,26 @@ class _Lines:
 
     def __enter__(self) -> _Lines:
         self.emit("%s: started", self.description)
+        self.watch = self.memory.enter_context(peak_rss())
         self.heartbeat.start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stopped.set()
         self.heartbeat.join()
-        took = time.monotonic() - self.start
+        self.memory.close()
+        took, peak = time.monotonic() - self.start, self.watch.peak
+        if self.task_run is not None:
+            with _lock:
+                _PEAKS[self.task_run] = max(peak, _PEAKS.get(self.task_run, 0))
         where = f" at {self.done[0]}/{self.done[1]}" if self.done else ""
         if exc_type is None:
-            self.emit("%s: done in %.1f s", self.description, took)
+            self.emit("%s: done in %.1f s, peak RSS %s", self.description, took, gib(peak))
         else:
-            self.emit("%s: stopped%s after %.1f s (%s)", self.description, where, took, exc_type.__name__)
+            self.emit(
+                "%s: stopped%s after %.1f s (%s), peak RSS %s",
+                self.description, where, took, exc_type.__name__, gib(peak),
+            )  # fmt: skip
 
     def advance(self, done: int, total: int) -> None:
         self.done = (done, total)

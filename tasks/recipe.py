@@ -45,13 +45,25 @@ class CalibrationRecipe(Strict):
     )
     seq_len: int = Field(256, ge=2)
     seed: int = 0
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="calibration rows per forward/backward pass (at most)")
+    batch_tokens: int = Field(
+        2048,
+        ge=2,
+        description="the most tokens one pass over calibration rows holds: rows per pass are "
+        "min(batch_size, batch_tokens // seq_len), at least 1, so long windows keep the activations and "
+        "full-vocabulary logits of one pass (what a conversion's memory peaks on) as small as short ones",
+    )
     shards: int | None = Field(
         None,
         ge=1,
         description="slices of the rows each whole-model statistic is collected over, one task each, merged "
         "after (the same values); default: one per worker of a Dask task runner, else 1",
     )
+
+    @property
+    def rows_per_pass(self) -> int:
+        """Calibration rows one forward/backward pass takes (``batch_size`` within ``batch_tokens``)."""
+        return min(self.batch_size, max(1, self.batch_tokens // self.seq_len))
 
 
 def config_fields(config: type, types: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -42,10 +42,12 @@ def summary_markdown(result: dict) -> str:
             f"Registered: `{reg['name']}` v{reg['version']} ({', '.join(reg['aliases'])}); "
             f"quality gate {gate}: {reg['gate']['reason']}"
         )
-    lines += ["", "| task | state | seconds |", "|---|---|---|"]
+    lines += ["", "| task | state | seconds | peak RSS GiB |", "|---|---|---|---|"]
     for row in result["timings"]:
         seconds = "—" if row["seconds"] is None else f"{row['seconds']:.2f}"
-        lines.append(f"| {row['task']} | {row['state']} | {seconds} |")
+        peak = row.get("peak_rss_bytes")
+        peak = "—" if peak is None else f"{peak / 2**30:.2f}"
+        lines.append(f"| {row['task']} | {row['state']} | {seconds} | {peak} |")
     return "\n".join(lines) + "\n"
 
 

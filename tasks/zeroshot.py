@@ -14,7 +14,7 @@ from prefect import task
 from lrkv_core.models import load_model
 
 from .convert import CACHED, TASK_KEY
-from .device import task_device
+from .device import model_pass, task_device
 from .refs import ArtifactRef
 from .store import local_path
 
@@ -75,12 +75,13 @@ def run_zeroshot(
 @task(name="zeroshot", cache_key_fn=TASK_KEY, **CACHED)
 def zeroshot(model: ArtifactRef, eval_cfg: dict, dtype: str, label: str, store: str | None = None) -> dict:
     """lm-eval zero-shot tasks of one model."""
-    return run_zeroshot(
-        str(local_path(model.uri)),
-        eval_cfg["zeroshot_tasks"],
-        include_path=eval_cfg["zeroshot_include"],
-        limit=eval_cfg["zeroshot_limit"],
-        batch_size=eval_cfg["batch_size"],
-        dtype=dtype,
-        device=task_device(),
-    )
+    with model_pass():
+        return run_zeroshot(
+            str(local_path(model.uri)),
+            eval_cfg["zeroshot_tasks"],
+            include_path=eval_cfg["zeroshot_include"],
+            limit=eval_cfg["zeroshot_limit"],
+            batch_size=eval_cfg["batch_size"],
+            dtype=dtype,
+            device=task_device(),
+        )

@@ -57,6 +57,9 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     assert list(states)[-1] == "export_model"  # exported last: a failed step leaves no complete-looking --out
     seconds = {row["task"]: row["seconds"] for row in first["timings"]}
     assert all(s is not None and s > 0 for s in seconds.values()), seconds  # each task's own run time
+    peaks = {row["task"]: row["peak_rss_bytes"] for row in first["timings"]}
+    assert peaks["collect_statistic[gram]"] > 50 * 2**20 and peaks["build_model"] > 50 * 2**20, peaks
+    assert peaks["summarize_layer[1]"] is None  # a step that loads no model logs no peak
 
     # the exported model is exact at full rank
     base, _ = load_model(model_dir)
@@ -93,6 +96,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     second = convert_flow(recipe)
     assert {row["state"] for row in second["timings"]} == {"Cached"}, second["timings"]
     assert all(row["seconds"] is not None for row in second["timings"])  # a cache hit's own lookup time
+    assert all(row["peak_rss_bytes"] is None for row in second["timings"])  # nothing was computed
     assert second["mlflow"]["run_id"] == first["mlflow"]["run_id"]
 
     # a deleted export is redone; everything upstream stays cached

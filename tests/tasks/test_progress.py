@@ -1,7 +1,9 @@
+
 """Progress lines reach the ``lrkv`` logger whether or not a progress bar is shown, and long silences are
 broken by a heartbeat."""
 
 import logging
+import re
 import threading
 from contextlib import contextmanager
 
@@ -62,6 +64,7 @@ def test_a_step_logs_its_start_quarters_and_end_even_with_a_bar_shown(lines, bar
     assert lines.messages[1:-1] == ["collect gram: 1/8", "collect gram: 2/8", "collect gram: 4/8",
                                     "collect gram: 6/8", "collect gram: 8/8"]  # fmt: skip
     assert lines.messages[-1].startswith("collect gram: done in ")
+    assert re.fullmatch(r"collect gram: done in [0-9.]+ s, peak RSS [0-9.]+ GiB", lines.messages[-1])
 
 
 def test_a_step_without_progress_is_not_silent(lines):
@@ -75,4 +78,4 @@ def test_a_failed_step_says_where_it_stopped(lines):
         advance(1, 4)
         raise RuntimeError("out of memory")
     assert lines.messages[-1].startswith("evaluate: stopped at 1/4 after ")
-    assert lines.messages[-1].endswith("(RuntimeError)")
+    assert lines.messages[-1].split(", peak RSS ")[0].endswith("(RuntimeError)")

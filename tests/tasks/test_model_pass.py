@@ -1,0 +1,66 @@
+import threading
+
+import pytest
+
+from lrkv_tasks import device
+from lrkv_tasks.recipe import CalibrationRecipe
+
+
+@pytest.fixture
+def slots(monkeypatch):
+    def reset(value=None):
+        if value is None:
+            monkeypatch.delenv(device.PASSES_ENV, raising=False)
+        else:
+            monkeypatch.setenv(device.PASSES_ENV, value)
+        monkeypatch.setattr(device, "_PASSES", None)
+
+    return reset
+
+
+def _most_at_once(n_threads: int) -> int:
+    inside, most, lock = [0], [0], threading.Lock()
+    go = threading.Barrier(n_threads)
+
+    def work():
+        go.wait()
+        with device.model_pass():
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            threading.Event().wait(0.05)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=work) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return most[0]
+
+
+def test_whole_model_passes_take_turns_by_default(slots):
+    slots()
+    assert _most_at_once(4) == 1
+
+
+def test_the_environment_allows_more_passes_at_once(slots):
+    slots("2")
+    assert _most_at_once(4) == 2
+
+
+@pytest.mark.parametrize("value", ["0", "two"])
+def test_a_bad_limit_is_refused_in_one_line(slots, value):
+    slots(value)
+    with pytest.raises(ValueError, match="LRKV_MODEL_PASSES must be a whole number ≥ 1"), device.model_pass():
+        pass
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "batch_size", "batch_tokens", "rows"),
+    [(256, 8, 2048, 8), (512, 8, 2048, 4), (2048, 8, 2048, 1), (8192, 8, 2048, 1), (256, 2, 2048, 2)],
+)
+def test_rows_per_pass_keep_a_pass_within_its_tokens(seq_len, batch_size, batch_tokens, rows):
+    cal = CalibrationRecipe(seq_len=seq_len, batch_size=batch_size, batch_tokens=batch_tokens)
+    assert cal.rows_per_pass == rows
