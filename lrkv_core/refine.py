@@ -44,7 +44,7 @@ from .adapters import get_adapter
 from .allocation import RankPlan
 from .allocation.knapsack import minimize_separable
 from .allocation.problem import KINDS, RankProblem, Ranks
-from .statistics.gradients import kv_gradient_passes, row_seed, row_seeded_targets
+from .statistics.gradients import given_probabilities, kv_gradient_passes, row_seed, row_seeded_targets
 from .statistics.response import LatentProducts
 
 if TYPE_CHECKING:
@@ -254,7 +254,7 @@ def step_costs(
             p = _log_probs(model, batch.to(device)).exp()
             weights.cut(ranks)
             kv_gradient_passes(
-                model, batch, visit_gradient, batch_size=batch_size, targets=lambda _b, _l, p=p: p
+                model, batch, visit_gradient, batch_size=batch_size, targets=given_probabilities(p)
             )
     n, _ = kv_gradient_passes(
         model, rows, visit_curvature, batch_size=batch_size, targets=row_seeded_targets(seed)

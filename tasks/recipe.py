@@ -47,11 +47,12 @@ class CalibrationRecipe(Strict):
     seed: int = 0
     batch_size: int = Field(8, ge=1, description="calibration rows per forward/backward pass (at most)")
     batch_tokens: int = Field(
-        2048,
+        512,
         ge=2,
         description="the most tokens one pass over calibration rows holds: rows per pass are "
-        "min(batch_size, batch_tokens // seq_len), at least 1, so long windows keep the activations and "
-        "full-vocabulary logits of one pass (what a conversion's memory peaks on) as small as short ones",
+        "min(batch_size, batch_tokens // seq_len), at least 1. A gradient pass holds its activations and "
+        "full-vocabulary logits for every token (about 2.8 MB per token on SmolLM2-135M), which is what a "
+        "conversion's memory peaks on",
     )
     shards: int | None = Field(
         None,

@@ -5,57 +5,101 @@ K/V projection, the projection's input ``x`` (B, T, d) and the gradient of the b
 at its output ``g`` (B, T, Hkv·D). Only the k/v weights require gradients while collecting, so activations are
 kept for those projections only; the model's ``requires_grad`` flags and training mode are restored after.
 
-Labels are the input ids themselves: the HF model shifts them once (Palu's ``labels=input_ids[:, 1:]`` with
-``input_ids[:, :-1]`` shifts twice and scores the token after next).
+Labels are the input ids themselves, shifted once: position t scores token t + 1 (Palu's
+``labels=input_ids[:, 1:]`` with ``input_ids[:, :-1]`` shifts twice and scores the token after next).
+
+Memory: a pass runs the decoder stack, then the output projection and the loss over :data:`LOSS_CHUNK`
+positions at a time (their gradient at the last hidden state accumulates), then the backward pass from there
+to the k/v outputs; a micro-batch of more than :data:`CHECKPOINT_TOKENS` tokens recomputes each layer's
+activations during the backward pass instead of keeping them. So one pass over a long row holds the model,
+each layer's input and one layer's activations, not every layer's activations and the whole row's
+full-vocabulary logits (``benchmarks/pass_memory.py`` measures it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..adapters import get_adapter
 
 Visit = Callable[[int, str, torch.Tensor, torch.Tensor], None]  # (layer, "k"|"v", x (B,T,d), g (B,T,out))
-# (rows (B, T), logits (B, T − 1, V) at positions 0..T−2) -> what the loss scores there: tokens (B, T − 1),
-# or probabilities (B, T − 1, V) (the cross-entropy against a distribution, e.g. another model's predictions)
-Targets = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def sampled_targets(generator: torch.Generator) -> Targets:
-    """Targets drawn from the model's own predictions (the true Fisher's gradients), seeded."""
-
-    def sample(_rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(logits.float(), dim=-1).flatten(0, 1).cpu()
-        return torch.multinomial(probs, 1, generator=generator).view(logits.shape[:2])
-
-    return sample
+# Given one micro-batch's rows (B, T), a function called for consecutive chunks of its scored positions, in
+# order: (logits (B, c, V) at positions start..start + c − 1 of 0..T − 2, start) -> what the loss scores
+# there: tokens (B, c), or probabilities (B, c, V) (the cross-entropy against a distribution, e.g. another
+# model's predictions)
+Draw = Callable[[torch.Tensor, int], torch.Tensor]
+Targets = Callable[[torch.Tensor], Draw]
+# positions per chunk of the output projection and the loss: the full-vocabulary logits of at most this many
+# positions per row exist at once (the same loss and gradients as all positions at once)
+LOSS_CHUNK = 256
+# a micro-batch of more tokens keeps only each decoder layer's input through the forward pass and recomputes
+# the layer in the backward pass (activation checkpointing): one long row costs about one layer's activations
+CHECKPOINT_TOKENS = 1024
 
 
 def row_seeded_targets(seed: int, first_row: int = 0) -> Targets:
     """Targets drawn from the model's own predictions, each row's from a generator of its own seeded by
     ``(seed, index)``: the index counts the rows in the order the passes see them, from ``first_row``. So
     the draws of a row depend neither on its batch nor on the shard it is collected in (give a shard's
-    first index among all rows). One pass only: the function counts the rows it has seen."""
+    first index among all rows), nor on the chunks its positions are scored in. One pass only: the function
+    counts the rows it has seen."""
     seen = [first_row]
 
-    def sample(rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(logits.float(), dim=-1).cpu()  # (B, T − 1, V)
-        gens = [torch.Generator().manual_seed(row_seed(seed, seen[0] + b)) for b in range(probs.shape[0])]
-        drawn = [torch.multinomial(p, 1, generator=gen)[:, 0] for p, gen in zip(probs, gens, strict=True)]
-        seen[0] += probs.shape[0]
-        return torch.stack(drawn)  # (B, T − 1)
+    def for_batch(rows: torch.Tensor) -> Draw:
+        gens = [torch.Generator().manual_seed(row_seed(seed, seen[0] + b)) for b in range(rows.shape[0])]
+        seen[0] += rows.shape[0]
 
-    return sample
+        def draw(logits: torch.Tensor, _start: int) -> torch.Tensor:
+            probs = torch.softmax(logits.float(), dim=-1).cpu()  # (B, c, V)
+            drawn = [torch.multinomial(p, 1, generator=gen)[:, 0] for p, gen in zip(probs, gens, strict=True)]
+            return torch.stack(drawn)  # (B, c)
+
+        return draw
+
+    return for_batch
+
+
+def given_probabilities(probs: torch.Tensor) -> Targets:
+    """Targets that are given distributions ``probs`` (B, T − 1, V) over one micro-batch's next tokens."""
+    return lambda _rows: lambda logits, start: probs[:, start : start + logits.shape[1]]
 
 
 def row_seed(seed: int, index: int) -> int:
     """A 64-bit seed for row ``index`` under ``seed`` (numpy's SeedSequence hash of the pair)."""
     state = np.random.SeedSequence([seed % 2**64, index]).generate_state(2, np.uint32)
     return int(state[0]) << 32 | int(state[1])
+
+
+def _checkpoint_call(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@contextmanager
+def checkpointed(layers: nn.ModuleList, on: bool) -> Iterator[None]:
+    """While open (and ``on``), each decoder layer's forward keeps only its inputs for the backward pass and
+    recomputes the rest there (:func:`torch.utils.checkpoint.checkpoint`, non-reentrant)."""
+    if not on:
+        yield
+        return
+    previous = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = functools.partial(_checkpoint_call, layer.forward)
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, previous, strict=True):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
 
 
 def kv_gradient_passes(
@@ -90,12 +134,16 @@ def kv_gradient_passes(
         for kind, name in (("k", adapter.k_name), ("v", adapter.v_name))
     ]
     parts = {kind: adapter.rows(model.config, kind) for kind in ("k", "v")}  # Phi-3: qkv_proj's k/v rows
+    base, head = adapter.base_model(model), model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
     device = next(model.parameters()).device
     seen: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (layer, kind, input x, output) per pass
+    recording = [False]  # the forward pass records; a checkpointed layer's recomputation does not
 
     def make_hook(i: int, kind: str):
         def hook(_module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            seen.append((i, kind, args[0].detach(), output))
+            if recording[0]:
+                seen.append((i, kind, args[0].detach(), output))
 
         return hook
 
@@ -114,14 +162,14 @@ def kv_gradient_passes(
             for start in range(0, n, batch_size):
                 batch = rows[start : start + batch_size].to(device)  # (B, T)
                 seen.clear()
-                if targets is None:
-                    loss = model(input_ids=batch, labels=batch, use_cache=False).loss  # HF shifts the labels
-                else:
-                    logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-                    wanted = targets(batch, logits.detach()).to(device)
-                    wanted = wanted.flatten(0, 1) if wanted.is_floating_point() else wanted.flatten()
-                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted)
-                grads = torch.autograd.grad(loss, [out for *_, out in seen], allow_unused=True)
+                recording[0] = True
+                with checkpointed(adapter.layers(model), batch.numel() > CHECKPOINT_TOKENS):
+                    hidden = base(input_ids=batch, use_cache=False)[0]  # (B, T, d)
+                    recording[0] = False
+                    grad = _loss_gradient(hidden, batch, head, softcap, targets)
+                    outs = [out for *_, out in seen]
+                    grads = torch.autograd.grad(hidden, outs, grad_outputs=grad, allow_unused=True)
+                del hidden, grad
                 for (i, kind, x, _), g in zip(seen, grads):
                     if g is not None:
                         visit(i, kind, x, g[..., parts[kind]].detach())
@@ -137,3 +185,31 @@ def kv_gradient_passes(
             p.requires_grad_(flag)
         model.train(was_training)
     return n, n_batches
+
+
+def _loss_gradient(
+    hidden: torch.Tensor,
+    batch: torch.Tensor,
+    head: nn.Module,
+    softcap: float | None,
+    targets: Targets | None,
+) -> torch.Tensor:
+    """∂(the batch's mean next-token loss)/∂hidden (B, T, d), the output projection and the loss taken over
+    :data:`LOSS_CHUNK` positions at a time (the last position scores nothing: its gradient is 0)."""
+    B, T = batch.shape
+    leaf = hidden.detach().requires_grad_(True)
+    draw = targets(batch) if targets is not None else None
+    scored = B * (T - 1)
+    for start in range(0, T - 1, LOSS_CHUNK):
+        stop = min(start + LOSS_CHUNK, T - 1)
+        logits = head(leaf[:, start:stop]).float()  # (B, c, V)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        if draw is None:  # the rows' own next tokens
+            wanted = batch[:, start + 1 : stop + 1]
+        else:
+            wanted = draw(logits.detach(), start).to(logits.device)
+        wanted = wanted.flatten(0, 1) if wanted.is_floating_point() else wanted.flatten()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted, reduction="sum") / scored
+        loss.backward()
+    return leaf.grad

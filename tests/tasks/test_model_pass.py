@@ -64,3 +64,7 @@ def test_a_bad_limit_is_refused_in_one_line(slots, value):
 def test_rows_per_pass_keep_a_pass_within_its_tokens(seq_len, batch_size, batch_tokens, rows):
     cal = CalibrationRecipe(seq_len=seq_len, batch_size=batch_size, batch_tokens=batch_tokens)
     assert cal.rows_per_pass == rows
+
+
+def test_by_default_a_pass_holds_two_rows_of_256_tokens():
+    assert CalibrationRecipe().rows_per_pass == 2

@@ -1,0 +1,114 @@
+"""The gradient passes behind the Fisher statistics, the KL response and the refinement: the chunked loss and
+the checkpointed layers give the gradients of the model's own loss, for every supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrkv_core.adapters import get_adapter
+from lrkv_core.memory import peak_rss
+from lrkv_core.statistics import gradients
+from lrkv_core.statistics.gradients import given_probabilities, kv_gradient_passes, row_seeded_targets
+from tests.support.models import ARCHS, UNSUPPORTED
+
+SUPPORTED = [a for a in ARCHS if a not in UNSUPPORTED]
+
+
+def _reference(model, rows: torch.Tensor, targets=None) -> dict[tuple[int, str], torch.Tensor]:
+    """∂(mean next-token loss)/∂(each k/v projection's rows of its output), from the model's own logits in
+    one piece and no checkpointing, one row at a time."""
+    adapter = get_adapter(model.config)
+    names = {"k": adapter.k_name, "v": adapter.v_name}
+    grads: dict[tuple[int, str], list[torch.Tensor]] = {}
+    for row in rows:
+        outputs = {}
+        handles = [
+            getattr(adapter.attention(model, i), names[kind]).register_forward_hook(
+                lambda _m, _a, out, key=(i, kind), into=outputs: into.__setitem__(key, out)
+            )
+            for i in range(model.config.num_hidden_layers)
+            for kind in "kv"
+        ]
+        try:
+            with torch.enable_grad():
+                for p in model.parameters():
+                    p.requires_grad_(False)
+                for i in range(model.config.num_hidden_layers):
+                    for kind in "kv":
+                        getattr(adapter.attention(model, i), names[kind]).weight.requires_grad_(True)
+                logits = model(input_ids=row[None], use_cache=False).logits[0, :-1].float()
+                wanted = row[1:] if targets is None else targets(row[None])(logits[None].detach(), 0)[0]
+                loss = torch.nn.functional.cross_entropy(logits, wanted)
+                keys = list(outputs)
+                found = torch.autograd.grad(loss, [outputs[k] for k in keys])
+        finally:
+            for h in handles:
+                h.remove()
+            for p in model.parameters():
+                p.requires_grad_(True)
+        for (i, kind), g in zip(keys, found, strict=True):
+            grads.setdefault((i, kind), []).append(g[0, :, adapter.rows(model.config, kind)])
+    return {key: torch.stack(g) for key, g in grads.items()}
+
+
+def _passes(model, rows: torch.Tensor, batch_size: int, targets=None) -> dict[tuple[int, str], torch.Tensor]:
+    """The gradients the passes visit, per row's own mean loss (the batch mean's times B)."""
+    seen: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def visit(layer, kind, _x, g):
+        seen.setdefault((layer, kind), []).append(g * g.shape[0])
+
+    kv_gradient_passes(model, rows, visit, batch_size=batch_size, targets=targets)
+    return {key: torch.cat(g) for key, g in seen.items()}
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+@pytest.mark.parametrize("mode", ["whole", "chunked-checkpointed"])
+def test_the_passes_give_the_gradients_of_the_models_own_loss(make_tiny, monkeypatch, one_thread, arch, mode):
+    model = make_tiny(arch)
+    rows = torch.randint(3, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    if mode != "whole":  # 5 positions per loss chunk, every layer recomputed in the backward pass
+        monkeypatch.setattr(gradients, "LOSS_CHUNK", 5)
+        monkeypatch.setattr(gradients, "CHECKPOINT_TOKENS", 1)
+    want, got = _reference(model, rows), _passes(model, rows, batch_size=2)
+    assert set(got) == set(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6, msg=f"{arch} {key}")
+    assert all(p.requires_grad for p in model.parameters())  # the model's flags are restored
+
+
+def test_sampled_and_given_targets_do_not_depend_on_chunks_or_batches(make_tiny, monkeypatch, one_thread):
+    """Each row's draws come from its own generator, consumed position by position: the same draws whether
+    its positions are scored at once or in chunks, alone or in a batch; given distributions are sliced."""
+    model = make_tiny("llama")
+    rows = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1))
+    want = _reference(model, rows, row_seeded_targets(7))
+    monkeypatch.setattr(gradients, "LOSS_CHUNK", 7)
+    for batch_size in (1, 4):
+        got = _passes(model, rows, batch_size, row_seeded_targets(7))
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        probs = torch.softmax(torch.randn(1, 23, model.config.vocab_size), -1)
+    given = _reference(model, rows[:1], given_probabilities(probs))
+    got = _passes(model, rows[:1], 1, given_probabilities(probs))
+    for key in given:
+        torch.testing.assert_close(got[key], given[key], rtol=1e-4, atol=1e-6)
+
+
+def test_a_long_row_holds_far_less_than_every_layers_activations(make_tiny, monkeypatch, one_thread):
+    """A wide, deep model over one row of 2,048 tokens: checkpointed layers and a chunked loss keep the pass
+    well under what keeping every layer's activations and the whole row's logits takes."""
+    model = make_tiny("llama", num_hidden_layers=8, hidden_size=256, intermediate_size=1024, head_dim=64,
+                      vocab_size=8192, max_position_embeddings=4096)  # fmt: skip
+    rows = torch.randint(3, 8192, (1, 2048), generator=torch.Generator().manual_seed(0))
+    peaks = {}
+    for name, chunk, tokens in (("kept", 10**9, 10**9), ("bounded", gradients.LOSS_CHUNK, 1024)):
+        monkeypatch.setattr(gradients, "LOSS_CHUNK", chunk)
+        monkeypatch.setattr(gradients, "CHECKPOINT_TOKENS", tokens)
+        with peak_rss() as watch:
+            kv_gradient_passes(model, rows, lambda *_: None, batch_size=1)
+        peaks[name] = watch.peak
+    logits = 2048 * 8192 * 4  # one copy of the row's full-vocabulary logits, float32
+    assert peaks["kept"] - peaks["bounded"] > 2 * logits, peaks
