@@ -50,9 +50,9 @@ class CalibrationRecipe(Strict):
         512,
         ge=2,
         description="the most tokens one pass over calibration rows holds: rows per pass are "
-        "min(batch_size, batch_tokens // seq_len), at least 1. A gradient pass holds its activations and "
-        "full-vocabulary logits for every token (about 2.8 MB per token on SmolLM2-135M), which is what a "
-        "conversion's memory peaks on",
+        "min(batch_size, batch_tokens // seq_len), at least 1. A gradient pass keeps every layer's "
+        "activations for each of its tokens (about 2.8 MB per token on SmolLM2-135M), what a conversion's "
+        "memory peaks on; one of more than 1,024 tokens (a long row) recomputes them layer by layer instead",
     )
     shards: int | None = Field(
         None,
