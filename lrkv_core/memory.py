@@ -11,6 +11,8 @@ the block. On systems without ``/proc`` the peak is the process's high-water mar
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import sys
 import threading
@@ -117,6 +119,18 @@ def peak_rss() -> Iterator[Watch]:
         _SAMPLER.tell(current_rss())
         _SAMPLER.remove(watch)
         watch.close()
+
+
+def release_freed() -> None:
+    """Hand memory freed by Python and torch back to the operating system where the C library can (glibc's
+    ``malloc_trim``): a task's model and activations, once dropped, stop counting in the process's RSS
+    instead of staying in the allocator's arenas of the thread that ran it."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return
+    libc.malloc_trim(0)
 
 
 def gib(n_bytes: int | float) -> str:

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from lrkv_core.memory import release_freed
 from lrkv_core.models import parse_device
 
 ENV = "LRKV_DEVICE"
@@ -60,4 +61,7 @@ def model_pass() -> Iterator[None]:
             _PASSES = threading.BoundedSemaphore(_pass_limit())
         slots = _PASSES
     with slots:
-        yield
+        try:
+            yield
+        finally:
+            release_freed()  # the model and activations the pass dropped leave the process's RSS

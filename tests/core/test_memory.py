@@ -40,3 +40,11 @@ def test_the_sampler_stops_when_no_block_is_open():
 def test_the_high_water_mark_never_falls_below_the_current_rss():
     assert memory.high_water_mark() >= memory.current_rss() > 0
     assert memory.gib(3 * 2**29) == "1.50 GiB"
+
+
+def test_freed_memory_goes_back_to_the_operating_system():
+    blocks = [torch.ones(2**16) for _ in range(2048)]  # 512 MiB in small allocations the allocator may keep
+    held = memory.current_rss()
+    del blocks
+    memory.release_freed()
+    assert memory.current_rss() < held - 256 * 2**20
