@@ -1,6 +1,7 @@
 """The quantized-cache table: low-rank ratio × rotation × bits (× residual window) on one model, next to the
 original model and transformers' own QuantizedCache on it (the anchor), with measured bytes per token;
-with ``--gear``, GEAR's corrections of the same quantized latents (the ``gear`` storage) at the same bits.
+with ``--gear`` (lrkv's variant ``o:r:b``) or ``--gear-specs`` (a preset or a full storage mapping), GEAR's
+corrections of the same quantized latents (the ``gear`` storage) at the same bits.
 
     S=../shared
     python benchmarks/quantized_cache.py --model $S/models/shakespeare-llama \\
@@ -17,7 +18,9 @@ first ``--decode-windows`` of them, prefilled with ``--decode-prefix`` tokens, t
 token at a time through the cache. Bytes per token: every tensor the cache holds after prefilling one
 window (packed codes, fp16 scales and zero-points, int32 positions, full-precision windows), against the
 original model's DynamicCache for the same tokens in float32 (measured) and in 16 bits (the same cache in
-bfloat16: what Palu's ratios are relative to).
+bfloat16: what Palu's ratios are relative to); and every tensor the cache holds at the end of the decode
+evaluation (its last batch, after T − 1 tokens: the steady state of a decode, with the buffer, a chunked
+cache's bases and the outliers as decoding left them), per held token.
 """
 
 from __future__ import annotations
@@ -35,15 +38,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from lrkv_core import evaluate
+from lrkv_core.cache import cache_nbytes, output_cache
+from lrkv_core.cache.gear import GearStorage
 from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
 from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.fuse import compress_model
 from lrkv_core.hf_quantized_cache import HfQuantizedCacheSpec
 from lrkv_core.models import load_model
 
 COLUMNS = ["model", "ratio", "rotation", "bits", "residual", "prefill PPL", "decode PPL", "KV bytes/token",
-           "× fp32 cache", "× 16-bit cache"]  # fmt: skip
+           "× fp32 cache", "× 16-bit cache", "KV bytes/token, end of decode"]  # fmt: skip
+KEYS = ("model", "ratio", "rotation", "bits", "residual", "prefill_ppl", "decode_ppl", "kv_bytes_per_token",
+        "x_fp32", "x_16bit", "decode_kv_bytes_per_token")  # fmt: skip
+GEAR_PRESETS = {
+    "paper": {"name": "gear"},  # the storage's defaults: GEAR's rule (share 0.02, power, whole, buffer 20)
+    "paper-chunked": {"name": "gear", "mode": "chunked"},
+}
 
 
 Emit = Callable[[dict[str, Any]], dict[str, Any]]
@@ -53,14 +66,28 @@ def _csv(text: str, cast=str) -> list:
     return [cast(v) for v in text.split(",") if v.strip()]
 
 
+class _LastCache(torch.nn.Module):
+    """The model, keeping the cache and the batch size of its last forward (the decode's end state)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model, self.cache, self.rows = model, None, 0
+
+    def forward(self, ids: torch.Tensor, **kwargs):
+        out = self.model(ids, **kwargs)
+        self.cache, self.rows = output_cache(out), ids.shape[0]
+        return out
+
+
 def measure(model, windows: torch.Tensor, args, cache_factory=None) -> dict[str, Any]:
     """Prefill PPL, decode PPL and bytes per token under the protocol (see the module docstring)."""
     start = time.perf_counter()
     prefill = evaluate.prefill_perplexity(
         model, windows, batch_size=args.batch_size, cache_factory=cache_factory
     )
+    traced = _LastCache(model)
     decode = evaluate.decode_perplexity(
-        model,
+        traced,
         windows[: args.decode_windows],
         prefix_len=args.decode_prefix,
         batch_size=args.batch_size,
@@ -68,12 +95,15 @@ def measure(model, windows: torch.Tensor, args, cache_factory=None) -> dict[str,
     )
     kv = evaluate.kv_bytes_per_token(model, windows, cache_factory=cache_factory)
     half = evaluate.dense_kv_bytes(model.config, 1, windows.shape[1], torch.bfloat16) / windows.shape[1]
+    held = traced.rows * (windows.shape[1] - 1)  # the last decode batch's tokens, all but the last target
+    decode_bytes = cache_nbytes(traced.cache) / held
     return {
         "prefill_ppl": prefill["ppl"],
         "decode_ppl": decode["ppl"],
         "kv_bytes_per_token": kv["kv_bytes_per_token"],
         "x_fp32": kv["kv_compression_ratio"],
         "x_16bit": half / kv["kv_bytes_per_token"],
+        "decode_kv_bytes_per_token": decode_bytes,
         "cache_class": kv["cache_class"],
         "seconds": time.perf_counter() - start,
     }
@@ -104,18 +134,47 @@ def gear_storage(variant: str, bits: int, group: int | None) -> dict[str, Any]:
             "solver": "svd", "mode": "chunked", "rank": rank, "buffer": buffer}  # fmt: skip
 
 
+def _variant(variant: str) -> dict[str, Any]:
+    """:func:`gear_storage` without its bits and quantization group (filled in per row)."""
+    spec = gear_storage(variant, 0, None)
+    del spec["bits"], spec["quant_group_size"]
+    return spec
+
+
+def gear_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """``(label, storage)`` of a ``--gear-specs`` item: a preset of :data:`GEAR_PRESETS`, ``variant-o:r:b``
+    (:func:`gear_storage`) or a YAML mapping of the gear storage; its bits are filled in per row."""
+    if text in GEAR_PRESETS:
+        return text, dict(GEAR_PRESETS[text])
+    if text.startswith("variant-"):
+        return text, _variant(text.removeprefix("variant-"))
+    spec = yaml.safe_load(text)
+    if not isinstance(spec, dict) or spec.get("name") != "gear":
+        raise argparse.ArgumentTypeError(f"not a gear preset, variant-o:r:b or gear mapping: {text!r}")
+    return text, spec
+
+
+def gear_at(spec: dict[str, Any], bits: int, group: int | None) -> dict[str, Any]:
+    """``spec`` at ``bits``, with ``--quant-group-size`` unless the spec gives its own."""
+    return {"quant_group_size": group} | spec | {"bits": bits}
+
+
 def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args, emit: Emit) -> list[dict[str, Any]]:
     """Every ratio × rotation × bits × residual of the grid, in that nesting (one plan per ratio)."""
     base = CompressionConfig(
-        group_size=args.group_size, rank_multiple=args.rank_multiple, allocator="uniform"
+        group_size=args.group_size,
+        rank_multiple=args.rank_multiple,
+        allocator="uniform",
+        decomposition=args.decomposition,
     ).for_model(model.config)
     stats = collect_statistics(model, rows, base.needed_statistics())  # the Gram, once
+    gears = [(v, _variant(v)) for v in args.gear] + list(args.gear_specs)
     out = []
     for ratio in args.ratios:
         conversion = plan_conversion(model, rows, replace(base, ratio=ratio), statistics=stats)
         for rotation in args.rotations:
-            planned = replace(conversion, config=replace(conversion.config, rotation=rotation))
-            compressed = planned.apply(copy.deepcopy(model))
+            build = conversion.graph["build"].params | {"rotation": rotation}  # the fused rotation
+            compressed = compress_model(copy.deepcopy(model), conversion.factors, conversion.plan, **build)
             for bits in args.bits:
                 for residual in args.residuals:
                     compressed.config.lrkv["cache"] = storage(bits, residual, args.quant_group_size)
@@ -123,11 +182,12 @@ def run_lrkv(model, rows: torch.Tensor, windows: torch.Tensor, args, emit: Emit)
                            "rotation": rotation, "bits": bits, "residual": residual}  # fmt: skip
                     row |= measure(compressed, windows, args)
                     out.append(emit(row))
-                for variant in args.gear if bits != 16 else []:
-                    compressed.config.lrkv["cache"] = gear_storage(variant, bits, args.quant_group_size)
-                    row = {"model": f"lrkv + GEAR {variant}", "ratio": ratio, "rotation": rotation,
+                for label, spec in gears if bits != 16 else []:
+                    compressed.config.lrkv["cache"] = cache = gear_at(spec, bits, args.quant_group_size)
+                    row = {"model": f"lrkv + GEAR {label}", "ratio": ratio, "rotation": rotation,
                            "bits": bits, "achieved_ratio": conversion.plan.achieved_ratio,
-                           "residual": f"< {compressed.config.lrkv['cache']['buffer']}"}  # fmt: skip
+                           "residual": f"< {cache.get('buffer', GearStorage.buffer)}",
+                           "storage": cache}  # fmt: skip
                     row |= measure(compressed, windows, args)
                     out.append(emit(row))
     return out
@@ -158,16 +218,12 @@ def _fmt(row: dict[str, Any], key: str) -> str:
 
 
 def _line(row: dict[str, Any]) -> str:
-    keys = ("model", "ratio", "rotation", "bits", "residual", "prefill_ppl", "decode_ppl",
-            "kv_bytes_per_token", "x_fp32", "x_16bit", "seconds")  # fmt: skip
-    return " | ".join(_fmt(row, k) for k in keys)
+    return " | ".join(_fmt(row, k) for k in (*KEYS, "seconds"))
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    keys = ("model", "ratio", "rotation", "bits", "residual", "prefill_ppl", "decode_ppl",
-            "kv_bytes_per_token", "x_fp32", "x_16bit")  # fmt: skip
     head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
-    return head + "\n".join("| " + " | ".join(_fmt(r, k) for k in keys) + " |" for r in rows) + "\n"
+    return head + "\n".join("| " + " | ".join(_fmt(r, k) for k in KEYS) + " |" for r in rows) + "\n"
 
 
 def rotation_effect(rows: list[dict[str, Any]]) -> str:
@@ -199,6 +255,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--group-size", type=int, default=None, help="KV heads per group (default: auto)")
     p.add_argument("--rank-multiple", type=int, default=8)
+    p.add_argument("--decomposition", type=yaml.safe_load, default="whitened",
+                   help="name or YAML mapping, e.g. '{name: whitened, values: projection, keys: projection}' "
+                        "(Palu's)")  # fmt: skip
     p.add_argument("--ratios", type=lambda s: _csv(s, float), default=[1.0, 0.5, 0.3])
     p.add_argument("--rotations", type=_csv, default=["none", "auto"])
     p.add_argument("--bits", type=lambda s: _csv(s, int), default=[2, 3, 4, 16])
@@ -206,6 +265,14 @@ def main() -> None:
     p.add_argument("--quant-group-size", type=int, default=None, help="default: a whole latent group row")
     p.add_argument(
         "--gear", type=_csv, default=[], help="GEAR variants OUTLIERS:RANK:BUFFER, e.g. 1:2:32 (bits < 16)"
+    )
+    p.add_argument(
+        "--gear-specs",
+        type=gear_spec,
+        nargs="+",
+        default=[],
+        help="gear storages, bits filled per row: 'paper', 'paper-chunked', 'variant-1:2:32' or a YAML "
+        "mapping such as '{name: gear, mode: chunked, rank: 4}' (bits < 16)",
     )
     p.add_argument("--anchor", type=_csv, default=["hqq:2", "hqq:3", "hqq:4", "quanto:2", "quanto:4"],
                    help="QuantizedCache specs BACKEND:BITS[:GROUP[:RESIDUAL]]; '' for none")  # fmt: skip
@@ -231,19 +298,24 @@ def main() -> None:
     n_decode = min(args.decode_windows, windows.shape[0])
     section = (
         f"## {Path(args.model).name}\n\n"
-        f"Measured {time.strftime('%Y-%m-%d')} (CPU, float32, {args.threads} threads, {minutes:.1f} min):\n\n"
+        f"Measured (CPU, float32, {args.threads} threads, {minutes:.1f} min):\n\n"
         f"```bash\npython benchmarks/quantized_cache.py {shlex.join(sys.argv[1:])}\n```\n\n"
         f"Protocol: calibration {args.n_samples} × {args.seq_len} tokens of `{args.calibration}` (seed 0); "
         f"prefill PPL on {windows.shape[0]} windows of {args.seq_len} tokens of `{args.eval}` through the "
         f"cache; decode PPL on {n_decode} of them after a {args.decode_prefix}-token prefix; "
         f"quantization group: {args.quant_group_size or 'a whole latent group row'}; rank multiple "
-        f"{args.rank_multiple}. `ratio` is the kept KV width (1.0: full rank, the factors only); bits 16 are "
-        "float16 latents; `× fp32 cache` and `× 16-bit cache` divide the original model's DynamicCache bytes "
-        "(float32, and the same cache in 16 bits) by the measured bytes. `lrkv + GEAR o:r:b`: the same "
+        f"{args.rank_multiple}; decomposition `{json.dumps(args.decomposition)}`. `ratio` is the kept KV "
+        "width (1.0: full rank, the factors only); bits 16 are float16 latents; `× fp32 cache` and "
+        "`× 16-bit cache` divide the original model's DynamicCache bytes (float32, and the same cache in "
+        "16 bits) by the measured bytes. `lrkv + GEAR o:r:b`: the same "
         "quantized latents with o exact outliers per token and quantization group and a rank-r residual "
         "per latent group and chunk, b tokens kept as given until they are compressed together "
-        "(`residual` < b); KV bytes are measured after one prefilled window, which is one chunk: decoding "
-        "adds a chunk's bases every b tokens.\n\n"
+        "(`residual` < b); `variant-o:r:b` is the same, `paper` the gear storage's defaults (GEAR's rule: "
+        "2 % of the entries as outliers, power iteration, the whole cache compressed again every 20 "
+        "tokens), `paper-chunked` the same with `mode: chunked`. KV bytes/token is measured after one "
+        "prefilled window; `end of decode` is every tensor the cache holds after the decode evaluation "
+        f"({args.seq_len - 1} tokens per row of its last batch: the buffer, a chunked cache's bases and the "
+        "outliers included), per token.\n\n"
         + markdown_table(results)
         + (f"\nRotation (none → auto):\n\n{effect}\n" if (effect := rotation_effect(results)) else "")
     )
