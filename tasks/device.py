@@ -61,7 +61,8 @@ def model_pass() -> Iterator[None]:
             _PASSES = threading.BoundedSemaphore(_pass_limit())
         slots = _PASSES
     with slots:
+        release_freed()  # what earlier tasks dropped (their threads' allocator arenas) leaves the RSS first
         try:
             yield
         finally:
-            release_freed()  # the model and activations the pass dropped leave the process's RSS
+            release_freed()  # and the model and activations this pass dropped
