@@ -47,7 +47,7 @@ class CalibrationRecipe(Strict):
     seed: int = 0
     batch_size: int = Field(8, ge=1, description="calibration rows per forward/backward pass (at most)")
     batch_tokens: int = Field(
-        512,
+        256,
         ge=2,
         description="the most tokens one pass over calibration rows holds: rows per pass are "
         "min(batch_size, batch_tokens // seq_len), at least 1. A gradient pass keeps every layer's "

@@ -66,5 +66,5 @@ def test_rows_per_pass_keep_a_pass_within_its_tokens(seq_len, batch_size, batch_
     assert cal.rows_per_pass == rows
 
 
-def test_by_default_a_pass_holds_two_rows_of_256_tokens():
-    assert CalibrationRecipe().rows_per_pass == 2
+def test_by_default_a_pass_holds_one_row_of_256_tokens():
+    assert CalibrationRecipe().rows_per_pass == 1
