@@ -41,6 +41,7 @@ from .statistics import STATISTICS, LayerValue, Statistic
 from .steps import (
     Step,
     StepGraph,
+    build_params,
     conversion_steps,
     decompose_step,
     statistic_inputs,
@@ -235,7 +236,9 @@ def model_layer_weights(model: nn.Module, layer: int, reads: Collection[str] = (
 @dataclass
 class Conversion:
     """A planned conversion: the resolved config, every layer's factors, the rank plan, and the step graph
-    they came from (its ``build`` step says how :meth:`apply` fuses them)."""
+    they came from. :meth:`apply` fuses as the config says (its cache storage and rotation), so
+    ``replace(conversion, config=replace(conversion.config, rotation="auto"))`` applies the same plan
+    rotated."""
 
     config: CompressionConfig
     factors: list[LayerFactors]
@@ -245,7 +248,7 @@ class Conversion:
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Fuse the planned factors into ``model`` in place (see :func:`lrkv_core.fuse.compress_model`)."""
-        return compress_model(model, self.factors, self.plan, **self.graph["build"].params)
+        return compress_model(model, self.factors, self.plan, **build_params(self.config))
 
 
 def run_steps(

@@ -123,6 +123,17 @@ def _statistic_steps(
     ]
 
 
+def build_params(config: Any) -> dict[str, Any]:
+    """How the build step fuses the factors, from a resolved :class:`~lrkv_core.convert.CompressionConfig`:
+    the decomposition and cache storage it records, and the rotation it fuses."""
+    return {
+        "decomposition": config.decomposition.to_dict(),
+        "cache": config.cache.to_dict(),
+        "rotation": config.rotation,
+        "rotation_seed": config.rotation_seed,
+    }
+
+
 def conversion_steps(
     config: Any,
     n_layers: int,
@@ -178,11 +189,5 @@ def conversion_steps(
     if config.refines:
         steps.append(Step("refine", "refine", config.refine.to_dict(), (*factors, "plan")))
         plan = "refine"
-    build_params = {
-        "decomposition": decomposition,
-        "cache": config.cache.to_dict(),
-        "rotation": config.rotation,
-        "rotation_seed": config.rotation_seed,
-    }
-    steps.append(Step("build", "build", build_params, (*factors, plan)))
+    steps.append(Step("build", "build", build_params(config), (*factors, plan)))
     return StepGraph(tuple(steps))

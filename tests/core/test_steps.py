@@ -126,3 +126,22 @@ def test_the_flow_runs_the_graph_without_naming_its_steps() -> None:
     text = (ROOT / "flows" / "convert.py").read_text()
     for task in ("collect_statistic", "decompose_layer", "summarize_layer", "plan_ranks", "refine_plan"):
         assert task not in text, task
+
+
+def test_a_conversion_fuses_as_its_config_says() -> None:
+    """The build step's options come from the config, in the graph and when a conversion is applied: the
+    same plan with another rotation or storage needs no new plan."""
+    from dataclasses import replace
+
+    from lrkv_core.convert import plan_conversion
+
+    model = tiny_model("llama", 2)
+    rows = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    conversion = plan_conversion(
+        model, rows, CompressionConfig(ratio=0.5, rank_multiple=4, allocator="uniform")
+    )
+    assert conversion.graph["build"].params["rotation"] == "none"
+    rotated = replace(conversion, config=replace(conversion.config, rotation="hadamard", cache="quantized"))
+    fused = rotated.apply(tiny_model("llama", 2)).config.lrkv
+    assert fused["rotation"] == "hadamard" and fused["cache"]["name"] == "quantized"
+    assert conversion.apply(tiny_model("llama", 2)).config.lrkv["rotation"] == "none"  # the plan's own
