@@ -20,6 +20,7 @@ from prefect.exceptions import TerminationSignal
 from lrkv_core.heldout import overlap as data_overlap
 from lrkv_core.steps import conversion_steps
 from lrkv_tasks import convert as t
+from lrkv_tasks.device import waited_seconds
 from lrkv_tasks.lora import lora_recover
 from lrkv_tasks.preflight import prepare
 from lrkv_tasks.progress import run_peak_rss
@@ -35,10 +36,13 @@ from .runner import ConfiguredTaskRunner, worker_count
 
 
 def _record(timings: list[dict], name: str, future) -> Any:
-    """Wait for a task and note its state (Completed / Cached), its own run time and the peak RSS of its
-    process while its steps ran (None for a cache hit or a task on another worker); return its result."""
+    """Wait for a task and note its state (Completed / Cached), its own run time (less any wait for a
+    model-pass slot) and the peak RSS of its process while its steps ran (None for a cache hit or a task
+    on another worker); return its result."""
     future.wait()
     seconds = t.run_seconds(future.task_run_id)
+    if seconds is not None:
+        seconds = max(0.0, seconds - waited_seconds(future.task_run_id))
     peak = run_peak_rss(future.task_run_id)
     timings.append({"task": name, "state": future.state.name, "seconds": seconds, "peak_rss_bytes": peak})
     return future.result()

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from lrkv_core.memory import release_freed
 from lrkv_core.models import parse_device
+
+from .progress import current_task_run_id, run_logger
 
 ENV = "LRKV_DEVICE"
 
@@ -43,6 +47,7 @@ def _pass_limit() -> int:
 
 _PASSES: threading.BoundedSemaphore | None = None
 _PASSES_LOCK = threading.Lock()
+_WAITED: dict[Any, float] = {}  # task run id -> seconds it waited for a slot
 
 
 @contextmanager
@@ -60,9 +65,23 @@ def model_pass() -> Iterator[None]:
         if _PASSES is None:
             _PASSES = threading.BoundedSemaphore(_pass_limit())
         slots = _PASSES
-    with slots:
+    if not slots.acquire(blocking=False):
+        run_logger().info("waiting for another whole-model pass to finish (%s=%d)", PASSES_ENV, _pass_limit())
+        start = time.monotonic()
+        slots.acquire()
+        run = current_task_run_id()
+        if run is not None:
+            with _PASSES_LOCK:
+                _WAITED[run] = _WAITED.get(run, 0.0) + time.monotonic() - start
+    try:
         release_freed()  # what earlier tasks dropped (their threads' allocator arenas) leaves the RSS first
-        try:
-            yield
-        finally:
-            release_freed()  # and the model and activations this pass dropped
+        yield
+    finally:
+        release_freed()  # and the model and activations this pass dropped
+        slots.release()
+
+
+def waited_seconds(task_run_id: Any) -> float:
+    """Seconds task run ``task_run_id`` waited in this process for a model-pass slot (once; 0 if none)."""
+    with _PASSES_LOCK:
+        return _WAITED.pop(task_run_id, 0.0)

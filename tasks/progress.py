@@ -39,7 +39,7 @@ def set_reporter(factory: Callable[[str], object] | None) -> None:
         _factory = factory
 
 
-def _task_run_id() -> Any:
+def current_task_run_id() -> Any:
     """The current Prefect task run's id, or None outside one (Prefect is not imported for it)."""
     if "prefect" not in sys.modules:
         return None
@@ -85,7 +85,7 @@ class _Lines:
         self.stopped = threading.Event()
         self.heartbeat = threading.Thread(target=self._beat, args=(heartbeat,), daemon=True)
         self.memory = ExitStack()
-        self.task_run = _task_run_id()
+        self.task_run = current_task_run_id()
 
     def emit(self, message: str, *args) -> None:
         with self.lock:

@@ -68,3 +68,30 @@ def test_rows_per_pass_keep_a_pass_within_its_tokens(seq_len, batch_size, batch_
 
 def test_by_default_a_pass_holds_one_row_of_256_tokens():
     assert CalibrationRecipe().rows_per_pass == 1
+
+
+def test_the_wait_for_a_slot_is_noted_for_the_task_run_that_waited(slots, monkeypatch):
+    slots()
+    monkeypatch.setattr(device, "current_task_run_id", lambda: threading.current_thread().name)
+    holding, done = threading.Event(), threading.Event()
+
+    def first():
+        with device.model_pass():
+            holding.set()
+            done.wait(5)
+
+    def second():
+        holding.wait(5)
+        with device.model_pass():
+            pass
+
+    a, b = threading.Thread(target=first, name="a"), threading.Thread(target=second, name="b")
+    a.start()
+    b.start()
+    threading.Event().wait(0.2)  # b is waiting for a's slot by now
+    done.set()
+    a.join()
+    b.join()
+    assert device.waited_seconds("a") == 0.0
+    assert device.waited_seconds("b") >= 0.1
+    assert device.waited_seconds("b") == 0.0  # read once
