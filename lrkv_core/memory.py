@@ -12,6 +12,7 @@ the block. On systems without ``/proc`` the peak is the process's high-water mar
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import resource
 import sys
@@ -126,11 +127,18 @@ def release_freed() -> None:
     ``malloc_trim``): a task's model and activations, once dropped, stop counting in the process's RSS
     instead of staying in the allocator's arenas of the thread that ran it."""
     gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once; None where it is not the C library (nothing to trim)."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to trim
-        return
-    libc.malloc_trim(0)
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 def gib(n_bytes: int | float) -> str:

@@ -34,7 +34,8 @@ def task_device() -> str:
 PASSES_ENV = "LRKV_MODEL_PASSES"
 
 
-def _pass_limit() -> int:
+def pass_limit() -> int:
+    """``LRKV_MODEL_PASSES`` (default 1), checked: one clear line for anything but a whole number ≥ 1."""
     value = os.environ.get(PASSES_ENV, "1")
     try:
         limit = int(value)
@@ -63,10 +64,10 @@ def model_pass() -> Iterator[None]:
     global _PASSES
     with _PASSES_LOCK:
         if _PASSES is None:
-            _PASSES = threading.BoundedSemaphore(_pass_limit())
+            _PASSES = threading.BoundedSemaphore(pass_limit())
         slots = _PASSES
     if not slots.acquire(blocking=False):
-        run_logger().info("waiting for another whole-model pass to finish (%s=%d)", PASSES_ENV, _pass_limit())
+        run_logger().info("waiting for another whole-model pass to finish (%s=%d)", PASSES_ENV, pass_limit())
         start = time.monotonic()
         slots.acquire()
         run = current_task_run_id()

@@ -25,6 +25,7 @@ from lrkv_core.lora import check_targets, check_training_dataset
 from lrkv_core.models import TOKENIZER_FILES, missing_safetensors, resolve_model_dir
 from lrkv_core.refs import absolute_dataset_spec, absolute_model_ref, absolute_path
 
+from .device import pass_limit
 from .recipe import HELD_OUT, ConvertRecipe, LoraRecipe
 from .refs import is_s3
 
@@ -55,6 +56,7 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
     _check_source_model(Path(model_dir), recipe.model)
     config = AutoConfig.from_pretrained(str(model_dir))
     get_adapter(config)  # unsupported architectures fail here, naming the supported ones
+    pass_limit()  # a bad LRKV_MODEL_PASSES fails here, not in the first task
     compression = recipe.compression
     resolved = compression.to_config().for_model(config)  # group size, rank-0 budget: before any work
     for stat in resolved.needed_statistics():

@@ -95,3 +95,14 @@ def test_the_wait_for_a_slot_is_noted_for_the_task_run_that_waited(slots, monkey
     assert device.waited_seconds("a") == 0.0
     assert device.waited_seconds("b") >= 0.1
     assert device.waited_seconds("b") == 0.0  # read once
+
+
+def test_a_bad_limit_stops_a_conversion_before_any_work(slots, tmp_path):
+    from lrkv_tasks.preflight import prepare
+    from lrkv_tasks.recipe import ConvertRecipe
+    from tests.support.models import tiny_model_dir
+
+    slots("none")
+    recipe = ConvertRecipe(model=str(tiny_model_dir(tmp_path)))
+    with pytest.raises(ValueError, match="LRKV_MODEL_PASSES must be a whole number ≥ 1, got 'none'"):
+        prepare(recipe)
