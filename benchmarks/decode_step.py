@@ -53,7 +53,18 @@ except ImportError:  # a checkout without the package installed: the kernels liv
     sys.modules["lrkv_kernels"] = module
     spec.loader.exec_module(module)
 
-from lrkv_kernels.latent_rope import LatentDecodeWeights, latent_decode_attention, latent_rope_scores
+from lrkv_kernels.latent_rope import (
+    LatentDecodeWeights,
+    PackedLatents,
+    latent_decode_attention,
+    latent_rope_scores,
+)
+
+_packing = importlib.util.spec_from_file_location(  # torch alone: no need for lrkv_core's dependencies
+    "lrkv_packing", Path(__file__).resolve().parents[1] / "lrkv_core" / "quant" / "packing.py"
+)
+packing = importlib.util.module_from_spec(_packing)
+_packing.loader.exec_module(packing)
 
 
 @dataclass(frozen=True)
@@ -78,13 +89,21 @@ SHAPES = {
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 TILINGS = [
+    (0, 4, 1),  # the kernel's defaults
+    (64, 4, 1, 0, 1, 0),  # one KV head per product, scores in float32
     (32, 4, 1),
-    (64, 4, 1),
     (64, 8, 1),
-    (128, 8, 1),
-    (32, 4, 2),
-    (64, 4, 2),
-]  # tokens/tile, warps, stages
+    (16, 4, 1),
+]  # tokens/tile, warps, stages[, scores in the latents' dtype, KV heads per block, hoist B_k, splits]
+TILING_FIELDS = (
+    "block_s",
+    "num_warps",
+    "num_stages",
+    "latent_scores",
+    "heads_per_block",
+    "hoist",
+    "n_splits",
+)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -186,9 +205,9 @@ class Latent:
     """lrkv's decode path over a static latent cache H_k (B, S_max, R_k), H_v (B, S_max, R_v) per layer: the
     same stack, each group's k/v projections cut to ``rank`` by a data-free SVD, B_v folded into o_proj."""
 
-    def __init__(self, stack: Stack, rank: int, batch: int, capacity: int) -> None:
+    def __init__(self, stack: Stack, rank: int, batch: int, capacity: int, bits: int = 0) -> None:
         s, dev, dt = stack.shape, stack.device, stack.dtype
-        self.stack, self.rank = stack, rank
+        self.stack, self.rank, self.bits = stack, rank, bits
         G, nq, n_rep = s.Hkv // s.group, s.H // (s.Hkv // s.group), s.H // s.Hkv
         self.layers = []
         for L in stack.layers:
@@ -216,44 +235,88 @@ class Latent:
                 "weights"
             ].groups()  # read once: no sync when captured
         R = G * rank
-        self.hk = [torch.zeros(batch, capacity, R, device=dev, dtype=dt) for _ in range(s.layers)]
+        if bits:  # the quantized storage's layout: packed codes, a float16 scale and zero per token and group
+            width = packing.packed_width(R, bits)
+            self.hk = [
+                torch.zeros(batch, capacity, width, device=dev, dtype=torch.uint8) for _ in range(s.layers)
+            ]
+            self.scales = [
+                torch.zeros(4, batch, capacity, G, device=dev, dtype=torch.float16) for _ in range(s.layers)
+            ]  # k scale, k zero, v scale, v zero
+        else:
+            self.hk = [torch.zeros(batch, capacity, R, device=dev, dtype=dt) for _ in range(s.layers)]
         self.hv = [torch.zeros_like(h) for h in self.hk]
         self.positions = torch.arange(capacity, device=dev, dtype=torch.int32).expand(batch, -1)
         self.kernel = "dispatch"
+        self.stats: dict = {}
 
     def fill(self) -> None:
         for t in (*self.hk, *self.hv):
-            t.normal_()
+            if self.bits:
+                t.random_(0, 256)  # any bytes are valid codes
+            else:
+                t.normal_()
+        for t in getattr(self, "scales", []):
+            t[0::2].uniform_(0.05, 0.5)
+            t[1::2].uniform_(-1.0, 0.0)
+
+    def write(self, i: int, pos: int, hk: torch.Tensor, hv: torch.Tensor) -> None:
+        """The step's new latents into the cache: as they are, or quantized per group (min-max, round to
+        nearest) and packed, as the quantized storage writes them."""
+        if not self.bits:
+            self.hk[i][:, pos], self.hv[i][:, pos] = hk, hv
+            return
+        G = self.scales[i].shape[-1]
+        for j, (h, codes) in enumerate(((hk, self.hk[i]), (hv, self.hv[i]))):
+            x = h.float().view(h.shape[0], G, -1)
+            lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+            scale = ((hi - lo) / (2**self.bits - 1)).clamp_min(1e-8)
+            q = ((x - lo) / scale).round().clamp(0, 2**self.bits - 1).to(torch.uint8).flatten(1)
+            codes[:, pos] = packing.pack_codes(q, self.bits, check=False)  # no sync
+            self.scales[i][2 * j, :, pos] = scale[..., 0].half()
+            self.scales[i][2 * j + 1, :, pos] = lo[..., 0].half()
+
+    def latents(self, i: int, n: int):
+        """Layer i's first n cached tokens as the kernel reads them."""
+        if not self.bits:
+            return self.hk[i][:, :n], self.hv[i][:, :n]
+        sc = self.scales[i][:, :, :n]
+        return tuple(
+            PackedLatents(codes[:, :n], sc[2 * j], sc[2 * j + 1], self.bits, None, None, self.stack.dtype)
+            for j, codes in enumerate((self.hk[i], self.hv[i]))
+        )
 
     def choose(self, kernel) -> None:
-        """``(tokens per tile, warps)`` of the flash-decoding kernel, ``"dispatch"`` (its defaults through the
-        dispatcher, any device) or ``"palu-scores"``."""
+        """The flash-decoding kernel's settings (a tuple of :data:`TILING_FIELDS`), ``"dispatch"`` (its
+        defaults through the dispatcher, any device) or ``"palu-scores"``."""
         self.kernel = kernel
+        self.stats = {}
 
     def bytes_per_token(self) -> int:
-        return 2 * self.stack.shape.layers * self.hk[0].shape[-1] * self.hk[0].element_size()
+        return latent_bytes_per_token(self.stack, self.rank, self.bits)
 
     def attention(self, i: int, h: torch.Tensor, pos: int, cos, sin) -> torch.Tensor:
         s, L, M = self.stack.shape, self.stack.layers[i], self.layers[i]
         B = h.shape[0]
         q = rope((h @ L["q"].T).view(B, s.H, s.D), cos[:, None], sin[:, None])
-        self.hk[i][:, pos] = h @ M["k_down"].T
-        self.hv[i][:, pos] = h @ M["v_down"].T
-        hk, hv, positions = self.hk[i][:, : pos + 1], self.hv[i][:, : pos + 1], self.positions[:, : pos + 1]
+        self.write(i, pos, h @ M["k_down"].T, h @ M["v_down"].T)
+        hk, hv = self.latents(i, pos + 1)
+        positions = self.positions[:, : pos + 1]
         args = (q, hk, hv, M["weights"], positions, self.stack.inv_freq, 1.0, s.D**-0.5)
         if self.kernel == "dispatch":
             out = latent_decode_attention(*args)  # (B, Σ_g nq·r)
         elif isinstance(self.kernel, tuple):
             from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
 
-            block_s, warps, stages, *rest = self.kernel
-            out = latent_decode_attention_triton(
-                *args,
-                block_s=block_s,
-                num_warps=warps,
-                num_stages=stages,
-                latent_scores=bool(rest and rest[0]),
-            )
+            options = dict(zip(TILING_FIELDS, self.kernel, strict=False))
+            for key in ("block_s", "heads_per_block", "n_splits"):  # 0: the kernel's default
+                options[key] = options.get(key) or None
+            for key in ("latent_scores", "hoist"):  # -1 or absent: the kernel's default
+                flag = options.get(key, -1)
+                options[key] = None if flag < 0 else bool(flag)
+            out = latent_decode_attention_triton(*args, **options, stats=self.stats)
+        elif self.bits:
+            raise ValueError("Palu's scores kernel reads dense latents only")
         else:  # Palu's scores kernel per group, softmax and the value product in torch
             outs, G = [], s.Hkv // s.group
             nq = s.H // G
@@ -273,6 +336,16 @@ class Latent:
         for i, L in enumerate(self.stack.layers):
             x = self.stack.mlp_and_head(x, L, self.attention(i, rms_norm(x, L["ln1"]), pos, cos, sin))
         return self.stack.logits(x)
+
+
+def latent_bytes_per_token(stack: Stack, rank: int, bits: int) -> int:
+    """Bytes of lrkv's cache per token (all layers, keys and values): latents in the model's dtype, or packed
+    ``bits``-bit codes and a float16 scale and zero-point per group."""
+    s = stack.shape
+    G = s.Hkv // s.group
+    if not bits:
+        return 2 * s.layers * G * rank * stack.embed.element_size()
+    return 2 * s.layers * (packing.packed_width(G * rank, bits) + 2 * G * 2)
 
 
 def check_full_rank(device: torch.device) -> float:
@@ -329,6 +402,7 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.5, help="lrkv's KV width over the original's")
     ap.add_argument("--group", type=int, default=None, help="KV heads per latent group (default: lrkv's)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--bits", type=int, default=0, help="lrkv's latents quantized to 2, 3 or 4 bits (packed)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="check,attention,step,serving")
@@ -336,15 +410,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="append JSON rows here")
     ap.add_argument(
         "--tilings", default=None,
-        help="the kernel's settings to time, e.g. '64,4,1;64,4,1,1' (tokens per tile, warps, stages[, scores "
-        "in the latents' dtype]); default: TILINGS",
+        help="the kernel's settings to time, e.g. '0,4,1;64,4,1,1,4,1' (tokens per tile (0: default), warps, "
+        "stages[, scores in the latents' dtype (-1: default), KV heads per block (0: default), hoist B_k "
+        "(-1: default), splits (0: default)]); default: TILINGS",
     )  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
     parts = set(args.parts.split(","))
     out = args.out.open("a") if args.out else None
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    meta = dict(shape=args.shape, device=name, torch=torch.__version__, ratio=args.ratio)
+    meta = dict(shape=args.shape, device=name, torch=torch.__version__, ratio=args.ratio, bits=args.bits)
     if "check" in parts:
         emit(out, dict(meta, part="full-rank check", max_relative_logit_error=check_full_rank(device)))
     if device.type != "cuda":
@@ -366,7 +441,7 @@ def main() -> None:
         if kind == "original":
             cache = Original(stack, args.batch, max(contexts) + 1)
         else:
-            cache = Latent(stack, rank, args.batch, max(contexts) + 1)
+            cache = Latent(stack, rank, args.batch, max(contexts) + 1, args.bits)
         cache.fill()
         x = stack.embed[torch.arange(args.batch, device=device)]
         for ctx in contexts:
@@ -375,7 +450,10 @@ def main() -> None:
                 if not args.tilings
                 else [tuple(map(int, t.split(","))) for t in args.tilings.split(";")]
             )
-            options = list(BACKENDS) + ["default"] if kind == "original" else [*tilings, "palu-scores"]
+            if kind == "original":
+                options = [*BACKENDS, "default"]
+            else:
+                options = [*tilings] if args.bits else [*tilings, "palu-scores"]
             timed = {}
             if "attention" in parts:
                 h = rms_norm(x, stack.layers[0]["ln1"])
@@ -413,6 +491,7 @@ def main() -> None:
                             ms=round(ms, 4),
                             cache_gb_read=round(read / 1e9, 4),
                             cache_gb_per_s=round(read / ms / 1e6, 1),
+                            **(dict(kernel_stats=dict(cache.stats)) if kind == "lrkv" else {}),
                         ),
                     )
             fastest = min(timed, key=timed.get) if timed else options[0]
@@ -468,9 +547,9 @@ def serving(stack: Stack, rank: int, ctx: int, backend: str, tiling, args, meta:
     del orig
     torch.cuda.empty_cache()
     s = stack.shape
-    latent_per_token = 2 * s.layers * (s.Hkv // s.group) * rank * stack.embed.element_size()
+    latent_per_token = latent_bytes_per_token(stack, rank, args.bits)
     batch_l = budget // (latent_per_token * (ctx + 1))
-    lat = Latent(stack, rank, batch_l, ctx + 1)
+    lat = Latent(stack, rank, batch_l, ctx + 1, args.bits)
     if tiling is not None:
         lat.choose(eval(tiling) if tiling.startswith("(") else tiling)  # noqa: S307 (our own repr)
     lat.fill()

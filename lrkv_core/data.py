@@ -27,12 +27,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from datasets import load_dataset
 
 from lrkv_core.files import make_readable
 from lrkv_core.fingerprint import hash_bytes, hash_json
 from lrkv_core.heldout import check_dataset, heldout, utf8_problem
 from lrkv_core.refs import SPEC_FORMS, DatasetSpec, parse_dataset_spec, resolve_spec
+
+
+def load_dataset(*args: Any, **kwargs: Any) -> Any:
+    """``datasets.load_dataset``, imported when first read (importing lrkv_core, as the kernels and a model's
+    decode do, needs no ``datasets``)."""
+    from datasets import load_dataset as load
+
+    return load(*args, **kwargs)
+
 
 __all__ = [
     "SPEC_FORMS",

@@ -50,28 +50,31 @@ NUM_STAGES = 1  # software pipelining of the sequence loop multiplies its shared
 MIN_SPLIT_TILES = 2  # a split walks at least this many tiles, so its partial sums are worth their write
 PROGRAMS_PER_SM = 8  # programs in flight per multiprocessor: their loads hide each other's latency
 MAX_SPLITS = 256
+BLOCK_COLUMNS = 128  # key columns (KV heads × rotation pairs) one product rebuilds per token
+BLOCK_BYTES = 64 * 1024  # B_k rows one product reads (or a program holds across its sequence loop)
 
 
 @triton.jit
 def _latent_tile(
     dense_ptr, sd_b, sd_s, sd_r, codes_ptr, sc_b, sc_s, scale_ptr, zero_ptr, ss_b, ss_s, ss_g,
     b, offs_s, mask_s, cols, mask_c, g, qw, S_packed,
-    BITS: tl.constexpr, DTYPE: tl.constexpr,
+    BITS: tl.constexpr, SUBGROUPS: tl.constexpr, RECENT: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
     """The latents (BLOCK_S, C) of tokens ``offs_s``, row columns ``cols``: read as they are (``BITS`` 0),
     or, for tokens before ``S_packed``, unpacked from their ``BITS``-bit codes (code c in bits
     [c·BITS, c·BITS + BITS) of the row's little-endian bytes; a 3-bit code may cross into the next byte) and
     dequantized, ``z + q·s`` in float32 rounded to ``DTYPE``, with the scale and zero-point of column c's
-    quantization group (c // ``qw``, or the latent group ``g`` where ``qw`` is 0); later tokens (the
-    residual window) read as they are, from ``dense_ptr``'s token ``offs_s − S_packed``."""
+    quantization group (c // ``qw`` where the groups are ``SUBGROUPS`` of the latent groups, else one per
+    token for the latent group ``g``); where the cache keeps a ``RECENT`` window, later tokens read as they
+    are, from ``dense_ptr``'s token ``offs_s − S_packed``."""
     if BITS == 0:
         out = tl.load(
             dense_ptr + b * sd_b + offs_s[:, None] * sd_s + cols[None, :] * sd_r,
             mask=mask_s[:, None] & mask_c[None, :], other=0.0,
         )  # fmt: skip
     else:
-        packed = offs_s < S_packed
-        in_codes = (mask_s & packed)[:, None] & mask_c[None, :]
+        packed = mask_s & (offs_s < S_packed)
+        in_codes = packed[:, None] & mask_c[None, :]
         bit = cols * BITS
         byte = (bit // 8)[None, :]
         shift = (bit % 8)[None, :]
@@ -80,19 +83,76 @@ def _latent_tile(
         if 8 % BITS != 0:  # a code past the byte's last bit continues in the next byte
             crosses = in_codes & (shift + BITS > 8)
             word = word | (tl.load(row + byte + 1, mask=crosses, other=0).to(tl.int32) << 8)
-        code = (word >> shift) & ((1 << BITS) - 1)  # (BLOCK_S, C)
-        group = tl.where(qw > 0, cols // tl.maximum(qw, 1), g)  # the columns' quantization groups
-        at = b * ss_b + offs_s[:, None] * ss_s + group[None, :] * ss_g
-        scale = tl.load(scale_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
-        x = (code.to(tl.float32) * scale + zero).to(DTYPE)
-        in_recent = (mask_s & (offs_s >= S_packed))[:, None] & mask_c[None, :]
-        recent = tl.load(
-            dense_ptr + b * sd_b + (offs_s - S_packed)[:, None] * sd_s + cols[None, :] * sd_r,
-            mask=in_recent, other=0.0,
-        ).to(DTYPE)  # fmt: skip
-        out = tl.where(packed[:, None], x, recent)
+        code = ((word >> shift) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_S, C)
+        if SUBGROUPS:  # a scale and zero-point per token and sub-group of columns
+            at = b * ss_b + offs_s[:, None] * ss_s + (cols // qw)[None, :] * ss_g
+            scale = tl.load(scale_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
+            zero = tl.load(zero_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
+        else:  # one per token for the whole latent group: read once per token, not per column
+            at = b * ss_b + offs_s * ss_s + g * ss_g
+            scale = tl.load(scale_ptr + at, mask=packed, other=0.0).to(tl.float32)[:, None]
+            zero = tl.load(zero_ptr + at, mask=packed, other=0.0).to(tl.float32)[:, None]
+        out = (code * scale + zero).to(DTYPE)
+        if RECENT:
+            in_recent = (mask_s & (offs_s >= S_packed))[:, None] & mask_c[None, :]
+            recent = tl.load(
+                dense_ptr + b * sd_b + (offs_s - S_packed)[:, None] * sd_s + cols[None, :] * sd_r,
+                mask=in_recent, other=0.0,
+            ).to(DTYPE)  # fmt: skip
+            out = tl.where(packed[:, None], out, recent)
     return out
+
+
+@triton.jit
+def _norm_rotate(
+    k1, k2, cos, sin, norm1, norm2, norm_eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr, LAST: tl.constexpr
+):
+    """Keys' halves (…, HALF_P), rotation pairs along axis ``LAST``: RMS-normed over each head's D dims and
+    scaled where the model norms its keys (both halves; padded pairs are zero), then rotated:
+    rope(k) = k·cos + rotate_half(k)·sin, with rotate_half(k1, k2) = (−k2, k1). ``cos``, ``sin`` and the
+    norm's halves broadcast against the keys."""
+    if HAS_NORM:
+        ms = (tl.sum(k1 * k1, axis=LAST) + tl.sum(k2 * k2, axis=LAST)) / (2 * HALF)
+        inv = tl.expand_dims(1.0 / tl.sqrt(ms + norm_eps), LAST)
+        k1 = k1 * inv * norm1
+        k2 = k2 * inv * norm2
+    return k1 * cos - k2 * sin, k2 * cos + k1 * sin
+
+
+@triton.jit
+def _head_block(
+    up_ptr, bias_ptr, q_ptr, b, g, first, offs_r, mask_r, offs_h, mask_h, kv_of, scaling,
+    su_g, su_o, su_r, sb_g, sq_b, sq_h, sq_d,
+    S_HEADS: tl.constexpr, NQ: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    HEADS_P: tl.constexpr, HAS_BIAS: tl.constexpr, LATENT_SCORES: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """KV heads ``first`` … ``first + HEADS_P − 1`` of group ``g`` side by side in columns (head j's rotation
+    pair d in column j·HALF_P + d; heads past the group's and padded pairs are zero): the rows of ``B_k``
+    that make the first and second halves of their keys, (RK_P, HEADS_P·HALF_P) each; their k bias halves
+    (or zeros); and the query halves (NQ_P, HEADS_P·HALF_P), each query head's row holding its KV head's
+    columns only (zero elsewhere), scaled by ``scaling``."""
+    cols = tl.arange(0, HEADS_P * HALF_P)
+    head = first + cols // HALF_P
+    d = cols % HALF_P
+    ok = (head < S_HEADS) & (d < HALF)
+    rows1 = head * 2 * HALF + d  # up rows of each head's first half (HF's half-split RoPE)
+    up_rows = up_ptr + g * su_g + offs_r[:, None] * su_r
+    up_mask = mask_r[:, None] & ok[None, :]
+    up1 = tl.load(up_rows + rows1[None, :] * su_o, mask=up_mask, other=0.0)
+    up2 = tl.load(up_rows + (rows1 + HALF)[None, :] * su_o, mask=up_mask, other=0.0)
+    if HAS_BIAS:
+        bias1 = tl.load(bias_ptr + g * sb_g + rows1, mask=ok, other=0.0).to(tl.float32)
+        bias2 = tl.load(bias_ptr + g * sb_g + rows1 + HALF, mask=ok, other=0.0).to(tl.float32)
+    else:
+        bias1 = tl.zeros((HEADS_P * HALF_P,), tl.float32)
+        bias2 = bias1
+    q_rows = q_ptr + b * sq_b + (g * NQ + offs_h)[:, None] * sq_h
+    q_mask = mask_h[:, None] & ok[None, :] & (kv_of[:, None] == head[None, :])
+    qa = tl.load(q_rows + d[None, :] * sq_d, mask=q_mask, other=0.0).to(tl.float32) * scaling
+    qb = tl.load(q_rows + (d + HALF)[None, :] * sq_d, mask=q_mask, other=0.0).to(tl.float32) * scaling
+    if LATENT_SCORES:  # queries in the latents' dtype, as the original's are
+        qa, qb = qa.to(DTYPE), qb.to(DTYPE)
+    return up1, up2, bias1, bias2, qa, qb
 
 
 @triton.jit(do_not_specialize=["k_qw", "v_qw"])  # a group width of 1 stays a tensor (tl.maximum takes it)
@@ -116,6 +176,8 @@ def _flash_decode_kernel(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr,
     PRECISION: tl.constexpr, ACCURATE_TRIG: tl.constexpr, LATENT_SCORES: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
+    HEADS_P: tl.constexpr, HOIST: tl.constexpr,
+    K_SUB: tl.constexpr, K_RECENT: tl.constexpr, V_SUB: tl.constexpr, V_RECENT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -135,12 +197,15 @@ def _flash_decode_kernel(
     mask_r = offs_r < rk
     offs_rv = tl.arange(0, RV_P)
     mask_rv = offs_rv < rv
-
-    q_rows = q_ptr + b * sq_b + (g * NQ + offs_h)[:, None] * sq_h
-    q_mask = mask_h[:, None] & mask_d[None, :]
-    q1 = tl.load(q_rows + offs_d[None, :] * sq_d, mask=q_mask, other=0.0).to(tl.float32) * scaling
-    q2 = tl.load(q_rows + (offs_d + HALF)[None, :] * sq_d, mask=q_mask, other=0.0).to(tl.float32) * scaling
     inv_freq = tl.load(inv_freq_ptr + offs_d, mask=mask_d, other=0.0)
+    norm1 = tl.load(norm_ptr + offs_d, mask=mask_d & HAS_NORM, other=0.0)  # the key norm's scale, if any
+    norm2 = tl.load(norm_ptr + HALF + offs_d, mask=mask_d & HAS_NORM, other=0.0)
+    if HOIST:  # every KV head in one block: its B_k and queries are read once, before the sequence loop
+        up1, up2, bias1, bias2, qa, qb = _head_block(
+            up_ptr, bias_ptr, q_ptr, b, g, 0, offs_r, mask_r, offs_h, mask_h, kv_of, scaling,
+            su_g, su_o, su_r, sb_g, sq_b, sq_h, sq_d,
+            S_HEADS, NQ, HALF, HALF_P, HEADS_P, HAS_BIAS, LATENT_SCORES, DTYPE,
+        )  # fmt: skip
 
     m_i = tl.full((NQ_P,), float("-inf"), tl.float32)
     l_i = tl.zeros((NQ_P,), tl.float32)
@@ -163,33 +228,31 @@ def _flash_decode_kernel(
 
         h = _latent_tile(
             hk_ptr, shk_b, shk_s, shk_r, kc_ptr, skc_b, skc_s, ks_ptr, kz_ptr, sks_b, sks_s, sks_g,
-            b, offs_s, mask_s, koff + offs_r, mask_r, g, k_qw, S_packed, K_BITS, DTYPE,
+            b, offs_s, mask_s, koff + offs_r, mask_r, g, k_qw, S_packed, K_BITS, K_SUB, K_RECENT, DTYPE,
         )  # (BLOCK_S, RK_P)  # fmt: skip
         scores = tl.zeros((NQ_P, BLOCK_S), tl.float32)
-        for kv in range(S_HEADS):
-            rows1 = kv * 2 * HALF + offs_d  # up rows of the KV head's first half (HF's half-split RoPE)
-            rows2 = rows1 + HALF
-            up_rows = up_ptr + g * su_g + offs_r[:, None] * su_r
-            up_mask = mask_r[:, None] & mask_d[None, :]
-            up1 = tl.load(up_rows + rows1[None, :] * su_o, mask=up_mask, other=0.0)  # (RK_P, HALF_P)
-            up2 = tl.load(up_rows + rows2[None, :] * su_o, mask=up_mask, other=0.0)
-            k1 = tl.dot(h, up1, input_precision=PRECISION)  # (BLOCK_S, HALF_P) float32
+        for first in range(0, S_HEADS, HEADS_P):  # blocks of KV heads side by side in columns
+            if not HOIST:
+                up1, up2, bias1, bias2, qa, qb = _head_block(
+                    up_ptr, bias_ptr, q_ptr, b, g, first, offs_r, mask_r, offs_h, mask_h, kv_of, scaling,
+                    su_g, su_o, su_r, sb_g, sq_b, sq_h, sq_d,
+                    S_HEADS, NQ, HALF, HALF_P, HEADS_P, HAS_BIAS, LATENT_SCORES, DTYPE,
+                )  # fmt: skip
+            k1 = tl.dot(h, up1, input_precision=PRECISION)  # (BLOCK_S, HEADS_P·HALF_P) float32
             k2 = tl.dot(h, up2, input_precision=PRECISION)
             if HAS_BIAS:
-                k1 += tl.load(bias_ptr + g * sb_g + rows1, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-                k2 += tl.load(bias_ptr + g * sb_g + rows2, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-            if HAS_NORM:  # RMSNorm over the head's D dims (both halves; padded pairs are zero), then scale
-                ms = (tl.sum(k1 * k1, axis=1) + tl.sum(k2 * k2, axis=1)) / (2 * HALF)  # (BLOCK_S,)
-                inv = 1.0 / tl.sqrt(ms + norm_eps)
-                k1 *= inv[:, None] * tl.load(norm_ptr + offs_d, mask=mask_d, other=0.0)[None, :]
-                k2 *= inv[:, None] * tl.load(norm_ptr + HALF + offs_d, mask=mask_d, other=0.0)[None, :]
-            r1 = k1 * cos - k2 * sin  # rope(k) = k·cos + rotate_half(k)·sin, rotate_half(k1, k2) = (−k2, k1)
-            r2 = k2 * cos + k1 * sin
-            mine = (kv_of == kv)[:, None]  # this KV head's query heads; the others' rows stay zero
-            qa = tl.where(mine, q1, 0.0)
-            qb = tl.where(mine, q2, 0.0)
-            if LATENT_SCORES:  # queries and rotated keys in the latents' dtype, as the original's keys are
-                qa, qb = qa.to(h.dtype), qb.to(h.dtype)
+                k1 += bias1[None, :]
+                k2 += bias2[None, :]
+            if HEADS_P == 1:
+                r1, r2 = _norm_rotate(k1, k2, cos, sin, norm1, norm2, norm_eps, HALF, HAS_NORM, 1)
+            else:  # per KV head: (BLOCK_S, HEADS_P, HALF_P), the same rotation for every head
+                r1, r2 = _norm_rotate(
+                    tl.reshape(k1, (BLOCK_S, HEADS_P, HALF_P)), tl.reshape(k2, (BLOCK_S, HEADS_P, HALF_P)),
+                    cos[:, None, :], sin[:, None, :], norm1, norm2, norm_eps, HALF, HAS_NORM, 2,
+                )  # fmt: skip
+                r1 = tl.reshape(r1, (BLOCK_S, HEADS_P * HALF_P))
+                r2 = tl.reshape(r2, (BLOCK_S, HEADS_P * HALF_P))
+            if LATENT_SCORES:  # rotated keys in the latents' dtype, as the original's keys are
                 r1, r2 = r1.to(h.dtype), r2.to(h.dtype)
             scores = tl.dot(qa, tl.trans(r1), scores, input_precision=PRECISION)  # (NQ_P, BLOCK_S)
             scores = tl.dot(qb, tl.trans(r2), scores, input_precision=PRECISION)
@@ -205,7 +268,7 @@ def _flash_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _latent_tile(
             hv_ptr, shv_b, shv_s, shv_r, vc_ptr, svc_b, svc_s, vs_ptr, vz_ptr, svs_b, svs_s, svs_g,
-            b, offs_s, mask_s, voff + offs_rv, mask_rv, g, v_qw, S_packed, V_BITS, DTYPE,
+            b, offs_s, mask_s, voff + offs_rv, mask_rv, g, v_qw, S_packed, V_BITS, V_SUB, V_RECENT, DTYPE,
         )  # (BLOCK_S, RV_P)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -253,6 +316,29 @@ def splits_for(batch_groups: int, tiles: int, sms: int) -> int:
     return max(1, min(want, tiles // MIN_SPLIT_TILES, MAX_SPLITS))
 
 
+def heads_per_block(s: int, half_p: int, rk_p: int, itemsize: int) -> int:
+    """KV heads one product rebuilds side by side: all ``s`` of the group (rounded up to a power of two)
+    while their keys stay within :data:`BLOCK_COLUMNS` columns per token and their ``B_k`` rows (both
+    halves, ``rk_p`` latents of ``itemsize`` bytes) within :data:`BLOCK_BYTES`, else the most that fit."""
+    heads = _pow2(s, 1)
+    while heads > 1 and (
+        heads * half_p > BLOCK_COLUMNS or _up_bytes(rk_p, heads, half_p, itemsize) > BLOCK_BYTES
+    ):
+        heads //= 2
+    return heads
+
+
+def _up_bytes(rk_p: int, heads: int, half_p: int, itemsize: int) -> int:
+    """Bytes of a block's ``B_k`` rows: both halves of ``heads`` KV heads over ``rk_p`` latents."""
+    return 2 * rk_p * heads * half_p * itemsize
+
+
+def hoists(s: int, heads_p: int, rk_p: int, half_p: int, itemsize: int) -> bool:
+    """Whether a program reads its group's ``B_k`` once, before its sequence loop: when every KV head is in
+    one block and both halves' rows fit :data:`BLOCK_BYTES`."""
+    return heads_p >= s and _up_bytes(rk_p, heads_p, half_p, itemsize) <= BLOCK_BYTES
+
+
 def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -289,6 +375,11 @@ class _Source:
         width = h.group_width or 0
         return cls(dense, h.codes, scale, zero, h.bits, width, h.dtype, h.packed_tokens, len(h))
 
+    @property
+    def has_recent(self) -> bool:
+        """Packed codes followed by tokens kept as they are (a residual window)."""
+        return bool(self.bits) and self.dense is not self.codes
+
     def strides(self) -> tuple[int, ...]:
         """The dense tensor's (b, s, r) strides (zeros where it stands in for a missing window)."""
         return (0, 0, 0) if self.bits and self.dense is self.codes else self.dense.stride()
@@ -313,17 +404,25 @@ def latent_decode_attention_triton(
     block_s: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
-    latent_scores: bool = False,
+    latent_scores: bool | None = None,
+    heads_per_block: int | None = None,
+    hoist: bool | None = None,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """:func:`~lrkv_kernels.latent_rope.reference.latent_decode_attention_ref` in two launches (same
     arguments; (B, width) in the latents' dtype). ``h_k`` and ``h_v`` are the latents (B, S, R), or both
     a quantized cache's :class:`~lrkv_kernels.latent_rope.packed.PackedLatents`, unpacked and dequantized
     in registers (the spec is then
-    :func:`~lrkv_kernels.latent_rope.packed.latent_decode_attention_packed_ref`). ``n_splits`` (splits of
-    the sequence), ``block_s`` (tokens per tile, a power of two ≥ 16), ``num_warps`` and ``num_stages``
-    override the launch's defaults; ``latent_scores`` takes the scores' products in the latents' dtype
-    (16-bit latents: queries and rotated keys rounded to it, as the original model's keys are) instead of
-    float32."""
+    :func:`~lrkv_kernels.latent_rope.packed.latent_decode_attention_packed_ref`).
+
+    The launch's defaults can be overridden: ``n_splits`` (splits of the sequence), ``block_s`` (tokens per
+    tile, a power of two ≥ 16), ``num_warps``, ``num_stages``; ``latent_scores`` (default: on for 16-bit
+    latents; float32 latents always take float32) takes the scores' products in the latents' dtype, queries
+    and rotated keys rounded to it as the original model's keys are; ``heads_per_block`` (a power of two;
+    default :func:`heads_per_block`) is how many of a group's KV heads one product rebuilds side by side;
+    ``hoist`` (default :func:`hoists`) reads their ``B_k`` once per program instead of once per tile, which
+    needs the whole group in one block. ``stats``, a dict, receives the launch's settings and, on a GPU,
+    the compiled kernel's registers per thread, spilled registers and shared memory."""
     src_k, src_v = _Source.of(h_k), _Source.of(h_v)
     if (src_k.packed_tokens, src_k.length) != (src_v.packed_tokens, src_v.length):
         raise ValueError(
@@ -347,7 +446,7 @@ def latent_decode_attention_triton(
     if S == 0:
         return out.fill_(float("nan"))  # a softmax over nothing, as torch's
     rv_p = _pow2(weights.max_rank_v)
-    block_s = block_s or (64 if rv_p <= 128 else 32)
+    block_s = block_s or (32 if src_k.bits or rv_p > 128 else 64)  # unpacking codes takes registers
     nq_p = _pow2(nq)
     tiles = triton.cdiv(S, block_s)
     n_splits = n_splits or splits_for(B * G, tiles, _multiprocessors(q.device))
@@ -360,9 +459,18 @@ def latent_decode_attention_triton(
         mask = mask.to(torch.float32)
     bias = weights.bias
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    latent_scores = latent_scores and dtype != torch.float32
+    latent_scores = dtype != torch.float32 and latent_scores is not False
     cos, sin = rope_tables_for(inv_freq, attention_scaling, S)
-    _flash_decode_kernel[(B * G, n_splits)](
+    half_p = _pow2(D // 2)
+    rk_p = _pow2(weights.up.shape[2])
+    itemsize = weights.up.element_size()
+    heads_p = heads_per_block or globals()["heads_per_block"](s, half_p, rk_p, itemsize)
+    if heads_p & (heads_p - 1):
+        raise ValueError(f"heads_per_block must be a power of two, got {heads_p}")
+    hoist = hoists(s, heads_p, rk_p, half_p, itemsize) if hoist is None else hoist
+    if hoist and heads_p < s:
+        raise ValueError(f"hoisting B_k needs the group's {s} KV heads in one block, got {heads_p}")
+    compiled = _flash_decode_kernel[(B * G, n_splits)](
         q, src_k.dense, src_v.dense, weights.up, weights.up if bias is None else bias,
         weights.up if weights.norm_weight is None else weights.norm_weight, positions,
         inv_freq.float().contiguous(), cos, sin, q if mask is None else mask,
@@ -375,14 +483,22 @@ def latent_decode_attention_triton(
         0 if bias is None else bias.stride(0),
         *positions.stride(), *((0, 0) if mask is None else mask.stride()),
         *src_k.packed_strides(), *src_v.packed_strides(),
-        G=G, S_HEADS=s, RK_P=_pow2(weights.up.shape[2]), NQ=nq, NQ_P=nq_p,
-        HALF=D // 2, HALF_P=_pow2(D // 2), RV_P=rv_p,
+        G=G, S_HEADS=s, RK_P=rk_p, NQ=nq, NQ_P=nq_p, HALF=D // 2, HALF_P=half_p, RV_P=rv_p,
         HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_S=block_s,
         HAS_NORM=weights.norm_weight is not None,
         PRECISION=precision, ACCURATE_TRIG=q.is_cuda, LATENT_SCORES=latent_scores,
-        K_BITS=src_k.bits, V_BITS=src_v.bits, DTYPE=_TL_DTYPES[dtype],
+        K_BITS=src_k.bits, V_BITS=src_v.bits, DTYPE=_TL_DTYPES[dtype], HEADS_P=heads_p, HOIST=hoist,
+        K_SUB=src_k.group_width > 0, K_RECENT=src_k.has_recent, V_SUB=src_v.group_width > 0,
+        V_RECENT=src_v.has_recent,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if stats is not None:
+        stats.update(block_s=block_s, n_splits=n_splits, heads_per_block=heads_p, hoist=hoist)
+        for key in ("n_regs", "n_spills"):
+            if hasattr(compiled, key):
+                stats[key] = getattr(compiled, key)
+        if hasattr(compiled, "metadata"):
+            stats["shared_bytes"] = getattr(compiled.metadata, "shared", None)
     _combine_kernel[(B * G * nq,)](
         acc, m, l, weights.ranks_v, weights.out_offsets, out, out.stride(0), n_splits,
         G=G, NQ=nq, NQ_P=nq_p, NSPLIT_P=_pow2(n_splits, 1), RV_P=rv_p,

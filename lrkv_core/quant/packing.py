@@ -55,20 +55,24 @@ def _check_codes(codes: torch.Tensor, bits: int) -> None:
         raise ValueError(f"a code exceeds {bits} bits (max {int(codes.max())})")
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Tensor:
     """Pack b-bit codes along the last dim.
 
     Parameters
     ----------
     codes : (..., n) uint8, every value < 2**bits.
     bits : 2, 3, 4 or 8.
+    check : refuse codes of more than ``bits`` bits. The check reads the codes' maximum back to the host (a
+        device sync per call on a GPU, which a CUDA graph cannot capture): callers whose codes are in range
+        by construction (a quantizer's clamped output, as the caches write) pass False.
 
     Returns
     -------
     (..., packed_width(n, bits)) uint8.
     """
     per_block, nbytes = _block(bits)
-    _check_codes(codes, bits)
+    if check:
+        _check_codes(codes, bits)
     if bits == 8:
         return codes.clone()
     blocks = _padded(codes, per_block).unflatten(-1, (-1, per_block)).to(torch.int32)  # (..., nb, c)

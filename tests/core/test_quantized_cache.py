@@ -191,6 +191,25 @@ def test_generate_and_beam_search_through_the_quantized_cache(compress, arch) ->
     assert got.past_key_values.storage == QuantizedStorage(bits=3)
 
 
+@pytest.mark.parametrize("storage", [{"name": "quantized", "bits": 3}, {"name": "tale", "bits": 3}])
+def test_cache_writes_never_read_codes_back_to_the_host(compress, monkeypatch, storage) -> None:
+    """Packing a step's codes checks nothing on the host: on a GPU that check is a sync per layer and step,
+    and a CUDA graph cannot capture it (the quantizer's codes are in range by construction)."""
+    import lrkv_core.quant.packing as packing
+
+    def refuse(codes, bits):
+        raise AssertionError("a cache write read its codes back to check them")
+
+    comp = _compressed(compress)
+    comp.config.lrkv["cache"] = storage
+    ids, mask = left_padded((7, 4))
+    ref = greedy(comp, ids, mask)
+    monkeypatch.setattr(packing, "_check_codes", refuse)
+    assert torch.equal(greedy(comp, ids, mask), ref)
+    with pytest.raises(AssertionError, match="read its codes back"):  # the check still guards pack_codes
+        packing.pack_codes(torch.zeros(3, dtype=torch.uint8), 3)
+
+
 def test_save_and_load_rebuild_the_quantized_cache_and_the_rotation(tmp_path) -> None:
     model = tiny_model("llama", 2)
     rows = torch.randint(3, 61, (8, 24), generator=torch.Generator().manual_seed(1))

@@ -123,6 +123,47 @@ def test_partial_rotary_frequencies_are_refused():
         latent_decode_attention_triton(q, h_k, h_v, weights, positions, inv_freq[:4], 1.0, 0.25)
 
 
+@pytest.mark.parametrize(
+    "s, D, n_rep, norm, bias",
+    [
+        (3, 64, 3, False, True),  # SmolLM2's group: three KV heads of 64, padded to four in a block
+        (4, 32, 2, True, False),  # four KV heads with QK-norm
+        (2, 80, 1, True, True),  # head_dim 80: 40 pairs padded to 64 per head
+        (1, 16, 4, False, False),  # one KV head, GQA 4
+    ],
+)
+@pytest.mark.parametrize("layout", [(1, False), (2, False), (4, False), (4, True)])
+def test_every_head_layout_gives_the_same_attention(s, D, n_rep, norm, bias, layout):
+    """KV heads rebuilt one at a time, in blocks (the last one padded), or all at once with ``B_k`` read
+    once per program: the same attention, with the key norm and bias applied per head."""
+    from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
+
+    heads, hoist = layout
+    args = layer(2, 100, s, D, n_rep, (24, 17), (12, 9), bias, norm_eps=1e-6 if norm else None)
+    ref = latent_decode_attention_ref(*args, attention_scaling=1.0, scaling=D**-0.5)
+    got = latent_decode_attention_triton(
+        *args, 1.0, D**-0.5, block_s=16, heads_per_block=heads, hoist=hoist
+    )  # fmt: skip
+    assert relative_error(got, ref) < 1e-5
+
+
+def test_head_layout_defaults_and_refusals():
+    from lrkv_kernels.latent_rope.flash import heads_per_block, hoists, latent_decode_attention_triton
+
+    assert heads_per_block(3, 32, 128, 2) == 4  # SmolLM2 at half width: 3 heads of 32 pairs, 64 KiB of B_k
+    assert heads_per_block(3, 32, 256, 4) == 1  # SmolLM2 at full rank in float32: 64 KiB per head
+    assert heads_per_block(4, 64, 256, 2) == 1  # Llama-8B's groups at half width
+    assert heads_per_block(4, 64, 64, 2) == 2  # ... at an eighth: two heads of 64 pairs fill 128 columns
+    assert heads_per_block(1, 64, 512, 2) == 1
+    assert hoists(3, 4, 128, 32, 2)  # 2 × 128 × 128 bfloat16 values: 64 KiB
+    assert not hoists(3, 4, 256, 32, 2) and not hoists(4, 2, 64, 64, 2)
+    args = layer(1, 20, 3, 16, 1, (8,), (8,), False)
+    with pytest.raises(ValueError, match="power of two, got 3"):
+        latent_decode_attention_triton(*args, 1.0, 0.25, heads_per_block=3)
+    with pytest.raises(ValueError, match="3 KV heads in one block, got 2"):
+        latent_decode_attention_triton(*args, 1.0, 0.25, heads_per_block=2, hoist=True)
+
+
 @pytest.mark.parametrize("n_splits", [1, 2, 5])
 def test_splits_merge_to_the_same_attention(n_splits):
     """However the sequence is split, the merged partial softmaxes give the one-pass result."""

@@ -8,11 +8,13 @@ Without a GPU the Triton kernel runs in Triton's interpreter on CPU tensors (tes
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 
+from lrkv_core.cache import cache_kwargs
 from lrkv_core.quant import dequantize, group_widths, pack_codes, packed_width, quantize, unpack_codes
 from lrkv_kernels.latent_rope import (
     PackedLatents,
@@ -25,7 +27,6 @@ from lrkv_kernels.latent_rope import (
 from tests.kernels.test_flash_decode import DEVICE, layer, relative_error
 from tests.kernels.test_fused_scores import fused
 from tests.support.inputs import PAD, greedy, ids_for, left_padded
-from tests.support.latents import stepwise
 from tests.support.models import tiny_model
 
 pytest.importorskip("triton", reason="the kernel needs Triton (installed by scripts/setup.sh)")
@@ -104,6 +105,19 @@ def test_packed_splits_merge_to_the_same_attention(bits, n_splits):
     args = packed_layer(2, 200, 1, 32, 2, (24, 16), (8, 24), bits, group_width=8, recent=27)
     ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.0, scaling=0.2)
     got = latent_decode_attention_triton(*args, 1.0, 0.2, n_splits=n_splits, block_s=16)
+    assert relative_error(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("layout", [(1, False), (4, True)])
+def test_packed_head_layouts_give_the_same_attention(bits, layout):
+    """Packed latents rebuilt a KV head at a time or all three at once with ``B_k`` read once per program."""
+    from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
+
+    args = packed_layer(2, 90, 3, 32, 2, (21, 13), (16, 9), bits, recent=4, norm_eps=1e-6)
+    ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.0, scaling=0.2)
+    heads, hoist = layout
+    got = latent_decode_attention_triton(*args, 1.0, 0.2, block_s=16, heads_per_block=heads, hoist=hoist)
     assert relative_error(got, ref) < 1e-5
 
 
@@ -186,19 +200,30 @@ def test_decode_through_the_packed_kernel_gives_the_unfused_logits(
     compress, monkeypatch, arch, group_size, cache
 ):
     """A quantized cache hands the decode kernel its packed codes: every decode step of every layer reads
-    them (no dequantized copy: the store dequantizes only for the prefill's unfused attention), and the
-    logits are the unfused path's, which attends to the dequantized latents."""
+    them (no dequantized copy: the store dequantizes only for the unfused attention), and each step's
+    logits are the unfused path's, which attends to the dequantized latents, from the same cache.
+
+    The tolerance is the quantizer's, not the kernel's (which equals its reference to 1e-7 above): the
+    kernel's attention differs from the unfused path's by about 1e-7, so the next layer's new latents can
+    round a float16 scale the other way (seen in the qwen3 case: 1.8e-5 in the logits). Each step starts
+    both paths from one cache, so such a rounding does not carry into the later steps."""
     comp = compress(tiny_model(arch, 2), group_size, 0.5, rank_multiple=2)[0].to(DEVICE)
     comp.config.lrkv["cache"] = cache
     ids = ids_for(2, 14).to(DEVICE)
-    with fused(comp, False):
-        ref, _ = stepwise(comp, ids, prefix=5)
     kinds, dequantized = spy_on_decode(monkeypatch)
-    with fused(comp, True):
-        got, _ = stepwise(comp, ids, prefix=5)
+    with torch.no_grad(), fused(comp, False):
+        out = comp(ids[:, :5], use_cache=True)
+    for t in range(5, ids.shape[1]):
+        step = ids[:, t : t + 1]
+        mine = copy.deepcopy(out.past_key_values)
+        dequantized.clear()
+        with torch.no_grad(), fused(comp, True):
+            got = comp(step, **cache_kwargs(mine), use_cache=True).logits
+        assert dequantized == []  # the kernel read the codes as stored
+        with torch.no_grad(), fused(comp, False):
+            out = comp(step, **cache_kwargs(out.past_key_values), use_cache=True)
+        torch.testing.assert_close(got, out.logits, rtol=1e-4, atol=1e-4)
     assert kinds == [PackedLatents] * (9 * 2)  # 9 decode steps × 2 layers
-    assert sorted(dequantized) == ["k", "k", "v", "v"]  # the prefill's attention, per layer
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
