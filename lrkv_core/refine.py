@@ -44,7 +44,14 @@ from .adapters import get_adapter
 from .allocation import RankPlan
 from .allocation.knapsack import minimize_separable
 from .allocation.problem import KINDS, RankProblem, Ranks
-from .statistics.gradients import given_probabilities, kv_gradient_passes, row_seed, row_seeded_targets
+from .statistics.gradients import (
+    kv_gradient_passes,
+    last_hidden,
+    next_token_log_probs,
+    predicted_probabilities,
+    row_seed,
+    row_seeded_targets,
+)
 from .statistics.response import LatentProducts
 
 if TYPE_CHECKING:
@@ -175,40 +182,42 @@ def single_cut(factors: Sequence[LayerFactors], layer: int, kind: str, group: in
     return ranks
 
 
-@torch.no_grad()
-def _log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
-
-
 def measured_nll(
     model: nn.Module, weights: PlanWeights, ranks: Ranks, rows: torch.Tensor, batch_size: int
 ) -> float:
-    """Mean per-token negative log-likelihood of ``rows``' own next tokens, the model cut to ranks, nats."""
+    """Mean per-token negative log-likelihood of ``rows``' own next tokens, the model cut to ranks, nats
+    (the full-vocabulary log-probabilities of a few hundred positions at a time)."""
     total, n = 0.0, 0
     device = next(model.parameters()).device
     weights.cut(ranks)
-    for start in range(0, rows.shape[0], batch_size):
-        batch = rows[start : start + batch_size].to(device)
-        q = _log_probs(model, batch)
-        total -= float(q.gather(-1, batch[:, 1:, None]).sum())
-        n += q.shape[0] * q.shape[1]
+    with torch.no_grad():
+        for start in range(0, rows.shape[0], batch_size):
+            batch = rows[start : start + batch_size].to(device)
+            for at, q in next_token_log_probs(model, last_hidden(model, batch)):
+                total -= float(q.gather(-1, batch[:, at + 1 : at + 1 + q.shape[1], None]).sum())
+            n += batch.shape[0] * (batch.shape[1] - 1)
     return total / n
 
 
 def measured_kl(
     model: nn.Module, weights: PlanWeights, ranks: Ranks, rows: torch.Tensor, batch_size: int
 ) -> float:
-    """Mean per-token ``KL(original ‖ cut to ranks)`` over ``rows`` (N, T), nats."""
+    """Mean per-token ``KL(original ‖ cut to ranks)`` over ``rows`` (N, T), nats (each model's last hidden
+    states, then both distributions a few hundred positions at a time)."""
     total, n = 0.0, 0
     device = next(model.parameters()).device
-    for start in range(0, rows.shape[0], batch_size):
-        batch = rows[start : start + batch_size].to(device)
-        weights.restore()
-        p = _log_probs(model, batch)
-        weights.cut(ranks)
-        q = _log_probs(model, batch)
-        total += float((p.exp() * (p - q)).sum(-1).sum())
-        n += p.shape[0] * p.shape[1]
+    with torch.no_grad():
+        for start in range(0, rows.shape[0], batch_size):
+            batch = rows[start : start + batch_size].to(device)
+            weights.restore()
+            original = last_hidden(model, batch)
+            weights.cut(ranks)
+            cut = last_hidden(model, batch)
+            for (_, p), (_, q) in zip(
+                next_token_log_probs(model, original), next_token_log_probs(model, cut), strict=True
+            ):
+                total += float((p.exp() * (p - q)).sum())
+            n += batch.shape[0] * (batch.shape[1] - 1)
     return total / n
 
 
@@ -248,13 +257,18 @@ def step_costs(
         weights.cut(ranks)
         kv_gradient_passes(model, rows, visit_gradient, batch_size=batch_size)
     else:
-        for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's probabilities
+        for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's predictions
             batch = rows[start : start + batch_size]
             weights.restore()
-            p = _log_probs(model, batch.to(device)).exp()
+            with torch.no_grad():
+                original = last_hidden(model, batch.to(device))
             weights.cut(ranks)
             kv_gradient_passes(
-                model, batch, visit_gradient, batch_size=batch_size, targets=given_probabilities(p)
+                model,
+                batch,
+                visit_gradient,
+                batch_size=batch_size,
+                targets=predicted_probabilities(model, original),
             )
     n, _ = kv_gradient_passes(
         model, rows, visit_curvature, batch_size=batch_size, targets=row_seeded_targets(seed)

@@ -72,6 +72,48 @@ def given_probabilities(probs: torch.Tensor) -> Targets:
     return lambda _rows: lambda logits, start: probs[:, start : start + logits.shape[1]]
 
 
+def predicted_probabilities(model: nn.Module, hidden: torch.Tensor) -> Targets:
+    """Targets that are ``model``'s predictions from its last hidden states ``hidden`` (B, T, d) of one
+    micro-batch (e.g. the original model's, taken before its weights were cut): each chunk's distributions
+    are computed when the loss reaches it, so the whole row's never exist at once."""
+    head = _logits_of(model)
+
+    def draw(logits: torch.Tensor, start: int) -> torch.Tensor:
+        return torch.softmax(head(hidden[:, start : start + logits.shape[1]]), dim=-1)
+
+    return lambda _rows: draw
+
+
+def last_hidden(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The decoder stack's output (B, T, d) for ``batch`` (B, T), before the output projection."""
+    return get_adapter(model.config).base_model(model)(input_ids=batch, use_cache=False)[0]
+
+
+def next_token_log_probs(model: nn.Module, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, log-probabilities (B, c, V))`` of the next token at positions start … start + c − 1,
+    from the last hidden states ``hidden`` (B, T, d), over positions 0 … T − 2 in chunks of at most
+    :data:`LOSS_CHUNK`: the model's own logits (final soft-capping included), never the whole row's."""
+    head = _logits_of(model)
+    T = hidden.shape[1]
+    for start in range(0, T - 1, LOSS_CHUNK):
+        stop = min(start + LOSS_CHUNK, T - 1)
+        yield start, torch.log_softmax(head(hidden[:, start:stop]), dim=-1)
+
+
+def _logits_of(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Hidden states (…, d) → the model's logits (…, V) in float32 (float64 for a float64 model): the output
+    projection, then the final soft-capping where the model has one (Gemma)."""
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        out = head(hidden)
+        out = out if out.dtype == torch.float64 else out.float()
+        return torch.tanh(out / softcap) * softcap if softcap else out
+
+    return logits
+
+
 def row_seed(seed: int, index: int) -> int:
     """A 64-bit seed for row ``index`` under ``seed`` (numpy's SeedSequence hash of the pair)."""
     state = np.random.SeedSequence([seed % 2**64, index]).generate_state(2, np.uint32)
@@ -134,8 +176,7 @@ def kv_gradient_passes(
         for kind, name in (("k", adapter.k_name), ("v", adapter.v_name))
     ]
     parts = {kind: adapter.rows(model.config, kind) for kind in ("k", "v")}  # Phi-3: qkv_proj's k/v rows
-    base, head = adapter.base_model(model), model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    base, logits_of = adapter.base_model(model), _logits_of(model)
     device = next(model.parameters()).device
     seen: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (layer, kind, input x, output) per pass
     recording = [False]  # the forward pass records; a checkpointed layer's recomputation does not
@@ -166,7 +207,7 @@ def kv_gradient_passes(
                 with checkpointed(adapter.layers(model), batch.numel() > CHECKPOINT_TOKENS):
                     hidden = base(input_ids=batch, use_cache=False)[0]  # (B, T, d)
                     recording[0] = False
-                    grad = _loss_gradient(hidden, batch, head, softcap, targets)
+                    grad = _loss_gradient(hidden, batch, logits_of, targets)
                     outs = [out for *_, out in seen]
                     grads = torch.autograd.grad(hidden, outs, grad_outputs=grad, allow_unused=True)
                 del hidden, grad
@@ -190,8 +231,7 @@ def kv_gradient_passes(
 def _loss_gradient(
     hidden: torch.Tensor,
     batch: torch.Tensor,
-    head: nn.Module,
-    softcap: float | None,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
     targets: Targets | None,
 ) -> torch.Tensor:
     """∂(the batch's mean next-token loss)/∂hidden (B, T, d), the output projection and the loss taken over
@@ -202,9 +242,7 @@ def _loss_gradient(
     scored = B * (T - 1)
     for start in range(0, T - 1, LOSS_CHUNK):
         stop = min(start + LOSS_CHUNK, T - 1)
-        logits = head(leaf[:, start:stop]).float()  # (B, c, V)
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits_of(leaf[:, start:stop])  # (B, c, V) float32
         if draw is None:  # the rows' own next tokens
             wanted = batch[:, start + 1 : stop + 1]
         else:

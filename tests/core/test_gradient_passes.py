@@ -9,7 +9,14 @@ import torch
 from lrkv_core.adapters import get_adapter
 from lrkv_core.memory import peak_rss
 from lrkv_core.statistics import gradients
-from lrkv_core.statistics.gradients import given_probabilities, kv_gradient_passes, row_seeded_targets
+from lrkv_core.statistics.gradients import (
+    given_probabilities,
+    kv_gradient_passes,
+    last_hidden,
+    next_token_log_probs,
+    predicted_probabilities,
+    row_seeded_targets,
+)
 from tests.support.models import ARCHS, UNSUPPORTED
 
 SUPPORTED = [a for a in ARCHS if a not in UNSUPPORTED]
@@ -95,6 +102,38 @@ def test_sampled_and_given_targets_do_not_depend_on_chunks_or_batches(make_tiny,
     got = _passes(model, rows[:1], 1, given_probabilities(probs))
     for key in given:
         torch.testing.assert_close(got[key], given[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_chunked_log_probabilities_are_the_models_own(make_tiny, monkeypatch, one_thread, arch):
+    """The next-token log-probabilities taken a chunk of positions at a time, from the decoder stack's
+    output, are the model's own (its output projection and any final soft-capping), position by position."""
+    model = make_tiny(arch)
+    rows = torch.randint(3, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(gradients, "LOSS_CHUNK", 6)
+    with torch.no_grad():
+        want = torch.log_softmax(model(input_ids=rows, use_cache=False).logits[:, :-1].float(), dim=-1)
+        chunks = list(next_token_log_probs(model, last_hidden(model, rows)))
+    assert [start for start, _ in chunks] == [0, 6, 12, 18]
+    torch.testing.assert_close(torch.cat([q for _, q in chunks], dim=1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_predicted_targets_are_the_given_models_probabilities(make_tiny, monkeypatch, one_thread):
+    """Targets computed from another model's last hidden states, chunk by chunk, give the gradients of the
+    cross-entropy against that model's whole-row probabilities."""
+    model, other = make_tiny("llama"), make_tiny("llama")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    rows = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        probs = torch.softmax(other(input_ids=rows, use_cache=False).logits[:, :-1].float(), dim=-1)
+        hidden = last_hidden(other, rows)
+    monkeypatch.setattr(gradients, "LOSS_CHUNK", 7)
+    want = _passes(model, rows, 1, given_probabilities(probs))
+    got = _passes(model, rows, 1, predicted_probabilities(other, hidden))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6)
 
 
 def test_a_long_row_holds_far_less_than_every_layers_activations(make_tiny, monkeypatch, one_thread):

@@ -49,6 +49,28 @@ def test_cut_weights_give_the_fused_models_logits_and_restore_the_original(make_
         assert torch.equal(model(input_ids=rows).logits, original)
 
 
+def test_measured_loss_and_kl_are_the_whole_rows_in_chunks(make_tiny, monkeypatch) -> None:
+    """The measured NLL and KL, taken a few positions at a time, are those of the models' whole-row
+    log-probabilities."""
+    from lrkv_core.statistics import gradients
+
+    model = make_tiny("llama", 2).double()
+    rows = _rows(5, 23)
+    conv = plan_conversion(model, rows, CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1))
+    weights = PlanWeights(model, conv.factors)
+    with torch.no_grad():
+        p = torch.log_softmax(model(input_ids=rows).logits[:, :-1], -1)
+        weights.cut(conv.plan.ranks)
+        q = torch.log_softmax(model(input_ids=rows).logits[:, :-1], -1)
+        weights.restore()
+    nll = -float(q.gather(-1, rows[:, 1:, None]).mean())
+    kl = float((p.exp() * (p - q)).sum(-1).mean())
+    monkeypatch.setattr(gradients, "LOSS_CHUNK", 5)
+    assert measured_nll(model, weights, conv.plan.ranks, rows, 2) == pytest.approx(nll, rel=1e-10)
+    assert measured_kl(model, weights, conv.plan.ranks, rows, 2) == pytest.approx(kl, rel=1e-8)
+    assert kl > 1e-4
+
+
 def test_refine_inputs_are_checked_and_no_steps_keep_the_plan(make_tiny) -> None:
     model = make_tiny("llama", 2)
     rows = _rows(4, 12)
