@@ -5,9 +5,11 @@ and a split of the cached tokens. It walks its split in tiles of ``BLOCK_S`` tok
 
 - computes the tile's RoPE tables once (cos/sin of the float32 angle ``position · inv_freq``, as HF's
   rotary embedding does), shared by the group's KV heads;
-- rebuilds each KV head's keys in registers from the key latents (``h_k B_kᵀ + b_k``, over chunks of the
-  group's rank), RMS-norms them over the head's D dims where the model norms its keys (QK-norm: Qwen3),
-  rotates them and takes the scores of that head's query heads (``tl.dot``);
+- rebuilds the keys of a block of the group's KV heads side by side in registers from the key latents
+  (``h_k B_kᵀ + b_k``, one product per half of the rotation pairs; :func:`heads_per_block` says how many
+  heads), RMS-norms each head's keys over its D dims where the model norms its keys (QK-norm: Qwen3),
+  rotates them and takes the scores of all the group's query heads in one product (each query head's row
+  holds its own KV head's columns);
 - adds the attention mask, updates a running maximum and sum (online softmax), and accumulates the
   attention-weighted **value latents** (``p · h_v``): values are never rebuilt, since ``B_v`` is folded
   into ``o_proj``.
@@ -155,7 +157,7 @@ def _head_block(
     return up1, up2, bias1, bias2, qa, qb
 
 
-@triton.jit(do_not_specialize=["k_qw", "v_qw"])  # a group width of 1 stays a tensor (tl.maximum takes it)
+@triton.jit(do_not_specialize=["k_qw", "v_qw"])  # one compiled kernel for every quantization group width
 def _flash_decode_kernel(
     q_ptr, hk_ptr, hv_ptr, up_ptr, bias_ptr, norm_ptr, pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, mask_ptr,
     rk_ptr, rv_ptr, koff_ptr, voff_ptr,
