@@ -4,7 +4,10 @@ conversions started at once on a fresh home, a home lrkv cannot write. Real ``lr
 The interrupts are aimed by watching the home: each database is built in a temporary file beside its final
 name (``.prefect.db.<pid>.tmp``, ``.mlflow.db.<pid>.tmp``; without that care, in the database itself), and
 the signal is sent once those files hold part of the schema (a size reached midway through the migrations,
-which a database interrupted there cannot recover from on its own).
+which a database interrupted there cannot recover from on its own). The interrupted commands start with
+SIGINT at its default action, as a terminal's foreground command does, whatever pytest inherited: a shell
+without job control starts background commands (``pytest ... &``) with SIGINT ignored, and an ignored
+disposition passes on to every child, so the set-up's Ctrl-C would be lost and the whole conversion run.
 """
 
 import os
@@ -57,12 +60,21 @@ def _size(home: Path, database: str) -> int:
     return total
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the child, before it runs the command: SIGINT at its default action and not blocked."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _foreground(args: list[str], **kwargs) -> subprocess.Popen:
+    """Start ``args`` in a session of its own with SIGINT as a terminal's foreground command has it."""
+    return subprocess.Popen(args, start_new_session=True, preexec_fn=_sigint_as_in_a_terminal, **kwargs)
+
+
 def _interrupt_when(args: list[str], home: Path, log: Path, database: str, size: int) -> str:
     """Start ``args``, send a terminal's Ctrl-C (SIGINT to its process group) once ``database`` and its
     temporary files hold ``size`` bytes, and return the output of the interrupted process (exit 130)."""
-    proc = subprocess.Popen(
-        args, env=_env(home), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    proc = _foreground(args, env=_env(home), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while _size(home, database) < size:
         assert proc.poll() is None, f"the CLI exited ({proc.returncode}) first: {log.read_text()[-3000:]}"
@@ -89,6 +101,20 @@ def test_ctrl_c_during_the_first_database_set_ups_leaves_a_home_the_next_run_use
     runs = _run([sys.executable, "-m", "lrkv_flows.cli", "runs", "list"], home, tmp_path / "runs.log")
     assert "FINISHED" in runs
     assert sorted(p.name for p in home.glob(".*.tmp*")) == []  # no set-up leftovers
+
+
+def test_the_interrupted_commands_take_sigint_even_when_pytest_ignores_or_blocks_it():
+    probe = "import signal as s; print(s.getsignal(s.SIGINT) is s.default_int_handler, "
+    probe += "s.pthread_sigmask(s.SIG_BLOCK, []))"  # the handler Python installs for SIGINT, the blocked set
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `pytest ... &` in a script
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc = _foreground([sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, previous)
+    assert proc.returncode == 0 and out.strip() == "True set()", out
 
 
 def test_two_first_runs_at_once_on_a_fresh_home_both_succeed(tmp_path):
