@@ -1,4 +1,3 @@
-
 """Progress lines reach the ``lrkv`` logger whether or not a progress bar is shown, and long silences are
 broken by a heartbeat."""
 
