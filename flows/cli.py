@@ -301,6 +301,9 @@ def _prefect_api():
         raise typer.Exit(130) from None
     try:
         yield supervised(server, lambda line: console.print(escape(line), soft_wrap=True))
+    except KeyboardInterrupt:  # Ctrl-C outside the flow's own handlers (e.g. while its modules load)
+        console.print("interrupted (SIGINT)")
+        raise typer.Exit(130) from None
     finally:
         if server is not None:
             server.stop()

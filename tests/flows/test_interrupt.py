@@ -222,3 +222,22 @@ def test_when_only_the_api_server_dies_the_run_fails_and_nothing_is_exported(tmp
     assert code == 1 and "the Prefect API server exited unexpectedly" in text, text[-3000:]
     assert [r.info.status for r in _runs(tmp_path / "home")] == ["FAILED"]
     assert not out.exists()
+
+
+def test_ctrl_c_before_the_flow_takes_its_signals_is_exit_130_in_one_line(monkeypatch, capsys):
+    """A KeyboardInterrupt between the API's start and the flow's own signal handlers (the command importing
+    its flow, say) ends the command as every other Ctrl-C does: one line and exit 130, not click's "Aborted!"
+    and exit 1."""
+    import typer
+
+    from lrkv_flows import cli
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # a given API: nothing is started
+    outcome: BaseException | None = None
+    try:
+        with cli._prefect_api():
+            raise KeyboardInterrupt
+    except BaseException as err:  # noqa: BLE001  (a KeyboardInterrupt let through must fail this test only)
+        outcome = err
+    assert isinstance(outcome, typer.Exit) and outcome.exit_code == 130, repr(outcome)
+    assert capsys.readouterr().out.strip() == "interrupted (SIGINT)"
