@@ -262,7 +262,9 @@ class Latent:
 
     def write(self, i: int, pos: int, hk: torch.Tensor, hv: torch.Tensor) -> None:
         """The step's new latents into the cache: as they are, or quantized per group (min-max, round to
-        nearest) and packed, as the quantized storage writes them."""
+        nearest) and packed in the quantized storage's layout. The storage's own quantizer also rounds its
+        float16 scales outward and checks them for overflow, which reads back to the host: left out here so
+        that the step can be captured in a CUDA graph."""
         if not self.bits:
             self.hk[i][:, pos], self.hv[i][:, pos] = hk, hv
             return
