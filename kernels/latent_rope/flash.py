@@ -330,6 +330,9 @@ def heads_per_block(s: int, half_p: int, rk_p: int, itemsize: int) -> int:
     return heads
 
 
+_default_heads = heads_per_block  # the launch's argument of that name shadows it
+
+
 def _up_bytes(rk_p: int, heads: int, half_p: int, itemsize: int) -> int:
     """Bytes of a block's ``B_k`` rows: both halves of ``heads`` KV heads over ``rk_p`` latents."""
     return 2 * rk_p * heads * half_p * itemsize
@@ -466,7 +469,7 @@ def latent_decode_attention_triton(
     half_p = _pow2(D // 2)
     rk_p = _pow2(weights.up.shape[2])
     itemsize = weights.up.element_size()
-    heads_p = heads_per_block or globals()["heads_per_block"](s, half_p, rk_p, itemsize)
+    heads_p = heads_per_block or _default_heads(s, half_p, rk_p, itemsize)
     if heads_p & (heads_p - 1):
         raise ValueError(f"heads_per_block must be a power of two, got {heads_p}")
     hoist = hoists(s, heads_p, rk_p, half_p, itemsize) if hoist is None else hoist
