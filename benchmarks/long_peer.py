@@ -39,7 +39,7 @@ import torch
 from transformers import AutoConfig
 
 from lrkv_core import evaluate, needles
-from lrkv_core.data import token_sequences
+from lrkv_core.data import token_sequences, window_prefix
 from lrkv_core.longcontext import ANSWER_RESERVE, cap_lengths, continuation_nll, cut_windows
 from lrkv_core.models import load_model, load_tokenizer
 from lrkv_core.needles import NeedleSample, answer_tokens, generate_answer, is_exact_match, make_samples
@@ -63,11 +63,12 @@ def build_tasks(
 ) -> dict[str, Any]:
     """Continuation windows ((windows, C + N) token ids per context C) and passkey prompts of ``dataset``."""
     seqs = token_sequences(dataset, tokenizer)
+    prefix = window_prefix(dataset, tokenizer)  # e.g. BOS, as lrkv's suite puts before each window
     haystack = torch.cat([s.reshape(-1) for s in seqs])
     question = needles._content("passkey", np.random.default_rng(seed))[1]  # fixed text for the passkey
     question_len = len(needles._encode(tokenizer, question))
     blocks = [
-        {"context": c, "windows": cut_windows(seqs, c + continuation, windows).tolist()}
+        {"context": c, "windows": cut_windows(seqs, c + continuation, windows, prefix).tolist()}
         for c in cap_lengths(lengths, max_positions, continuation)
     ]
     prompts = []

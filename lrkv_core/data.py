@@ -12,13 +12,17 @@ text source is cut on its token stream (so two parts never share a token), a Par
 file order. Held-out evaluation data and early checks live in :mod:`lrkv_core.heldout`.
 
 Text sources become one long token stream; Parquet sources stay one sequence per row, because such rows
-start at BOS and must be scored from position 0. All loading goes through the ``datasets`` library.
+start at BOS and must be scored from position 0. A window cut from a text stream starts with the tokens
+the model's tokenizer puts before every text (:func:`text_prefix`: BOS for Llama 3 or Gemma tokenizers,
+nothing for GPT-2-style ones), then continues with the stream, so a model sees its windows as it sees
+its prompts. All loading goes through the ``datasets`` library.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,7 @@ __all__ = [
     "DatasetSpec",
     "calibration_windows",
     "check_dataset",
+    "consecutive_windows",
     "eval_windows",
     "extract_calibration",
     "heldout",
@@ -55,7 +60,9 @@ __all__ = [
     "parse_dataset_spec",
     "read_token_rows",
     "resolve_spec",
+    "text_prefix",
     "token_sequences",
+    "window_prefix",
     "write_token_rows",
 ]
 
@@ -146,10 +153,50 @@ def token_sequences(spec: str | DatasetSpec, tokenizer: Any | None) -> list[torc
     return [stream]
 
 
+def text_prefix(tokenizer: Any | None) -> list[int]:
+    """The ids ``tokenizer`` puts before any text by itself (``add_special_tokens=True``): ``[BOS]`` for
+    Llama 3 or Gemma tokenizers, ``[]`` for tokenizers that add nothing (GPT-2 style) and without one."""
+    if tokenizer is None:
+        return []
+    probe = "a"
+    plain = list(tokenizer(probe, add_special_tokens=False, verbose=False)["input_ids"])
+    full = list(tokenizer(probe, add_special_tokens=True, verbose=False)["input_ids"])
+    for k in range(len(full) - len(plain) + 1):
+        if full[k : k + len(plain)] == plain:
+            return full[:k]
+    return []
+
+
+def window_prefix(spec: str | DatasetSpec, tokenizer: Any | None) -> list[int]:
+    """The ids every window of ``spec`` starts with: :func:`text_prefix` for a text source, ``[]`` for
+    pre-tokenized rows (they carry their own BOS at position 0)."""
+    return [] if resolve_spec(spec).is_tokenized else text_prefix(tokenizer)
+
+
+def consecutive_windows(seq: torch.Tensor, length: int, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """(N, length) non-overlapping windows from the start of ``seq`` (the short tail dropped): each one
+    ``prefix`` (e.g. :func:`window_prefix`) then ``length - len(prefix)`` consecutive tokens of ``seq``."""
+    body = length - len(prefix)
+    if body < 1:
+        raise ValueError(
+            f"a {length}-token window leaves no room for text after {len(prefix)} leading token(s)"
+        )
+    n = seq.numel() // body
+    rows = seq[: n * body].reshape(n, body)  # (N, body)
+    head = torch.tensor(list(prefix), dtype=seq.dtype).expand(n, -1)  # (N, len(prefix))
+    return torch.cat([head, rows], dim=1)
+
+
 def _draw_windows(
-    seqs: list[torch.Tensor], tokenized: bool, n_samples: int, seq_len: int, rng: np.random.Generator
+    seqs: list[torch.Tensor],
+    tokenized: bool,
+    n_samples: int,
+    seq_len: int,
+    rng: np.random.Generator,
+    prefix: Sequence[int] = (),
 ) -> np.ndarray:
-    """(n_samples, seq_len) int64: random distinct start offsets in a stream, or random rows' prefixes."""
+    """(n_samples, seq_len) int64: random distinct start offsets in a stream (each window ``prefix`` then
+    ``seq_len - len(prefix)`` stream tokens), or random rows' prefixes."""
     if tokenized:
         eligible = [i for i, s in enumerate(seqs) if s.numel() >= seq_len]
         if len(eligible) < n_samples:
@@ -159,16 +206,20 @@ def _draw_windows(
             )
         picks = rng.choice(len(eligible), size=n_samples, replace=False)
         return np.stack([seqs[eligible[i]][:seq_len].numpy() for i in picks])
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise ValueError(f"seq_len={seq_len} leaves no room for text after {len(prefix)} leading token(s)")
     stream = seqs[0].numpy()
-    n_starts = stream.shape[0] - seq_len + 1
+    n_starts = stream.shape[0] - body + 1
     if n_starts < n_samples:
         raise ValueError(
             f"too little data: the token stream has {stream.shape[0]} tokens; "
             f"n_samples={n_samples} distinct windows of seq_len={seq_len} need at least "
-            f"{seq_len + n_samples - 1}"
+            f"{body + n_samples - 1}"
         )
     starts = rng.choice(n_starts, size=n_samples, replace=False)
-    return np.stack([stream[s : s + seq_len] for s in starts])
+    rows = np.stack([np.concatenate([prefix, stream[s : s + body]]) for s in starts])
+    return rows.astype(stream.dtype, copy=False)
 
 
 def write_token_rows(rows: np.ndarray, out_path: str | Path) -> Path:
@@ -208,7 +259,8 @@ def extract_calibration(
 ) -> dict[str, Any]:
     """Draw ``n_samples`` windows of ``seq_len`` tokens and write them to a Parquet file.
 
-    Text streams give windows at distinct random start offsets; Parquet sources give the first
+    Text streams give windows at distinct random start offsets, each after the tokenizer's leading tokens
+    (:func:`text_prefix`, e.g. BOS); Parquet sources give the first
     ``seq_len`` tokens of randomly chosen rows (without replacement; shorter rows are skipped), so every
     window keeps the row's position 0 (BOS). Draws use ``numpy.random.default_rng(seed)``. A sliced spec
     (``text:X[:90%]``) draws only inside its slice, so no window reaches into the rest of the source.
@@ -240,7 +292,8 @@ def calibration_windows(
         raise ValueError(f"n_samples and seq_len must be >= 1, got {n_samples}, {seq_len}")
     spec = parse_dataset_spec(spec)
     seqs = token_sequences(spec, tokenizer)
-    rows = _draw_windows(seqs, spec.is_tokenized, n_samples, seq_len, np.random.default_rng(seed))
+    prefix = window_prefix(spec, tokenizer)
+    rows = _draw_windows(seqs, spec.is_tokenized, n_samples, seq_len, np.random.default_rng(seed), prefix)
     return torch.from_numpy(rows.astype(np.int64))
 
 
@@ -260,17 +313,15 @@ def eval_windows(
 ) -> torch.Tensor:
     """Non-overlapping evaluation windows, (N, seq_len) LongTensor.
 
-    A text stream (or its slice) is cut into consecutive windows from its start; each Parquet row (of the
-    slice, if any) is cut into windows starting at its position 0. Short tails are dropped;
+    A text stream (or its slice) is cut into consecutive pieces of ``seq_len - len(prefix)`` tokens from its
+    start, each after the tokenizer's leading tokens (:func:`text_prefix`, e.g. BOS); each Parquet row (of
+    the slice, if any) is cut into windows starting at its position 0. Short tails are dropped;
     ``max_windows`` keeps the first N windows.
     """
     spec = parse_dataset_spec(spec)
     seqs = token_sequences(spec, tokenizer)
-    windows = []
-    for seq in seqs:
-        n = seq.numel() // seq_len
-        windows.append(seq[: n * seq_len].view(n, seq_len))  # (n, T)
-    out = torch.cat(windows)
+    prefix = window_prefix(spec, tokenizer)
+    out = torch.cat([consecutive_windows(seq, seq_len, prefix) for seq in seqs])  # (N, T)
     if out.shape[0] == 0:
         longest = max(s.numel() for s in seqs)
         raise ValueError(f"too little data: {spec} has no {seq_len}-token sequence (longest: {longest})")

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrkv_core.cache import cache_kwargs, output_cache
+from lrkv_core.data import consecutive_windows
 from lrkv_core.needles import TASKS, PromptTooShort, generate_answer, is_exact_match, make_samples
 
 Progress = Callable[[int, int], None] | None
@@ -226,9 +227,13 @@ def continuation_nll(
     return total, n * (t - context_len)
 
 
-def cut_windows(seqs: Sequence[torch.Tensor], length: int, max_windows: int | None) -> torch.Tensor:
-    """Non-overlapping (N, length) windows from the start of each sequence; the first ``max_windows``."""
-    parts = [s[: (s.numel() // length) * length].view(-1, length) for s in seqs]
+def cut_windows(
+    seqs: Sequence[torch.Tensor], length: int, max_windows: int | None, prefix: Sequence[int] = ()
+) -> torch.Tensor:
+    """Non-overlapping (N, length) windows from the start of each sequence, the first ``max_windows``; with
+    ``prefix`` (a text stream's leading tokens, :func:`lrkv_core.data.window_prefix`), each window is
+    ``prefix`` then ``length - len(prefix)`` consecutive tokens."""
+    parts = [consecutive_windows(s.reshape(-1), length, prefix) for s in seqs]
     out = torch.cat(parts) if parts else torch.empty(0, length, dtype=torch.long)
     return out if max_windows is None else out[:max_windows]
 
@@ -252,9 +257,11 @@ def evaluate_long_context(
     base: nn.Module | None = None,
     cache_factory: CacheFactory = None,
     progress: Progress = None,
+    prefix: Sequence[int] = (),
 ) -> LongContextResult:
     """Run the suite of ``protocol`` on ``model`` (and ``base``): the token ``seqs`` (held-out text, one
-    stream, or rows) give the continuation windows and the retrieval haystack.
+    stream, or rows) give the continuation windows and the retrieval haystack; every continuation window
+    starts with ``prefix`` (a text stream's leading tokens such as BOS, as retrieval prompts do).
 
     ``protocol.lengths`` is capped by the model's ``max_position_embeddings`` (continuation: ``C + N``
     tokens; retrieval: the prompt and its answer); the returned protocol records the lengths measured.
@@ -289,7 +296,7 @@ def evaluate_long_context(
     result = LongContextResult(protocol)
     plan = []  # (C, (N, C + N) windows)
     for c in cont_lengths:
-        windows = cut_windows(seqs, c + protocol.continuation, protocol.windows)
+        windows = cut_windows(seqs, c + protocol.continuation, protocol.windows, prefix)
         if windows.shape[0] == 0:
             result.skipped.append(
                 f"continuation at {c}: the data holds no {c + protocol.continuation}-token window"

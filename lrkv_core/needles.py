@@ -12,13 +12,14 @@ for the passkey; Hsieh et al. 2024, RULER, §3 for the rest):
 - ``variables``: a chain of four assignments ``VAR A = 12345``, ``VAR B = VAR A``, ...; the question asks for
   every variable holding the value, in chain order (RULER's variable tracking, one chain).
 
-Prompts are built in token space, so a prompt of length ``T`` has exactly ``T`` tokens: a BOS when the
-tokenizer adds one, the instruction, ``T - template`` haystack tokens (from a seeded offset, the stream
-repeated when it is shorter) with the needles inserted, and the question, which ends with the start of the
-answer ("The pass key is"), so a base model answers by continuing it. The asked needle sits at ``depth`` of
-the haystack (0: its start, 1: its end, before the question), moved to the nearest sentence end within 5% of
-the haystack; the depth it got is recorded. Values are redrawn until the answer occurs exactly once in the
-decoded prompt. Every sample is a function of (seed, task, length, depth, index) alone.
+Prompts are built in token space, so a prompt of length ``T`` has exactly ``T`` tokens: the tokens the
+tokenizer puts before a text (a BOS where it adds one), the instruction, ``T - template`` haystack tokens
+(from a seeded offset, the stream repeated when it is shorter) with the needles inserted, and the question,
+which ends with the start of the answer ("The pass key is"), so a base model answers by continuing it. The
+asked needle sits at ``depth`` of the haystack (0: its start, 1: its end, before the question), moved to the
+nearest sentence end within 5% of the haystack; the depth it got is recorded. Values are redrawn until the
+answer occurs exactly once in the decoded prompt. Every sample is a function of (seed, task, length, depth,
+index) alone.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from lrkv_core.cache import cache_kwargs
+from lrkv_core.data import text_prefix
 
 TASKS = ("passkey", "needle", "multikey", "variables")
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
@@ -121,13 +123,6 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
-def _bos(tokenizer: Any) -> list[int]:
-    """[BOS] when the tokenizer puts one before a text, else []."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    ids = tokenizer("a", add_special_tokens=True, verbose=False)["input_ids"]
-    return [bos] if bos is not None and ids and ids[0] == bos else []
-
-
 def _snap(position: int, ends: np.ndarray, budget: int) -> int:
     """The sentence end (an index after a token ending one; 0 and ``budget`` always count) nearest to
     ``position`` within ``SNAP`` of the haystack, else ``position`` itself."""
@@ -159,7 +154,7 @@ def make_sample(
     if task not in TASKS:
         raise ValueError(f"unknown retrieval task {task!r}; known: {', '.join(TASKS)}")
     rng = np.random.default_rng([seed, TASKS.index(task), length, round(depth * 1e6), index])
-    prefix = _bos(tokenizer) + _encode(tokenizer, INTRO)
+    prefix = text_prefix(tokenizer) + _encode(tokenizer, INTRO)
     for _ in range(50):
         needles, question, answer, value = _content(task, rng)
         needle_ids = [_encode(tokenizer, n) for n in needles]

@@ -20,7 +20,7 @@ from . import evaluate
 from .adapters import get_adapter
 from .allocation import LayerSummary, RankPlan, plan_from_summaries, summarize_layer
 from .cache import CACHE_STORAGES, CacheStorage
-from .data import eval_windows, extract_calibration, read_token_rows, token_sequences
+from .data import eval_windows, extract_calibration, read_token_rows, token_sequences, window_prefix
 from .decompositions import (
     DECOMPOSITIONS,
     LayerWeights,
@@ -371,6 +371,7 @@ def evaluate_dir(
         out["kl"] = evaluate.kl_and_agreement(base, model, windows, batch_size=batch_size, progress=progress)
     for result in out.values():
         result["protocol"]["dataset"] = dataset
+        result["protocol"]["leading_tokens"] = window_prefix(dataset, tokenizer)
         if spec is not None:
             result["protocol"]["hf_quantized_cache"] = spec.to_dict()
         if storage is not None:
@@ -406,8 +407,9 @@ def evaluate_long_dir(
     protocol = replace(protocol, dataset=dataset, cache=used)
     seqs = token_sequences(dataset, tokenizer)
     return evaluate_long_context(
-        model, tokenizer, seqs, protocol, base=base, cache_factory=factory, progress=progress
-    )
+        model, tokenizer, seqs, protocol, base=base, cache_factory=factory, progress=progress,
+        prefix=window_prefix(dataset, tokenizer),
+    )  # fmt: skip
 
 
 def use_cache_storage(model, cache: str | Mapping[str, Any] | CacheStorage) -> CacheStorage:

@@ -4,7 +4,8 @@ Three kinds of source, each becoming (N, T) ``input_ids`` and ``labels`` (−100
 scored; the model's own shift makes position t predict t + 1):
 
 - text (``text:``, ``hf:`` with a ``text`` column, ``builtin:``): the token stream cut into consecutive
-  non-overlapping windows of T tokens (a slice ``[A%:B%]`` cuts the stream first, so two slices never
+  non-overlapping windows of T tokens, each starting with the tokens the tokenizer puts before a text (BOS
+  where it adds one) (a slice ``[A%:B%]`` cuts the stream first, so two slices never
   share a token), every token scored;
 - pre-tokenized rows (``parquet:`` with ``input_ids``, optionally ``labels`` of the same length): each row
   truncated to T and right-padded, padding unscored;
@@ -24,7 +25,15 @@ from typing import Any
 
 import torch
 
-from ..data import check_dataset, load_token_rows, parse_dataset_spec, resolve_spec, token_sequences
+from ..data import (
+    check_dataset,
+    consecutive_windows,
+    load_token_rows,
+    parse_dataset_spec,
+    resolve_spec,
+    text_prefix,
+    token_sequences,
+)
 from ..refs import DatasetSpec
 
 IGNORE = -100  # labels that are not scored (PyTorch's cross-entropy ignore_index)
@@ -84,10 +93,9 @@ def training_data(spec: str | DatasetSpec, tokenizer: Any | None, *, seq_len: in
     if resolved.is_tokenized:
         return _token_rows(resolved, tokenizer, seq_len, "labels" in (columns or ()), str(spec))
     stream = token_sequences(resolved, tokenizer)[0]  # (N_tokens,)
-    n = stream.numel() // seq_len
-    if n == 0:
+    ids = consecutive_windows(stream, seq_len, text_prefix(tokenizer))  # (N, T)
+    if ids.shape[0] == 0:
         raise ValueError(f"too little data: {spec} has {stream.numel()} tokens, fewer than seq_len={seq_len}")
-    ids = stream[: n * seq_len].view(n, seq_len)  # (N, T)
     return TrainingData(ids, ids.clone(), str(spec))
 
 

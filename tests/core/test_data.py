@@ -25,10 +25,13 @@ from lrkv_core.data import (
     parse_dataset_spec,
     read_token_rows,
     resolve_spec,
+    text_prefix,
     token_sequences,
+    window_prefix,
 )
 from lrkv_core.refs import DATASET_SCHEMES, DatasetScheme, register_dataset_scheme
 from lrkv_core.slices import PercentSlice
+from tests.support.models import with_bos
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 SHAKESPEARE = SHARED / "models" / "shakespeare-llama"
@@ -287,3 +290,35 @@ def test_eval_windows_stories_valid() -> None:
     assert np.array_equal(
         windows[:2].numpy(), np.array(pq.read_table(STORIES_VALID)["input_ids"][:2].to_pylist())
     )
+
+
+@pytest.fixture(scope="module")
+def bos_tok(tok):
+    return with_bos(tok)
+
+
+def test_text_prefix_is_what_the_tokenizer_puts_before_a_text(tok, bos_tok) -> None:
+    assert text_prefix(bos_tok) == [bos_tok.bos_token_id] and text_prefix(tok) == [] == text_prefix(None)
+    assert window_prefix(f"text:{VALID_TXT}", bos_tok) == [bos_tok.bos_token_id]
+    assert window_prefix("parquet:/nowhere/rows.parquet", bos_tok) == []  # rows carry their own BOS
+
+
+def test_text_windows_start_with_bos_where_the_tokenizer_adds_one(tmp_path: Path, tok, bos_tok) -> None:
+    spec = f"text:{VALID_TXT}[:50%]"
+    (stream,) = token_sequences(spec, bos_tok)  # the stream itself has no BOS
+    assert torch.equal(stream, token_sequences(spec, tok)[0]) and bos_tok.bos_token_id not in stream[:1]
+    bos = bos_tok.bos_token_id
+    windows = eval_windows(spec, bos_tok, seq_len=64)
+    assert windows.shape == (stream.numel() // 63, 64) and (windows[:, 0] == bos).all()
+    assert torch.equal(windows[:, 1:].flatten(), stream[: windows.shape[0] * 63])  # consecutive pieces of 63
+    rows = calibration_windows(spec, bos_tok, n_samples=5, seq_len=64, seed=0)
+    assert rows.shape == (5, 64) and (rows[:, 0] == bos).all()
+    pieces = stream.unfold(0, 63, 1)  # every 63-token piece of the stream
+    assert all((pieces == row[1:]).all(-1).any() for row in rows)
+    out = extract_calibration(spec, bos_tok, n_samples=5, seq_len=64, seed=0, out_path=tmp_path / "c.parquet")
+    assert torch.equal(read_token_rows(out["path"]), rows)
+    assert not torch.equal(rows, calibration_windows(spec, tok, n_samples=5, seq_len=64, seed=0))
+    with pytest.raises(ValueError, match="no room for text after 1 leading token"):
+        eval_windows(spec, bos_tok, seq_len=1)
+    with pytest.raises(ValueError, match="no room for text after 1 leading token"):
+        calibration_windows(spec, bos_tok, n_samples=1, seq_len=1, seed=0)

@@ -183,6 +183,8 @@ def test_continuation_through_the_cache_equals_one_forward_of_the_window(arch, c
     stream = torch.randint(3, 61, (300,), generator=torch.Generator().manual_seed(4))
     windows = cut_windows([stream], 40 + 16, 3)  # (3, 56): contexts of 40, continuations of 16
     assert windows.shape == (3, 56) and torch.equal(windows[1], stream[56:112])
+    led = cut_windows([stream], 56, None, prefix=[1])  # a text stream's windows after the tokenizer's BOS
+    assert led.shape == (5, 56) and (led[:, 0] == 1).all() and torch.equal(led[1, 1:], stream[55:110])
     comp, _ = compress(model, 2 if arch != "opt" else 4, ratio=1.0)
     for m in (model, comp):
         with torch.no_grad():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from lrkv_core.data import token_sequences
+from lrkv_core.data import token_sequences, window_prefix
 from lrkv_core.longcontext import cut_windows
 from lrkv_core.needles import INTRO, TASKS, _content, make_sample
 from lrkv_demo.corpus import train_tokenizer
@@ -63,7 +63,7 @@ def test_tasks_round_trip_to_lrkv_windows_and_prompts(long_peer, tokenizer, data
     assert loaded == tasks
     seqs = token_sequences(dataset, tokenizer)
     for block in loaded["continuation"]:
-        expected = cut_windows(seqs, block["context"] + 16, 3)
+        expected = cut_windows(seqs, block["context"] + 16, 3, window_prefix(dataset, tokenizer))
         assert torch.equal(torch.tensor(block["windows"]), expected)
     haystack = torch.cat(seqs)
     assert len(loaded["passkey"]) == 2 * 2 * 2

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from lrkv_core.data import token_sequences
 from lrkv_core.lora import TrainingData, check_training_dataset, training_data
 from lrkv_core.lora.data import IGNORE, instruction_prompt
-from tests.support.models import SHARED, token_parquet
+from tests.support.models import SHARED, token_parquet, with_bos
 
 TOKENIZER = SHARED / "models" / "shakespeare-llama"
 
@@ -41,6 +41,12 @@ def test_text_becomes_consecutive_windows_every_token_scored(tokenizer, tmp_path
     assert data.input_ids.shape == (half.numel() // 16, 16)
     assert torch.equal(data.input_ids.flatten(), half[: data.input_ids.numel()])
     assert torch.equal(data.labels, data.input_ids)
+    bos = with_bos(tokenizer)  # a tokenizer that adds BOS: every window starts with it, then 15 text tokens
+    data = training_data(f"text:{path}[:50%]", bos, seq_len=16)
+    assert (
+        data.input_ids.shape == (half.numel() // 15, 16) and (data.input_ids[:, 0] == bos.bos_token_id).all()
+    )
+    assert torch.equal(data.input_ids[:, 1:].flatten(), half[: data.input_ids.shape[0] * 15])
 
 
 def test_token_rows_are_truncated_padded_and_keep_their_labels(tmp_path):

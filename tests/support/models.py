@@ -171,3 +171,16 @@ def tiny_model_dir(
 def token_parquet(path: Path, *, rows: int, seq_len: int, vocab: int = PARQUET_VOCAB, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     return write_token_rows(rng.integers(3, vocab, size=(rows, seq_len)).astype(np.int32), path)
+
+
+def with_bos(tokenizer):
+    """A copy of a fast ``tokenizer`` that puts its BOS before every text, as Llama 3 and Gemma ones do."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    out = copy.deepcopy(tokenizer)
+    out.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)]
+    )
+    return out
