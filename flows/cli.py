@@ -694,26 +694,24 @@ def _eval_long(
     model_dir: str, dataset: str, suite: str, opts: dict, windows: int | None, json_out: Path | None, **kwargs
 ) -> None:
     """``lrkv eval --suite long``: :func:`lrkv_core.pipeline.evaluate_long_dir`, printed as tables."""
-    from lrkv_core import longcontext as lc
     from lrkv_core.pipeline import evaluate_long_dir
+    from lrkv_tasks.recipe import LongEvalRecipe
 
     if suite != "long":
         raise _fail(f"--suite must be standard or long, got {suite!r}")
     try:
-        protocol = lc.LongContextProtocol(
-            dataset=dataset,
-            lengths=tuple(csv_list(opts["lengths"], int) or lc.DEFAULT_LENGTHS),
-            continuation=opts["continuation"],
-            windows=8 if windows is None else windows,
-            depths=tuple(csv_list(opts["depths"], float) or lc.DEFAULT_DEPTHS),
-            samples=opts["samples"],
-            tasks=tuple(csv_list(opts["needles"]) or lc.DEFAULT_TASKS),
-            seed=opts["seed"],
-        )
+        given = {
+            "lengths": csv_list(opts["lengths"], int),
+            "depths": csv_list(opts["depths"], float),
+            "needles": csv_list(opts["needles"]),
+        }
+        fixed = {"continuation": opts["continuation"], "samples": opts["samples"], "seed": opts["seed"]}
+        section = LongEvalRecipe(**{k: v for k, v in given.items() if v}, **fixed, windows=windows or 8)
+        protocol = section.protocol(dataset)
         with rich_progress(), _step("long-context suite") as advance:
             res = evaluate_long_dir(model_dir, dataset, protocol, progress=advance, **kwargs)
     except USER_ERRORS as e:
-        raise _fail(str(e)) from None
+        raise _fail(recipe_error(e)) from None
     console.print(f"long-context suite: {model_dir}\n\n{res.markdown()}", markup=False, highlight=False)
     text = json.dumps(res.to_dict() | {"model": model_dir}, indent=2)
     if json_out:

@@ -1,7 +1,8 @@
 """The convert flow: calibration → the conversion's steps (:func:`lrkv_core.steps.conversion_steps`, each a
-cached task, all submitted at once so independent ones run together) → [LoRA recovery] → evaluate → log
-(with the model) → register → export. With ``lora:`` the recovered model is what is evaluated, logged,
-registered and exported, and the model before recovery is evaluated next to it.
+cached task, all submitted at once so independent ones run together) → [LoRA recovery] → evaluate (and, with
+``eval.long``, the long-context suite) → log (with the model) → register → export. With ``lora:`` the
+recovered model is what is evaluated, logged, registered and exported, and the model before recovery is
+evaluated next to it.
 
 The flow's MLflow run is opened first, so an interrupted or failed conversion leaves a run marked KILLED or
 FAILED; a re-run whose every step came from the cache removes its empty run and returns the one that holds
@@ -108,7 +109,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         futures[s.name] = t.submit_step(s, futures, ctx)
     base_future = None
     if recipe.eval.dataset:  # the original's evaluation needs nothing of the conversion
-        ev = recipe.eval.model_dump()
+        ev = recipe.eval.model_dump(exclude={"long"})
         base_future = stored(t.evaluate).submit(model, ev, recipe.dtype, "base", store=store)
     done = {s.name: _record(timings, t.step_label(s), futures[s.name]) for s in graph}
     plan, built = done[graph.result], done["build"]
@@ -126,6 +127,12 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         pre_future = None
         if before_lora is not None:  # the same task and label as a run without LoRA: served from its cache
             pre_future = stored(t.evaluate).submit(before_lora, ev, recipe.dtype, "compressed", model, store)
+        long_future = None
+        if recipe.eval.long is not None:  # the compressed model's suite, with the original's on the same data
+            long_cfg = recipe.eval.long.model_dump()
+            long_future = stored(t.evaluate_long).submit(
+                built, ev["dataset"], long_cfg, recipe.dtype, label, model, store
+            )
         zeroshots = {}
         if recipe.eval.zeroshot_tasks:
             for label, ref in (("base", model), ("compressed", built)):
@@ -134,6 +141,8 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
         if pre_future is not None:
             pre_eval = _record(timings, "evaluate[before-lora]", pre_future)
         comp_eval = _record(timings, "evaluate[compressed]", comp_future)
+        if long_future is not None:
+            comp_eval["long"] = _record(timings, "evaluate_long[compressed]", long_future)
         for label, future in zeroshots.items():
             result = _record(timings, f"zeroshot[{label}]", future)
             (base_eval if label == "base" else comp_eval)["zeroshot"] = result

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from prefect import flow
 
 from lrkv_tasks import convert as t
+from lrkv_tasks.publish import long_context_outputs
 from lrkv_tasks.recipe import HELD_OUT, EvalRecipe, TrackingRecipe
 from lrkv_tasks.store import open_store
 from lrkv_tasks.tracking import log_conversion
@@ -34,27 +36,38 @@ def evaluate_flow(
     ref = t.resolve_model.with_options(result_storage=storage)(model, st.root)
     base_ref = t.resolve_model.with_options(result_storage=storage)(base, st.root) if base else None
     result = t.evaluate.with_options(result_storage=storage)(
-        ref, eval.model_dump(), dtype, "model", base_ref, st.root
+        ref, eval.model_dump(exclude={"long"}), dtype, "model", base_ref, st.root
     )
     metrics = {"prefill_ppl": result["prefill"]["ppl"], "decode_ppl": result["decode"]["ppl"]}
     metrics["kv_bytes_per_token"] = result["kv"]["kv_bytes_per_token"]
     if "kl" in result:
         metrics |= {"kl_base_model": result["kl"]["kl"], "top1_agreement": result["kl"]["top1_agreement"]}
-    run = log_conversion(
-        tracking_uri=tracking.mlflow_uri,
-        experiment=tracking.experiment,
-        run_name=f"evaluate-{Path(model).name}",
-        params={
-            "model": model,
-            "base": base,
-            "dtype": dtype,
-            **{f"eval.{k}": v for k, v in eval.model_dump().items()},
-        },
-        metrics=metrics,
-        json_artifacts={"eval.json": result},
-        file_artifacts={},
-        tags={"lrkv.kind": "evaluate", "lrkv.model": model},
-    )
+    tables, figures = {}, {}
+    with tempfile.TemporaryDirectory(prefix="lrkv-figures-") as scratch:
+        if eval.long is not None:  # the long-context suite, with the base model on the same data
+            result["long"] = t.evaluate_long.with_options(result_storage=storage)(
+                ref, eval.dataset, eval.long.model_dump(), dtype, "model", base_ref, st.root
+            )
+            long_metrics, tables, figures = long_context_outputs(result["long"], scratch)
+            metrics |= long_metrics
+        run = log_conversion(
+            tracking_uri=tracking.mlflow_uri,
+            experiment=tracking.experiment,
+            run_name=f"evaluate-{Path(model).name}",
+            params={
+                "model": model,
+                "base": base,
+                "dtype": dtype,
+                **{f"eval.{k}": v for k, v in eval.model_dump(exclude={"long"}).items()},
+                **{f"eval.long.{k}": v for k, v in (eval.long.model_dump() if eval.long else {}).items()},
+            },
+            metrics=metrics,
+            json_artifacts={"eval.json": result},
+            file_artifacts={},
+            tags={"lrkv.kind": "evaluate", "lrkv.model": model},
+            tables=tables,
+            figures=figures,
+        )
     print(f"prefill PPL {metrics['prefill_ppl']:.4f}, decode PPL {metrics['decode_ppl']:.4f}")
     print(f"MLflow run {run['run_id']}")
     return {"eval": result, "mlflow": run}

@@ -145,6 +145,12 @@ def print_summary(result: dict) -> None:
             table.add_row("LoRA held-out loss before → after", "", f"{m['eval_loss_before']:.4f} → "
                           f"{m['eval_loss_after']:.4f}")  # fmt: skip
     console.print(table)
+    long = (comp or {}).get("long")
+    if long is not None:
+        from lrkv_core.longcontext import LongContextResult
+
+        text = LongContextResult.from_dict(long).markdown()
+        console.print(f"long-context suite\n\n{text}\n", markup=False, highlight=False)
     console.print(f"compressed model: {result['compressed'].uri}", soft_wrap=True)
     if result["exported"]:
         console.print(f"exported to: {result['exported'].uri}", soft_wrap=True)

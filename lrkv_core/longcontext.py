@@ -19,7 +19,7 @@ with an original model given as ``base``, its numbers are measured on the same w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -122,6 +122,24 @@ class LongContextResult:
             "grid": {task: self.grid(task) for task in self.protocol.tasks},
             "skipped": list(self.skipped),
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LongContextResult:
+        """The result :meth:`to_dict` wrote (e.g. a stored task result)."""
+        fields = {k: v for k, v in data["protocol"].items() if k != "measure"}
+        protocol = LongContextProtocol(
+            **{k: tuple(v) if isinstance(v, list) and k != "cache" else v for k, v in fields.items()}
+        )
+        derived = {"ppl", "base_ppl", "accuracy", "base_accuracy"}
+        return cls(
+            protocol,
+            [
+                ContinuationScore(**{k: v for k, v in c.items() if k not in derived})
+                for c in data["continuation"]
+            ],
+            [RetrievalScore(**{k: v for k, v in r.items() if k not in derived}) for r in data["retrieval"]],
+            list(data.get("skipped", [])),
+        )
 
     def grid(self, task: str, *, base: bool = False) -> dict[str, dict[str, float | None]]:
         """``{depth: {length: accuracy}}`` of one task (keys as strings, for JSON and MLflow tables)."""

@@ -29,6 +29,7 @@ from .cache import checked
 from .device import model_pass, task_device
 from .keys import calibration_key, resolve_key, task_key
 from .progress import step
+from .recipe import LongEvalRecipe
 from .refs import ArtifactRef
 from .store import StoreIntegrityError, local_path, open_store
 
@@ -504,3 +505,30 @@ def evaluate(
             base_dir=_local(base) if base else None,
             progress=advance,
         )
+
+
+@task(name="evaluate_long", cache_key_fn=TASK_KEY, **CACHED)
+def evaluate_long(
+    model: ArtifactRef,
+    dataset: str,
+    long_cfg: dict,
+    dtype: str,
+    label: str,
+    base: ArtifactRef | None = None,
+    store: str | None = None,
+) -> dict[str, Any]:
+    """The long-context suite (``eval.long``) of ``model`` on ``dataset``: continuation NLL per context length
+    and the retrieval grid, through the cache it deploys, with ``base`` (the original) on the same windows
+    and prompts; :meth:`lrkv_core.longcontext.LongContextResult.to_dict`."""
+    protocol = LongEvalRecipe(**long_cfg).protocol(dataset)
+    with model_pass(), step(f"long-context suite {label}") as advance:
+        result = pipeline.evaluate_long_dir(
+            _local(model),
+            dataset,
+            protocol,
+            dtype=dtype,
+            device=task_device(),
+            base_dir=_local(base) if base else None,
+            progress=advance,
+        )
+    return result.to_dict()

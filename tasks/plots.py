@@ -13,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lrkv_core.allocation import RankPlan
+from lrkv_core.longcontext import LongContextResult
 
 from .recipe import method_label
 
@@ -113,6 +114,54 @@ def plot_pareto_front(rows: list[dict], max_ppl_rise: float, best: dict | None, 
     ax.set_yscale("symlog", linthresh=1.0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, format="png")
+    return out
+
+
+def plot_long_context(result: LongContextResult, path: str | Path) -> Path:
+    """The long-context suite in one PNG: continuation perplexity per context length (the model and the
+    original), then one depth × length heatmap of exact-match accuracy per retrieval task."""
+    tasks = [t for t in result.protocol.tasks if any(r.task == t for r in result.retrieval)]
+    n = 1 + len(tasks)
+    fig = Figure(figsize=(4.2 * n, 3.6), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, n, 1)
+    contexts = [c.context_len for c in result.continuation]
+    ax.plot(contexts, [c.ppl for c in result.continuation], "o-", label="model")
+    if any(c.base_ppl is not None for c in result.continuation):
+        ax.plot(contexts, [c.base_ppl for c in result.continuation], "s--", label="original")
+    if contexts:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel(f"perplexity of the next {result.protocol.continuation} tokens")
+    ax.legend(fontsize=8)
+    for i, task in enumerate(tasks, start=2):
+        grid = result.grid(task)  # {depth: {length: accuracy}}
+        depths = list(grid)
+        lengths = sorted({int(n) for row in grid.values() for n in row})
+        values = np.array([[grid[d].get(str(n), np.nan) for n in lengths] for d in depths], dtype=float)
+        hx = fig.add_subplot(1, n, i)
+        image = hx.imshow(values, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        hx.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
+        hx.set_yticks(range(len(depths)), depths, fontsize=8)
+        hx.set_xlabel("prompt tokens")
+        hx.set_ylabel("needle depth")
+        hx.set_title(f"{task}: exact match", fontsize=9)
+        for (r, c), v in np.ndenumerate(values):
+            if not np.isnan(v):
+                hx.text(
+                    c,
+                    r,
+                    f"{v:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if v < 0.6 else "black",
+                )
+        fig.colorbar(image, ax=hx, fraction=0.05, pad=0.03)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, format="png")

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from prefect import task
 from prefect.context import TaskRunContext
 
 from lrkv_core.fingerprint import hash_json
+from lrkv_core.longcontext import LongContextResult
 
 from .cache import checked
 from .convert import CACHED
 from .keys import task_key
+from .plots import plot_long_context
 from .recipe import flatten, method_label
 from .refs import ArtifactRef
 from .registry import log_model, model_name, register_version
@@ -64,6 +68,42 @@ def eval_table(
     if before_lora:
         table["before LoRA"] = [before_lora[a][b] for _, a, b in rows]
     return table
+
+
+def long_context_metrics(long: dict) -> dict[str, float]:
+    """MLflow metrics of the long-context suite: continuation perplexity per context length and each
+    retrieval task's accuracy per prompt length (mean over depths), the model's and, where measured, the
+    original's (``base_`` ...)."""
+    result = LongContextResult.from_dict(long)
+    metrics: dict[str, float] = {}
+    for c in result.continuation:
+        metrics[f"long_ppl_at_{c.context_len}"] = c.ppl
+        if c.base_ppl is not None:
+            metrics[f"long_base_ppl_at_{c.context_len}"] = c.base_ppl
+    cells: dict[tuple[str, int], list] = {}
+    for r in result.retrieval:
+        cells.setdefault((r.task, r.length), []).append(r)
+    for (task_name, length), scores in cells.items():
+        samples = sum(r.samples for r in scores)
+        metrics[f"long_{task_name}_accuracy_at_{length}"] = sum(r.correct for r in scores) / samples
+        if all(r.base_correct is not None for r in scores):
+            base = sum(r.base_correct for r in scores) / samples
+            metrics[f"long_base_{task_name}_accuracy_at_{length}"] = base
+    return metrics
+
+
+def long_context_table(long: dict) -> dict[str, list]:
+    """The long-context suite's rows (:meth:`LongContextResult.table`) as an MLflow table's columns."""
+    rows = LongContextResult.from_dict(long).table()
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return {k: [row.get(k) for row in rows] for k in columns}
+
+
+def long_context_outputs(long: dict, directory: str | Path) -> tuple[dict, dict, dict]:
+    """The long-context suite's MLflow metrics, tables and figures (drawn into ``directory``)."""
+    figure = plot_long_context(LongContextResult.from_dict(long), Path(directory) / "long_context.png")
+    tables = {"long_context.json": long_context_table(long)}
+    return long_context_metrics(long), tables, {"long_context.png": str(figure)}
 
 
 def lora_results(lora: ArtifactRef) -> tuple[dict[str, float], dict[str, list[tuple[int, float]]]]:
@@ -138,26 +178,33 @@ def log_run(
         figures["lora_loss_curve.png"] = str(local_path(lora.meta["loss_curve"]))
         files["lora_history.json"] = str(local_path(lora.meta["history"]))
         params["fingerprint.before_lora"] = lora.meta["source"]
-    log_results(
-        run,
-        params=params,
-        metrics=metrics,
-        json_artifacts={
-            "eval.json": {k: v for k, v in evals.items() if v is not None},
-            "rank_plan.json": json.loads(local_path(plan.uri).read_text()),
-            "recipe.json": recipe,
-        },
-        tables={"eval_table.json": eval_table(base_eval, eval_, before_lora)} if eval_ else {},
-        figures=figures,
-        file_artifacts=files,
-        tags={
-            "lrkv.method": comp["name"],
-            "lrkv.model": model.meta["ref"],
-            "lrkv.decomposition": method_label(comp["decomposition"]),
-            "lrkv.allocator": method_label(comp["allocator"]),
-            "lrkv.lora": "true" if lora is not None else "false",
-        },
-    )
+    tables = {"eval_table.json": eval_table(base_eval, eval_, before_lora)} if eval_ else {}
+    scratch = tempfile.TemporaryDirectory(prefix="lrkv-figures-")
+    long = (eval_ or {}).get("long")
+    if long is not None:
+        long_metrics, long_tables, long_figures = long_context_outputs(long, scratch.name)
+        metrics, tables, figures = metrics | long_metrics, tables | long_tables, figures | long_figures
+    with scratch:
+        log_results(
+            run,
+            params=params,
+            metrics=metrics,
+            json_artifacts={
+                "eval.json": {k: v for k, v in evals.items() if v is not None},
+                "rank_plan.json": json.loads(local_path(plan.uri).read_text()),
+                "recipe.json": recipe,
+            },
+            tables=tables,
+            figures=figures,
+            file_artifacts=files,
+            tags={
+                "lrkv.method": comp["name"],
+                "lrkv.model": model.meta["ref"],
+                "lrkv.decomposition": method_label(comp["decomposition"]),
+                "lrkv.allocator": method_label(comp["allocator"]),
+                "lrkv.lora": "true" if lora is not None else "false",
+            },
+        )
     logged = log_model(run, local_path(built.uri), built.sha256)
     close_run(run, "FINISHED")
     return run | {"metrics": metrics, "model": logged}

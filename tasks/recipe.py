@@ -18,8 +18,10 @@ from lrkv_core.allocation import ALLOCATORS
 from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
+from lrkv_core.longcontext import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TASKS, LongContextProtocol
 from lrkv_core.lora import RecoveryConfig
 from lrkv_core.lora.config import Role  # noqa: F401  (the recipe's roles, re-exported)
+from lrkv_core.needles import TASKS as NEEDLE_TASKS
 from lrkv_core.refine import RefineConfig
 from lrkv_core.registry import Method
 from lrkv_core.rotation import ROTATIONS
@@ -131,6 +133,57 @@ PaluRecipe = create_model(
 )
 
 
+class LongEvalRecipe(Strict):
+    """The long-context suite (:mod:`lrkv_core.longcontext`): continuation after long contexts, retrieval."""
+
+    lengths: list[int] = Field(
+        list(DEFAULT_LENGTHS), min_length=1, description="context / prompt lengths (capped by the model's)"
+    )
+    continuation: int = Field(256, ge=0, description="tokens scored after each context (0: no continuation)")
+    windows: int | None = Field(8, ge=1, description="continuation windows per length (null: all there are)")
+    depths: list[float] = Field(list(DEFAULT_DEPTHS), min_length=1, description="needle depths in 0..1")
+    samples: int = Field(4, ge=0, description="retrieval prompts per task × length × depth (0: none)")
+    needles: list[str] = Field(list(DEFAULT_TASKS), description=f"retrieval tasks: {', '.join(NEEDLE_TASKS)}")
+    seed: int = Field(0, description="the retrieval prompts' seed")
+    chunk_size: int = Field(1024, ge=1, description="tokens per prefill chunk of a context")
+
+    @field_validator("lengths")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if min(v) < 1:
+            raise ValueError(f"lengths must be positive, got {v}")
+        return v
+
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, v: list[float]) -> list[float]:
+        if not all(0.0 <= d <= 1.0 for d in v):
+            raise ValueError(f"each depth must be in [0, 1], got {v}")
+        return v
+
+    @field_validator("needles")
+    @classmethod
+    def _needles(cls, v: list[str]) -> list[str]:
+        unknown = [t for t in v if t not in NEEDLE_TASKS]
+        if unknown:
+            raise ValueError(f"unknown retrieval task(s) {unknown}; known: {', '.join(NEEDLE_TASKS)}")
+        return v
+
+    def protocol(self, dataset: str) -> LongContextProtocol:
+        """The core's protocol of this section on ``dataset``."""
+        return LongContextProtocol(
+            dataset=dataset,
+            lengths=tuple(self.lengths),
+            continuation=self.continuation,
+            windows=self.windows,
+            chunk_size=self.chunk_size,
+            depths=tuple(self.depths),
+            samples=self.samples,
+            tasks=tuple(self.needles),
+            seed=self.seed,
+        )
+
+
 class EvalRecipe(Strict):
     dataset: str | None = Field(
         HELD_OUT,
@@ -144,6 +197,11 @@ class EvalRecipe(Strict):
     zeroshot_tasks: list[str] = Field([], description="lm-eval task names (hub tasks need network)")
     zeroshot_include: str | None = Field(None, description="directory of local lm-eval task YAMLs")
     zeroshot_limit: int | None = Field(None, ge=1, description="documents per task (all if null)")
+    long: LongEvalRecipe | None = Field(
+        None,
+        description="the long-context suite on eval.dataset, for the compressed model next to the original "
+        "(null: not run); e.g. {lengths: [1024, 2048]}",
+    )
 
     @model_validator(mode="after")
     def _prefix_inside(self) -> EvalRecipe:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact
 
+from lrkv_core.longcontext import LongContextResult
+
 
 def mlflow_link(run: dict) -> str:
     """The run's page in the MLflow UI when the tracking URI is a server, else where the run is stored."""
@@ -34,6 +36,9 @@ def summary_markdown(result: dict) -> str:
         lines.append(
             f"| LoRA recovery steps / seconds | | {lora.meta['steps']} / {lora.meta['seconds']:.1f} |"
         )
+    long = (comp or {}).get("long")
+    if long is not None:
+        lines += ["", "## Long-context suite", "", LongContextResult.from_dict(long).markdown()]
     lines += ["", f"MLflow run: {mlflow_link(result['mlflow'])}"]
     reg = result.get("registered")
     if reg:

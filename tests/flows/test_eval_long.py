@@ -55,3 +55,7 @@ def test_eval_suite_long_reports_continuation_and_retrieval_with_its_protocol(
     assert bad.exit_code == 1 and "--suite must be standard or long" in " ".join(bad.output.split())
     bad = CliRunner().invoke(app, [*args[:8], "--depths", "0,1.5", "--samples", "1"])
     assert bad.exit_code == 1 and "depth must be in [0, 1]" in " ".join(bad.output.split())
+    bad = CliRunner().invoke(app, [*args[:8], "--needles", "passkey,haystack"])
+    assert bad.exit_code == 1 and "needles: unknown retrieval task(s) ['haystack']" in " ".join(
+        bad.output.split()
+    )
