@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from transformers import AutoConfig
 
 from lrkv_core import evaluate, needles
@@ -43,6 +44,7 @@ from lrkv_core.data import token_sequences, window_prefix
 from lrkv_core.longcontext import ANSWER_RESERVE, cap_lengths, continuation_nll, cut_windows
 from lrkv_core.models import load_model, load_tokenizer
 from lrkv_core.needles import NeedleSample, answer_tokens, generate_answer, is_exact_match, make_samples
+from lrkv_core.pipeline import use_cache_storage
 
 PRESSES = ("knorm", "snapkv", "streamingllm", "expected_attention", "tova", "think")
 RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress" / "run.py"
@@ -146,9 +148,14 @@ def stores_codes(storage: Any) -> bool:
     return any(storage.get(k) is not None for k in ("bits", "low_bits", "full_bits"))
 
 
-def run_lrkv(name: str, model_dir: str, tasks: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows of one lrkv-loadable model (original or compressed) on the tasks, with its measured bytes."""
+def run_lrkv(
+    name: str, model_dir: str, tasks: dict[str, Any], cache: str | dict | None = None
+) -> list[dict[str, Any]]:
+    """Rows of one lrkv-loadable model (original or compressed) on the tasks, with its measured bytes; with
+    ``cache`` (a storage's recipe form), a compressed model runs through that storage instead of its own."""
     model, tokenizer = load_model(model_dir)
+    if cache is not None:
+        use_cache_storage(model, cache)
     if tasks["continuation"]:
         first = tasks["continuation"][0]
         ids = torch.tensor(first["windows"][:1])[:, : first["context"]]  # (1, C)
@@ -162,7 +169,8 @@ def run_lrkv(name: str, model_dir: str, tasks: dict[str, Any]) -> list[dict[str,
     storage = (getattr(model.config, "lrkv", None) or {}).get("cache", {})
     dense16 = evaluate.dense_kv_bytes(model.config, 1, first["context"], torch.float16) / first["context"]
     quantized = stores_codes(storage)
-    method = {"method": name, "family": "lrkv", "model": str(model_dir), "kv_fraction": fraction,
+    method = {"method": name, "family": "lrkv", "model": str(model_dir), "cache": storage,
+              "kv_fraction": fraction,
               "kv_bytes_per_token": kv["kv_bytes_per_token"],
               "dense_kv_bytes_per_token": kv["dense_kv_bytes_per_token"],
               "kv_fraction_fp16": kv["kv_bytes_per_token"] / dense16,
@@ -258,6 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     lr.add_argument("--name", required=True)
     lr.add_argument("--model-dir", required=True)
     lr.add_argument("--rows", required=True)
+    lr.add_argument(
+        "--cache", type=yaml.safe_load, default=None,
+        help="another cache storage for a compressed model, as in a recipe: e.g. '{name: tale, low: 0.4}'",
+    )  # fmt: skip
     p = sub.add_parser("peer")
     p.add_argument("--tasks", required=True)
     p.add_argument("--model", required=True)
@@ -281,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         tasks["protocol"]["model"] = args.model
         save_tasks(tasks, args.out)
     elif args.command == "lrkv":
-        append_rows(args.rows, run_lrkv(args.name, args.model_dir, load_tasks(args.tasks)))
+        append_rows(args.rows, run_lrkv(args.name, args.model_dir, load_tasks(args.tasks), args.cache))
     elif args.command == "peer":
         if args.ratios:
             ratios = [float(x) for x in args.ratios.split(",")]

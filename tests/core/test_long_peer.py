@@ -119,3 +119,25 @@ def test_rows_score_by_exact_match_and_tabulate(long_peer, tokenizer, dataset):
     assert lines[0] == "| method | press ratio | KV bytes | ppl 96 | passkey 96 |"
     assert lines[2].startswith("| original |  | 1.0000 | 2.718 |")
     assert lines[3] == f"| kvpress knorm | 0.5000 | 0.5000 | {math.exp(2.0):.3f} | 1/3 |"
+
+
+def test_lrkv_rows_run_through_another_cache_storage_with_its_bytes(
+    long_peer, tokenizer, dataset, compress, tmp_path
+):
+    """``lrkv --cache``: a compressed model's rows through another storage (TALE's recency levels here), its
+    bytes measured from that cache and its recipe form recorded with the rows."""
+    from lrkv_core import save_compressed
+    from tests.support.models import tiny_model
+
+    model = tiny_model("llama", 2, vocab_size=len(tokenizer), max_position_embeddings=256)
+    compressed, _ = compress(model, 2, ratio=1.0)
+    save_compressed(compressed, tmp_path / "m", tokenizer=tokenizer)
+    tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[96], continuation=16, windows=2,
+                                  depths=[0.5], samples=1)  # fmt: skip
+    dense = long_peer.run_lrkv("dense", str(tmp_path / "m"), tasks)
+    tale = long_peer.run_lrkv("tale", str(tmp_path / "m"), tasks, {"name": "tale", "low": 0.5})
+    (dense_row, *_), (tale_row, *_) = dense, tale
+    assert dense_row["cache"]["name"] == "dense" and tale_row["cache"]["name"] == "tale"
+    assert tale_row["cache"]["low"] == 0.5 and tale_row["cache"]["rule"] == "recency"
+    assert 0.5 < tale_row["kv_fraction"] < dense_row["kv_fraction"] - 0.3  # most tokens keep half the latents
+    assert math.isfinite(tale_row["ppl"]) and tale_row["ppl"] != dense_row["ppl"]

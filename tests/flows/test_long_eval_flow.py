@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 from lrkv_core.longcontext import LongContextResult
 from lrkv_core.pipeline import evaluate_long_dir
 from lrkv_flows.convert import convert_flow
+from lrkv_flows.report import console, print_summary
 from lrkv_tasks.recipe import LongEvalRecipe, load_recipe
 from lrkv_tasks.summary import summary_markdown
 from tests.support.models import SHARED
@@ -93,6 +94,9 @@ def test_the_long_suite_runs_in_the_flow_cached_and_logged(prefect_api, mlflow_s
     summary = summary_markdown(second)
     assert "## Long-context suite" in summary and "| 320 | 2 |" in summary
     assert "Retrieval `passkey`" in summary
+    with console.capture() as shown:  # what lrkv convert prints
+        print_summary(second)
+    assert "long-context suite" in shown.get() and "| 320 | 2 |" in shown.get()
 
     third = convert_flow(with_long)  # a rerun is served from the cache
     assert {row["state"] for row in third["timings"]} == {"Cached"}, third["timings"]
