@@ -155,7 +155,7 @@ def token_sequences(spec: str | DatasetSpec, tokenizer: Any | None) -> list[torc
 
 def text_prefix(tokenizer: Any | None) -> list[int]:
     """The ids ``tokenizer`` puts before any text by itself (``add_special_tokens=True``): ``[BOS]`` for
-    Llama 3 or Gemma tokenizers, ``[]`` for tokenizers that add nothing (GPT-2 style) and without one."""
+    Llama 3 or Gemma tokenizers; ``[]`` for tokenizers that add nothing (GPT-2 style), and for ``None``."""
     if tokenizer is None:
         return []
     probe = "a"
