@@ -173,14 +173,19 @@ def window_prefix(spec: str | DatasetSpec, tokenizer: Any | None) -> list[int]:
     return [] if resolve_spec(spec).is_tokenized else text_prefix(tokenizer)
 
 
-def consecutive_windows(seq: torch.Tensor, length: int, prefix: Sequence[int] = ()) -> torch.Tensor:
-    """(N, length) non-overlapping windows from the start of ``seq`` (the short tail dropped): each one
-    ``prefix`` (e.g. :func:`window_prefix`) then ``length - len(prefix)`` consecutive tokens of ``seq``."""
-    body = length - len(prefix)
-    if body < 1:
+def _body_length(length: int, prefix: Sequence[int]) -> int:
+    """Stream tokens in a ``length``-token window that starts with ``prefix``; ``ValueError`` if none fit."""
+    if length <= len(prefix):
         raise ValueError(
             f"a {length}-token window leaves no room for text after {len(prefix)} leading token(s)"
         )
+    return length - len(prefix)
+
+
+def consecutive_windows(seq: torch.Tensor, length: int, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """(N, length) non-overlapping windows from the start of ``seq`` (the short tail dropped): each one
+    ``prefix`` (e.g. :func:`window_prefix`) then ``length - len(prefix)`` consecutive tokens of ``seq``."""
+    body = _body_length(length, prefix)
     n = seq.numel() // body
     rows = seq[: n * body].reshape(n, body)  # (N, body)
     head = torch.tensor(list(prefix), dtype=seq.dtype).expand(n, -1)  # (N, len(prefix))
@@ -206,9 +211,7 @@ def _draw_windows(
             )
         picks = rng.choice(len(eligible), size=n_samples, replace=False)
         return np.stack([seqs[eligible[i]][:seq_len].numpy() for i in picks])
-    body = seq_len - len(prefix)
-    if body < 1:
-        raise ValueError(f"seq_len={seq_len} leaves no room for text after {len(prefix)} leading token(s)")
+    body = _body_length(seq_len, prefix)
     stream = seqs[0].numpy()
     n_starts = stream.shape[0] - body + 1
     if n_starts < n_samples:

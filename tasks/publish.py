@@ -179,12 +179,11 @@ def log_run(
         files["lora_history.json"] = str(local_path(lora.meta["history"]))
         params["fingerprint.before_lora"] = lora.meta["source"]
     tables = {"eval_table.json": eval_table(base_eval, eval_, before_lora)} if eval_ else {}
-    scratch = tempfile.TemporaryDirectory(prefix="lrkv-figures-")
     long = (eval_ or {}).get("long")
-    if long is not None:
-        long_metrics, long_tables, long_figures = long_context_outputs(long, scratch.name)
-        metrics, tables, figures = metrics | long_metrics, tables | long_tables, figures | long_figures
-    with scratch:
+    with tempfile.TemporaryDirectory(prefix="lrkv-figures-") as scratch:
+        if long is not None:
+            long_metrics, long_tables, long_figures = long_context_outputs(long, scratch)
+            metrics, tables, figures = metrics | long_metrics, tables | long_tables, figures | long_figures
         log_results(
             run,
             params=params,
