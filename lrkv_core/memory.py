@@ -1,12 +1,14 @@
 """The resident memory (RSS) a piece of work holds at its peak, as the operating system counts it.
 
-``with peak_rss() as watch: ...`` then ``watch.peak`` (bytes): the largest RSS of this process seen while the
-block ran. One background thread samples the RSS for every open watch (every :data:`INTERVAL_S`), and on
-exit the kernel's own high-water mark (``VmHWM``) is read too: if it rose while the block ran, the process
-reached a new peak then, and that exact figure counts. Blocks that run at once in one process (threads)
-share the process's memory, so each sees the others' allocations: the figure is the process's peak during
-the block. On systems without ``/proc`` the peak is the process's high-water mark so far
-(``getrusage``), which can only be an upper bound of the block's.
+``with peak_rss() as watch: ...`` then ``watch.peak`` (bytes): the largest RSS of this process while the
+block ran. On Linux the figure is exact and needs no polling: the kernel keeps the process's high-water mark
+(``VmHWM``) and lets the process reset it to the current RSS (``/proc/self/clear_refs``). Whenever a block
+opens or closes (or a block's peak is read), the mark is read, counted for every block open since the last
+such event, and reset; each block's peak is then the largest mark over the intervals it spanned. Blocks that
+run at once in one process (threads) share the process's memory, so each sees the others' allocations: the
+figure is the process's peak during the block. Where the mark cannot be reset, one background thread samples
+the RSS every :data:`INTERVAL_S` for the open blocks, and the mark counts when it rose during a block; on
+systems without ``/proc`` the peak is the process's high-water mark so far (``getrusage``), an upper bound.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from contextlib import contextmanager
 
 INTERVAL_S = 0.02
 _PROC = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+_RESET_PEAK = "5"  # clear_refs: set the high-water mark to the current RSS (Linux 4.0 and later)
 
 
 def _status_kb(field: str) -> int | None:
@@ -43,7 +47,8 @@ def current_rss() -> int:
 
 
 def high_water_mark() -> int:
-    """The largest RSS this process has had, bytes (``VmHWM``; ``ru_maxrss`` where /proc is missing)."""
+    """The largest RSS this process has had since the mark was last reset, bytes (``VmHWM``; ``ru_maxrss``
+    where /proc is missing)."""
     kb = _status_kb("VmHWM")
     if kb is not None:
         return kb * 1024
@@ -51,75 +56,106 @@ def high_water_mark() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
 
 
+def _reset_high_water_mark() -> bool:
+    """Set the kernel's high-water mark to the current RSS; False where the system does not allow it."""
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write(_RESET_PEAK)
+    except OSError:
+        return False
+    return True
+
+
 class Watch:
     """One block's peak RSS so far (:attr:`peak`, bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracker: _Tracker) -> None:
+        self.tracker = tracker
+        self.open = True
         self.start_mark = high_water_mark()
-        self.peak = current_rss()
+        self._peak = current_rss()
+
+    @property
+    def peak(self) -> int:
+        if self.open:
+            self.tracker.fold()
+        return self._peak
 
     def see(self, rss: int) -> None:
-        self.peak = max(self.peak, rss)
-
-    def close(self) -> None:
-        self.see(current_rss())
-        mark = high_water_mark()
-        if mark > self.start_mark:  # the process's all-time peak was reached during the block
-            self.see(mark)
+        self._peak = max(self._peak, rss)
 
 
-class _Sampler:
-    """One daemon thread sampling the RSS for every open watch; it ends when none is open."""
+class _Tracker:
+    """The open watches, and how their peaks are taken: by resetting the kernel's mark at each event (exact),
+    or by one daemon sampling thread that ends when no watch is open."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.watches: set[Watch] = set()
-        self.running = False
+        self.thread: threading.Thread | None = None
 
-    def add(self, watch: Watch) -> None:
+    def fold(self) -> None:
+        """Count the mark since the last event for every open watch, then reset it (the exact way)."""
         with self.lock:
+            self._fold()
+
+    def _fold(self) -> bool:
+        mark = high_water_mark()
+        if not _reset_high_water_mark():
+            return False
+        for watch in self.watches:
+            watch.see(mark)
+        return True
+
+    def open(self) -> Watch:
+        with self.lock:
+            exact = self._fold()
+            watch = Watch(self)
             self.watches.add(watch)
-            if not self.running:
-                self.running = True
-                threading.Thread(target=self._run, name="lrkv-rss", daemon=True).start()
+            for other in self.watches:  # a block's first reading counts for the blocks around it
+                other.see(watch._peak)
+            if not exact and (self.thread is None or not self.thread.is_alive()):
+                self.thread = threading.Thread(target=self._sample, name="lrkv-rss", daemon=True)
+                self.thread.start()
+            return watch
 
-    def tell(self, rss: int) -> None:
-        """A reading taken outside the thread counts for every open watch."""
+    def close(self, watch: Watch) -> None:
         with self.lock:
-            for watch in self.watches:
-                watch.see(rss)
-
-    def remove(self, watch: Watch) -> None:
-        with self.lock:
+            exact = self._fold()
+            rss = current_rss()
+            for other in self.watches:  # and its last one too
+                other.see(rss)
             self.watches.discard(watch)
+            watch.open = False
+            if not exact:
+                mark = high_water_mark()
+                if mark > watch.start_mark:  # the process's all-time peak was reached during the block
+                    watch.see(mark)
 
-    def _run(self) -> None:
+    def _sample(self) -> None:
         while True:
             time.sleep(INTERVAL_S)
             rss = current_rss()
             with self.lock:
                 if not self.watches:
-                    self.running = False
+                    self.thread = None
                     return
-            self.tell(rss)
+                for watch in self.watches:
+                    watch.see(rss)
 
 
-_SAMPLER = _Sampler()
+_TRACKER = _Tracker()
 
 
 @contextmanager
 def peak_rss() -> Iterator[Watch]:
     """``with peak_rss() as watch: work()`` then ``watch.peak``: the process's peak RSS while the block ran,
     bytes (the module doc)."""
-    watch = Watch()
-    _SAMPLER.add(watch)
-    _SAMPLER.tell(watch.peak)  # a block's first and last readings count for the blocks around it
+    watch = _TRACKER.open()
     try:
         yield watch
     finally:
-        _SAMPLER.tell(current_rss())
-        _SAMPLER.remove(watch)
-        watch.close()
+        _TRACKER.close(watch)
 
 
 def release_freed() -> None:

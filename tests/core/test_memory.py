@@ -1,40 +1,89 @@
 import threading
 import time
 
+import pytest
 import torch
 
 from lrkv_core import memory
 
+SIZE = 256 * 2**20
+exact = pytest.mark.skipif(
+    not memory._reset_high_water_mark(), reason="the system lets no process reset its RSS high-water mark"
+)
 
-def test_a_block_sees_the_peak_of_memory_it_freed_before_it_ended():
-    size = 256 * 2**20
+
+@pytest.fixture
+def sampled(monkeypatch):
+    """The way taken where the kernel's mark cannot be reset: a sampling thread."""
+    monkeypatch.setattr(memory, "_CLEAR_REFS", "/nonexistent/clear_refs")
+
+
+def _until(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(memory.INTERVAL_S)
+
+
+@exact
+def test_a_block_sees_a_peak_it_freed_at_once_without_any_sampling():
+    memory.release_freed()
     before = memory.current_rss()
     with memory.peak_rss() as watch:
-        x = torch.ones(size // 4)  # touched: resident
-        time.sleep(5 * memory.INTERVAL_S)
+        x = torch.ones(SIZE // 4)  # touched: resident
         del x
-    assert watch.peak >= before + 0.9 * size, (before, watch.peak)
-    assert memory.current_rss() < before + 0.5 * size  # it was freed: only the peak remembers it
+    assert watch.peak >= before + 0.9 * SIZE, (before, watch.peak)
+    assert memory.current_rss() < before + 0.5 * SIZE  # it was freed: only the peak remembers it
+    assert not any(t.name == "lrkv-rss" for t in threading.enumerate())
+
+
+@exact
+def test_blocks_at_once_see_each_others_peaks_and_none_from_before_they_opened():
+    memory.release_freed()
+    x = torch.ones(SIZE // 4)
+    del x  # a peak before any block: the process's all-time mark, which no block below may report
+    before = memory.current_rss()
+    with memory.peak_rss() as outer:
+        with memory.peak_rss() as first:
+            pass
+        x = torch.ones(SIZE // 4)
+        with memory.peak_rss() as inner:  # opened while x is held
+            del x
+        with memory.peak_rss() as last:
+            pass
+        assert outer.peak >= before + 0.9 * SIZE  # read while the block is open
+    assert first.peak < before + 0.5 * SIZE and last.peak < before + 0.5 * SIZE, (first.peak, last.peak)
+    assert inner.peak >= before + 0.9 * SIZE
+    assert outer.peak >= inner.peak
+
+
+def test_where_the_mark_cannot_be_reset_a_sampler_sees_the_peak(sampled):
+    memory.release_freed()
+    before = memory.current_rss()
+    with memory.peak_rss() as watch:
+        x = torch.ones(SIZE // 4)
+        _until(lambda: watch.peak >= before + 0.9 * SIZE)  # however busy the machine, the sampler comes
+        del x
+    assert watch.peak >= before + 0.9 * SIZE, (before, watch.peak)
 
 
 def test_an_idle_block_reports_about_the_memory_it_started_with():
     with memory.peak_rss() as outer:
         x = torch.ones(128 * 2**20 // 4)
         held = memory.current_rss()
-        with memory.peak_rss() as inner:  # opened after the allocation: nested watches share one sampler
+        with memory.peak_rss() as inner:  # opened after the allocation
             pass
         del x
     assert abs(inner.peak - held) < 16 * 2**20
     assert outer.peak >= inner.peak  # what the inner block saw counts for the block around it
 
 
-def test_the_sampler_stops_when_no_block_is_open():
+def test_the_sampler_stops_when_no_block_is_open(sampled):
     with memory.peak_rss():
         assert any(t.name == "lrkv-rss" for t in threading.enumerate())
-    deadline = time.monotonic() + 5
-    while any(t.name == "lrkv-rss" for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(memory.INTERVAL_S)
+    _until(lambda: not any(t.name == "lrkv-rss" for t in threading.enumerate()))
     assert not any(t.name == "lrkv-rss" for t in threading.enumerate())
+    with memory.peak_rss():  # and starts again for the next one
+        assert any(t.name == "lrkv-rss" for t in threading.enumerate())
 
 
 def test_the_high_water_mark_never_falls_below_the_current_rss():
