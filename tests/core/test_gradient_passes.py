@@ -17,7 +17,8 @@ from lrkv_core.statistics.gradients import (
     predicted_probabilities,
     row_seeded_targets,
 )
-from tests.support.models import ARCHS, UNSUPPORTED
+from tests.support.fresh import run_fresh
+from tests.support.models import ARCHS, UNSUPPORTED, tiny_model
 
 SUPPORTED = [a for a in ARCHS if a not in UNSUPPORTED]
 
@@ -136,19 +137,26 @@ def test_predicted_targets_are_the_given_models_probabilities(make_tiny, monkeyp
         torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6)
 
 
-def test_a_long_row_holds_far_less_than_every_layers_activations(make_tiny, monkeypatch, one_thread):
+def _long_row_peaks() -> None:
     """A wide, deep model over one row of 2,048 tokens: checkpointed layers and a chunked loss keep the pass
     well under what keeping every layer's activations and the whole row's logits takes."""
-    model = make_tiny("llama", num_hidden_layers=8, hidden_size=256, intermediate_size=1024, head_dim=64,
-                      vocab_size=8192, max_position_embeddings=4096)  # fmt: skip
+    torch.set_num_threads(1)
+    model = tiny_model("llama", num_hidden_layers=8, hidden_size=256, intermediate_size=1024, head_dim=64,
+                       vocab_size=8192, max_position_embeddings=4096)  # fmt: skip
     rows = torch.randint(3, 8192, (1, 2048), generator=torch.Generator().manual_seed(0))
     peaks = {}
-    for name, chunk, tokens in (("kept", 10**9, 10**9), ("bounded", gradients.LOSS_CHUNK, 1024)):
-        monkeypatch.setattr(gradients, "LOSS_CHUNK", chunk)
-        monkeypatch.setattr(gradients, "CHECKPOINT_TOKENS", tokens)
-        release_freed()  # what earlier work freed but kept resident would otherwise absorb the pass's memory
+    bounded = (gradients.LOSS_CHUNK, gradients.CHECKPOINT_TOKENS)
+    for name, (chunk, tokens) in (("kept", (10**9, 10**9)), ("bounded", bounded)):
+        gradients.LOSS_CHUNK, gradients.CHECKPOINT_TOKENS = chunk, tokens
+        release_freed()
         with peak_rss() as watch:
             kv_gradient_passes(model, rows, lambda *_: None, batch_size=1)
         peaks[name] = watch.peak
     logits = 2048 * 8192 * 4  # one copy of the row's full-vocabulary logits, float32
     assert peaks["kept"] - peaks["bounded"] > 2 * logits, peaks
+
+
+def test_a_long_row_holds_far_less_than_every_layers_activations():
+    run_fresh(
+        "tests.core.test_gradient_passes:_long_row_peaks"
+    )  # a fresh process: no memory kept from before

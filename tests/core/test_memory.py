@@ -1,3 +1,6 @@
+"""Peak RSS per block. The measurements run in a fresh process each (tests.support.fresh): in a long test
+session the allocator may serve a large tensor from memory it kept, and then no RSS moves at all."""
+
 import threading
 import time
 
@@ -5,17 +8,12 @@ import pytest
 import torch
 
 from lrkv_core import memory
+from tests.support.fresh import run_fresh
 
 SIZE = 256 * 2**20
 exact = pytest.mark.skipif(
     not memory._reset_high_water_mark(), reason="the system lets no process reset its RSS high-water mark"
 )
-
-
-@pytest.fixture
-def sampled(monkeypatch):
-    """The way taken where the kernel's mark cannot be reset: a sampling thread."""
-    monkeypatch.setattr(memory, "_CLEAR_REFS", "/nonexistent/clear_refs")
 
 
 def _until(condition, seconds: float = 30.0) -> None:
@@ -24,10 +22,12 @@ def _until(condition, seconds: float = 30.0) -> None:
         time.sleep(memory.INTERVAL_S)
 
 
-@exact
-def test_a_block_sees_a_peak_it_freed_at_once_without_any_sampling():
-    memory.release_freed()
-    _until(lambda: memory._TRACKER.thread is None)  # a sampler left by a test of the other way has ended
+def _sampled() -> None:
+    """The way taken where the kernel's mark cannot be reset: a sampling thread."""
+    memory._CLEAR_REFS = "/nonexistent/clear_refs"
+
+
+def _peak_freed_at_once() -> None:
     before = memory.current_rss()
     with memory.peak_rss() as watch:
         assert memory._TRACKER.thread is None  # nothing polls
@@ -37,9 +37,7 @@ def test_a_block_sees_a_peak_it_freed_at_once_without_any_sampling():
     assert memory.current_rss() < before + 0.5 * SIZE  # it was freed: only the peak remembers it
 
 
-@exact
-def test_blocks_at_once_see_each_others_peaks_and_none_from_before_they_opened():
-    memory.release_freed()
+def _blocks_at_once() -> None:
     x = torch.ones(SIZE // 4)
     del x  # a peak before any block: the process's all-time mark, which no block below may report
     before = memory.current_rss()
@@ -52,19 +50,63 @@ def test_blocks_at_once_see_each_others_peaks_and_none_from_before_they_opened()
         with memory.peak_rss() as last:
             pass
         assert outer.peak >= before + 0.9 * SIZE  # read while the block is open
-    assert first.peak < before + 0.5 * SIZE and last.peak < before + 0.5 * SIZE, (first.peak, last.peak)
+    assert first.peak < before + 0.5 * SIZE and last.peak < before + 0.5 * SIZE, (
+        before,
+        first.peak,
+        last.peak,
+    )
     assert inner.peak >= before + 0.9 * SIZE
     assert outer.peak >= inner.peak
 
 
-def test_where_the_mark_cannot_be_reset_a_sampler_sees_the_peak(sampled):
-    memory.release_freed()
+def _sampler_sees_the_peak() -> None:
+    _sampled()
     before = memory.current_rss()
     with memory.peak_rss() as watch:
         x = torch.ones(SIZE // 4)
         _until(lambda: watch.peak >= before + 0.9 * SIZE)  # however busy the machine, the sampler comes
         del x
     assert watch.peak >= before + 0.9 * SIZE, (before, watch.peak)
+
+
+def _sampler_stops() -> None:
+    _sampled()
+    with memory.peak_rss():
+        assert any(t.name == "lrkv-rss" for t in threading.enumerate())
+    _until(lambda: not any(t.name == "lrkv-rss" for t in threading.enumerate()))
+    assert not any(t.name == "lrkv-rss" for t in threading.enumerate())
+    with memory.peak_rss():  # and starts again for the next one
+        assert any(t.name == "lrkv-rss" for t in threading.enumerate())
+
+
+def _freed_memory_goes_back() -> None:
+    blocks = [torch.ones(2**16) for _ in range(2048)]  # 512 MiB in small allocations the allocator may keep
+    held = memory.current_rss()
+    del blocks
+    memory.release_freed()
+    assert memory.current_rss() < held - 256 * 2**20
+
+
+@exact
+def test_a_block_sees_a_peak_it_freed_at_once_without_any_sampling():
+    run_fresh("tests.core.test_memory:_peak_freed_at_once")
+
+
+@exact
+def test_blocks_at_once_see_each_others_peaks_and_none_from_before_they_opened():
+    run_fresh("tests.core.test_memory:_blocks_at_once")
+
+
+def test_where_the_mark_cannot_be_reset_a_sampler_sees_the_peak():
+    run_fresh("tests.core.test_memory:_sampler_sees_the_peak")
+
+
+def test_the_sampler_stops_when_no_block_is_open():
+    run_fresh("tests.core.test_memory:_sampler_stops")
+
+
+def test_freed_memory_goes_back_to_the_operating_system():
+    run_fresh("tests.core.test_memory:_freed_memory_goes_back")
 
 
 def test_an_idle_block_reports_about_the_memory_it_started_with():
@@ -78,23 +120,6 @@ def test_an_idle_block_reports_about_the_memory_it_started_with():
     assert outer.peak >= inner.peak  # what the inner block saw counts for the block around it
 
 
-def test_the_sampler_stops_when_no_block_is_open(sampled):
-    with memory.peak_rss():
-        assert any(t.name == "lrkv-rss" for t in threading.enumerate())
-    _until(lambda: not any(t.name == "lrkv-rss" for t in threading.enumerate()))
-    assert not any(t.name == "lrkv-rss" for t in threading.enumerate())
-    with memory.peak_rss():  # and starts again for the next one
-        assert any(t.name == "lrkv-rss" for t in threading.enumerate())
-
-
 def test_the_high_water_mark_never_falls_below_the_current_rss():
     assert memory.high_water_mark() >= memory.current_rss() > 0
     assert memory.gib(3 * 2**29) == "1.50 GiB"
-
-
-def test_freed_memory_goes_back_to_the_operating_system():
-    blocks = [torch.ones(2**16) for _ in range(2048)]  # 512 MiB in small allocations the allocator may keep
-    held = memory.current_rss()
-    del blocks
-    memory.release_freed()
-    assert memory.current_rss() < held - 256 * 2**20
