@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -158,3 +160,13 @@ def test_store_and_out_refuse_what_looks_like_a_uri():
     for key, value in [("store", "s3:/lrkv/store"), ("store", "gs://b/x"), ("out", "s3://lrkv/m")]:
         with pytest.raises(ValidationError, match=f"{key} '{value}' looks like a URI"):
             load_recipe(None, {key: value})
+
+
+def test_the_long_context_recipe_in_the_docs_is_a_valid_recipe():
+    path = Path(__file__).resolve().parents[2] / "docs" / "recipes" / "long-context.yaml"
+    recipe = load_recipe(path, {"model": "some/model"})
+    cache = recipe.compression.to_config().cache
+    assert (cache.name, cache.rule, cache.keep, cache.low, cache.low_bits, cache.full_bits) == (
+        "tale", "recency", 0.2, 0.4375, 8, 8,
+    )  # fmt: skip
+    assert recipe.compression.ratio == 1.0 and recipe.eval.long.lengths == [1024, 2048]
