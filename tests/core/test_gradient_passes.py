@@ -157,6 +157,5 @@ def _long_row_peaks() -> None:
 
 
 def test_a_long_row_holds_far_less_than_every_layers_activations():
-    run_fresh(
-        "tests.core.test_gradient_passes:_long_row_peaks"
-    )  # a fresh process: no memory kept from before
+    # in a fresh process: memory an earlier test left with the allocator would absorb the pass's
+    run_fresh("tests.core.test_gradient_passes:_long_row_peaks")
