@@ -112,25 +112,25 @@ class _Tracker:
             exact = self._fold()
             watch = Watch(self)
             self.watches.add(watch)
-            for other in self.watches:  # a block's first reading counts for the blocks around it
-                other.see(watch._peak)
-            if not exact and (self.thread is None or not self.thread.is_alive()):
-                self.thread = threading.Thread(target=self._sample, name="lrkv-rss", daemon=True)
-                self.thread.start()
+            if not exact:  # sampled: a block's first reading counts for the blocks around it
+                for other in self.watches:
+                    other.see(watch._peak)
+                if self.thread is None or not self.thread.is_alive():
+                    self.thread = threading.Thread(target=self._sample, name="lrkv-rss", daemon=True)
+                    self.thread.start()
             return watch
 
     def close(self, watch: Watch) -> None:
         with self.lock:
-            exact = self._fold()
-            rss = current_rss()
-            for other in self.watches:  # and its last one too
-                other.see(rss)
-            self.watches.discard(watch)
-            watch.open = False
-            if not exact:
+            if not self._fold():  # sampled: the block's last reading, and the mark if it rose meanwhile
+                rss = current_rss()
+                for other in self.watches:
+                    other.see(rss)
                 mark = high_water_mark()
                 if mark > watch.start_mark:  # the process's all-time peak was reached during the block
                     watch.see(mark)
+            self.watches.discard(watch)
+            watch.open = False
 
     def _sample(self) -> None:
         while True:
