@@ -455,9 +455,12 @@ def search(
 
     try:
         rise = None if max_ppl_rise is None else _fraction(max_ppl_rise)
+    except ValueError:
+        raise _fail(f"invalid option: --max-ppl-rise takes 1% or 0.01, got {max_ppl_rise!r}", 2) from None
+    try:
         caches = csv_list(bits, lambda b: "dense" if b == "dense" else {"name": "quantized", "bits": int(b)})
-    except ValueError as e:
-        raise _fail(f"invalid option: {e}", 2) from None
+    except ValueError:
+        raise _fail(f"invalid option: --bits takes e.g. 3,4,dense, got {bits!r}", 2) from None
     flags = {
         "base.model": model,
         "base.calibration.dataset": dataset,

@@ -122,3 +122,17 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(tmp_path):
     assert seen and seen[-1].split("|")[-1].strip() == "torch", "torch was never imported"
     assert proc.returncode == 130, errors[-2000:]
     assert "interrupted (SIGINT) while lrkv was starting" in errors and "Traceback" not in errors + rest
+
+
+def test_a_search_budget_or_bits_that_do_not_parse_are_one_line_naming_the_flag(tmp_path):
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    for flag, value, message in [
+        ("--max-ppl-rise", "abc", "invalid option: --max-ppl-rise takes 1% or 0.01, got 'abc'"),
+        ("--bits", "3,x", "invalid option: --bits takes e.g. 3,4,dense, got '3,x'"),
+    ]:
+        res = _lrkv(["search", "--model", str(model_dir), "--dataset", data, flag, value], tmp_path / "home")
+        output = res.stdout + res.stderr
+        assert res.returncode == 2, output[-2000:]
+        assert f"error: {message}" in " ".join(output.split()), output[-2000:]
+        assert "Traceback" not in output
