@@ -312,6 +312,13 @@ def evaluate_long_context(
             raise ValueError(f"unknown retrieval task {task!r}; known: {', '.join(TASKS)}")
     haystack = torch.cat([s.reshape(-1) for s in seqs])
     result = LongContextResult(protocol)
+    for part, measured in (("continuation", cont_lengths), ("retrieval", ret_lengths)):
+        longer = [n for n in protocol.lengths if measured and n > max(measured)]
+        if longer:
+            result.skipped.append(
+                f"{part} at {', '.join(map(str, longer))}: the model has {limit} positions; measured at "
+                f"{max(measured)} instead"
+            )
     plan = []  # (C, (N, C + N) windows)
     for c in cont_lengths:
         windows = cut_windows(seqs, c + protocol.continuation, protocol.windows, prefix)

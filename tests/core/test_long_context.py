@@ -244,6 +244,10 @@ def test_the_suite_is_reproducible_and_records_its_protocol(tokenizer, haystack,
     assert p["lengths"] == [128, 1024] and p["max_position_embeddings"] == 220
     assert p["context_lengths"] == [128, 204]  # 1024 capped: 204 + 16 continuation tokens = 220
     assert p["prompt_lengths"] == [128, 220 - ANSWER_RESERVE]
+    assert res.skipped == [  # the user asked for 1024: said so, beside the tables
+        "continuation at 1024: the model has 220 positions; measured at 204 instead",
+        f"retrieval at 1024: the model has 220 positions; measured at {220 - ANSWER_RESERVE} instead",
+    ]
     assert p["seed"] == 7 and p["depths"] == [0.0, 1.0] and p["dataset"] == "generated"
     assert p["cache"] == {"name": "dense"} and p["continuation"] == 16
     assert [c.context_len for c in res.continuation] == [128, 204]
