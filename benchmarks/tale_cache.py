@@ -57,12 +57,7 @@ class RandomTaleStorage(TaleStorage):
     """tale with the tokens kept whole drawn at random: what the significance rule is measured against."""
 
     name: ClassVar[str] = "tale-random"
-
-    def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> RandomTaleStore:
-        low_bits, full_bits = self.level_bits
-        return RandomTaleStore(
-            ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer, low_bits, full_bits, self.rule
-        )
+    store: ClassVar[type[TaleStore]] = RandomTaleStore
 
 
 def variants(args) -> list[tuple[str, dict[str, Any]]]:

@@ -19,6 +19,10 @@ Here, per layer and kind (K or V), with two levels:
      the most energy, ``Σ_g ‖h_g[l_g:]‖²`` (the truncation error in latent coordinates), re-ranked over the
      whole cache each time tokens come in.
 
+   ``recent`` (a count, in place of the share ``keep``) holds ``min(recent, S − α)`` cut tokens besides the
+   sinks at the full level, however long the sequence: a fixed window of whole tokens, as a sliding-window
+   cache keeps, with the bytes per token falling towards the low level's as the context grows.
+
    Both keep the full-level tokens as one ranked set, :attr:`TaleStore.kept`; recency ranks by the
    sequence position, so the same re-ranking moves the oldest down.
 3. **Lazy buffer**: new tokens stay as computed until ``buffer`` of them wait; then all waiting tokens in
@@ -62,6 +66,7 @@ from ..rotation import rotation_matrix
 from .storage import CACHE_STORAGES, CacheStorage, LatentStore, split_groups
 
 RULES = ("recency", "energy")
+DEFAULT_KEEP = 0.1  # TALE's p: the share of the cut tokens at the full level
 
 
 def low_ranks(ranks: Sequence[int], low: float) -> tuple[int, ...]:
@@ -110,6 +115,8 @@ class TaleStore(LatentStore):
     ranks_k, ranks_v : per-group ranks of the layer.
     low : share of each group's rank a low-level token keeps (0 ≤ low ≤ 1; TALE's r_0 / r_1).
     keep : share of the cut tokens (sinks aside) at the full level (0 ≤ keep ≤ 1; TALE's p).
+    recent : None, or how many cut tokens (sinks aside) are at the full level, in place of ``keep``
+        (:attr:`count`; the base class's ``recent`` is its window of tokens not yet cut).
     sink : the first ``sink`` tokens of the sequence are always at the full level (TALE's α).
     buffer : tokens kept as computed until this many wait to be cut together (0: every update).
     low_bits, full_bits : None to keep a level in the model's dtype; 2, 3, 4 or 8 to keep it as packed
@@ -131,15 +138,16 @@ class TaleStore(LatentStore):
         ranks_k: Sequence[int],
         ranks_v: Sequence[int],
         low: float = 0.5,
-        keep: float = 0.1,
+        keep: float = DEFAULT_KEEP,
         sink: int = 4,
         buffer: int = 32,
         low_bits: int | None = None,
         full_bits: int | None = None,
         rule: str = "recency",
+        recent: int | None = None,
     ) -> None:
         super().__init__(ranks_k, ranks_v, residual=buffer)
-        self.low, self.keep, self.sink, self.rule = low, keep, sink, rule
+        self.low, self.keep, self.sink, self.rule, self.count = low, keep, sink, rule, recent
         self.low_bits, self.full_bits = low_bits, full_bits
         self.lows = {"k": low_ranks(self.ranks_k, low), "v": low_ranks(self.ranks_v, low)}
         self.kept: dict[str, dict[str, torch.Tensor]] = {}
@@ -167,9 +175,11 @@ class TaleStore(LatentStore):
         return self.ranks_k if kind == "k" else self.ranks_v
 
     def _whole(self, n_encoded: int) -> int:
-        """How many of ``n_encoded`` cut tokens are at the full level: the sinks among them and the share
-        ``keep`` of the others (recency: at most that share, ⌊·⌋; energy: rounded)."""
+        """How many of ``n_encoded`` cut tokens are at the full level: the sinks among them and ``recent`` of
+        the others, or the share ``keep`` of them (recency: at most that share, ⌊·⌋; energy: rounded)."""
         sinks = max(0, min(self.sink, self.offset + n_encoded) - self.offset)
+        if self.count is not None:
+            return min(n_encoded, self.count + sinks)
         share = self.keep * (n_encoded - sinks)
         return min(n_encoded, int(share + (1e-9 if self.rule == "recency" else 0.5)) + sinks)
 
@@ -287,9 +297,11 @@ class TaleStorage(CacheStorage):
     """TALE's token-adaptive ranks: sinks and recent (or energetic) tokens whole, the rest a prefix."""
 
     name: ClassVar[str] = "tale"
+    store: ClassVar[type[TaleStore]] = TaleStore  # what create_store builds
     rule: Literal["recency", "energy"] = "recency"  # which tokens are at the full level (module docstring)
     low: float = 0.5  # share of each group's rank a low-level token keeps (TALE's r_0: 50 %; 0: evict)
-    keep: float = 0.1  # share of the cut tokens at the full level, sinks aside (TALE's p)
+    keep: float | None = None  # share of the cut tokens at the full level, sinks aside (TALE's p; None: 0.1)
+    recent: int | None = None  # or a count of them, the newest (or most energetic), in place of keep
     sink: int = 4  # the first tokens of the sequence, always at the full level (TALE's α)
     buffer: int = 32  # tokens kept as computed until this many are cut together
     low_bits: int | None = None  # the low level: None, the model's dtype; 2/3/4/8: codes per rotated block
@@ -300,10 +312,14 @@ class TaleStorage(CacheStorage):
         if self.rule not in RULES:
             raise ValueError(f"tale cache rule must be one of {RULES}, got {self.rule!r}")
         for field in ("low", "keep"):
-            if not 0.0 <= getattr(self, field) <= 1.0:
+            if getattr(self, field) is not None and not 0.0 <= getattr(self, field) <= 1.0:
                 raise ValueError(f"tale cache {field} must be between 0 and 1, got {getattr(self, field)}")
-        for field in ("sink", "buffer"):
-            if getattr(self, field) < 0:
+        if self.recent is not None and self.keep is not None:
+            raise ValueError(
+                "tale cache: give keep (a share of the cut tokens) or recent (a count), never both"
+            )
+        for field in ("sink", "buffer", "recent"):
+            if getattr(self, field) is not None and getattr(self, field) < 0:
                 raise ValueError(f"tale cache {field} must be ≥ 0, got {getattr(self, field)}")
         for field in ("bits", "low_bits", "full_bits"):
             if getattr(self, field) is not None and getattr(self, field) not in INTEGER_BITS:
@@ -318,6 +334,13 @@ class TaleStorage(CacheStorage):
                 f"tale cache: the full level keeps at least the low level's precision (TALE's b_0 ≤ b_1), "
                 f"got low_bits {low}, full_bits {full}"
             )
+
+    @property
+    def share(self) -> float | None:
+        """The share of the cut tokens at the full level, sinks aside; None when ``recent`` counts them."""
+        if self.recent is not None:
+            return None
+        return DEFAULT_KEEP if self.keep is None else self.keep
 
     @property
     def level_bits(self) -> tuple[int | None, int | None]:
@@ -337,6 +360,15 @@ class TaleStorage(CacheStorage):
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> TaleStore:
         low_bits, full_bits = self.level_bits
-        return TaleStore(
-            ranks_k, ranks_v, self.low, self.keep, self.sink, self.buffer, low_bits, full_bits, self.rule
+        return self.store(
+            ranks_k,
+            ranks_v,
+            self.low,
+            self.share or 0.0,
+            self.sink,
+            self.buffer,
+            low_bits,
+            full_bits,
+            self.rule,
+            self.recent,
         )

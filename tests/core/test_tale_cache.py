@@ -210,6 +210,8 @@ def test_options_are_checked() -> None:
         ({"keep": -0.1}, "tale cache keep must be between 0 and 1"),
         ({"buffer": -1}, "tale cache buffer must be ≥ 0"),
         ({"sink": -2}, "tale cache sink must be ≥ 0"),
+        ({"recent": -1}, "tale cache recent must be ≥ 0"),
+        ({"recent": 8, "keep": 0.2}, "give keep .* or recent .*, never both"),
         ({"bits": 16}, "tale cache bits must be null or one of"),
     ):
         with pytest.raises(ValueError, match=message):

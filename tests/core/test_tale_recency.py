@@ -65,8 +65,8 @@ def _full_tokens(store, h_k: torch.Tensor, h_v: torch.Tensor, kind: str | None =
 
 def test_recency_is_the_default_with_the_papers_settings() -> None:
     storage = CACHE_STORAGES.create("tale")
-    assert storage == TaleStorage(rule="recency", low=0.5, keep=0.1, sink=4, low_bits=None, full_bits=None)
-    assert storage.level_bits == (None, None)
+    assert storage == TaleStorage(rule="recency", low=0.5, sink=4, low_bits=None, full_bits=None)
+    assert (storage.share, storage.recent, storage.level_bits) == (0.1, None, (None, None))
 
 
 def test_the_sinks_and_the_newest_share_are_at_the_full_level_and_the_oldest_move_down() -> None:
@@ -84,6 +84,25 @@ def test_the_sinks_and_the_newest_share_are_at_the_full_level_and_the_oldest_mov
         store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
         assert _full_tokens(store, h_k[:, : t + 1], h_v[:, : t + 1]) == full
     assert sorted(store.kept["k"]["significance"][0].tolist()) == [12.0, 13.0, 14.0] + [float("inf")] * 2
+
+
+def test_a_count_of_recent_tokens_stays_the_same_however_long_the_sequence() -> None:
+    h_k, h_v = _latents(tokens=40)
+    count = {key: value for key, value in HAND.items() if key != "keep"} | {"recent": 3}
+    store = filled_store(count, h_k, h_v, [4])
+    assert _full_tokens(store, h_k[:, :4], h_v[:, :4]) == [0, 1, 2, 3]  # 2 sinks and the 2 cut so far
+    store.append(h_k[:, 4:10], h_v[:, 4:10])
+    assert _full_tokens(store, h_k[:, :10], h_v[:, :10]) == [0, 1, 7, 8, 9]  # the sinks and the newest 3
+    for t in range(10, 40):  # a share would have grown (⌊0.25 · 36⌋ = 9); the count stays 3
+        store.append(h_k[:, t : t + 1], h_v[:, t : t + 1])
+    assert _full_tokens(store, h_k, h_v) == [0, 1, 37, 38, 39]
+    assert store.kept["k"]["index"].shape[1] == 5
+    energy = filled_store(count | {"rule": "energy"}, h_k, h_v, [40])
+    tails = cut(h_k[0, 2:], RANKS_K, low_ranks(RANKS_K, 0.5))[1]  # the cut tokens' tails, sinks aside
+    most = sorted((tails.pow(2).sum(-1).topk(3).indices + 2).tolist())
+    assert _full_tokens(energy, h_k, h_v, "k") == [0, 1, *most]
+    with pytest.raises(ValueError, match="never both"):
+        TaleStorage(recent=3, keep=0.25)
 
 
 def test_the_buffer_holds_its_tokens_as_computed_beside_the_share() -> None:
