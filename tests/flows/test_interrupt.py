@@ -230,12 +230,12 @@ def test_ctrl_c_before_the_flow_takes_its_signals_is_exit_130_in_one_line(monkey
     and exit 1."""
     import typer
 
-    from lrkv_flows import cli
+    from lrkv_flows.commands.common import prefect_api
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # a given API: nothing is started
     outcome: BaseException | None = None
     try:
-        with cli._prefect_api():
+        with prefect_api():
             raise KeyboardInterrupt
     except BaseException as err:  # noqa: BLE001  (a KeyboardInterrupt let through must fail this test only)
         outcome = err

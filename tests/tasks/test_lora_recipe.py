@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from lrkv_core.lora import ROLES, RecoveryConfig
-from lrkv_flows.cli import _lora_overrides
+from lrkv_flows.commands.convert import lora_overrides
 from lrkv_tasks.plots import plot_loss_curve
 from lrkv_tasks.preflight import prepare
 from lrkv_tasks.recipe import LoraRecipe, Role, load_recipe
@@ -49,12 +49,12 @@ def test_strict_lora_sections_fail_loudly(section):
 
 
 def test_cli_flags_turn_lora_on_and_off():
-    assert _lora_overrides(None, None, {}) == {}
-    assert _lora_overrides(True, None, {}) == {"lora": {}}
-    assert _lora_overrides(True, 7, {"lora": {"r": 8}}) == {"lora.steps": 7}  # keeps the recipe's section
-    assert _lora_overrides(None, 7, {}) == {"lora": {}, "lora.steps": 7}
-    assert _lora_overrides(False, None, {"lora": {"r": 8}}) == {"lora": None}
-    recipe = load_recipe(None, _lora_overrides(None, 7, {}))
+    assert lora_overrides(None, None, {}) == {}
+    assert lora_overrides(True, None, {}) == {"lora": {}}
+    assert lora_overrides(True, 7, {"lora": {"r": 8}}) == {"lora.steps": 7}  # keeps the recipe's section
+    assert lora_overrides(None, 7, {}) == {"lora": {}, "lora.steps": 7}
+    assert lora_overrides(False, None, {"lora": {"r": 8}}) == {"lora": None}
+    recipe = load_recipe(None, lora_overrides(None, 7, {}))
     assert recipe.lora.steps == 7 and recipe.lora.r == 32
 
 

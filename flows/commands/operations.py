@@ -13,8 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from .options import dask_option, device_name_option, path_option
-from .report import console, fail
+from ..options import dask_option, device_name_option, path_option
+from ..report import console, fail
 
 MlflowUriOption = Annotated[
     Optional[str], typer.Option(help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else local SQLite)")
@@ -115,7 +115,7 @@ def deploy(
     from lrkv_tasks.recipe import load_recipe, read_yaml
     from lrkv_tasks.search_recipe import SearchRecipe
 
-    from .apiserver import running_services
+    from ..apiserver import running_services
 
     if not os.environ.get("PREFECT_API_URL"):
         services = running_services()
@@ -127,7 +127,7 @@ def deploy(
         searched = SearchRecipe.model_validate(read_yaml(search)) if search else None
         default_model = searched.base.model if searched else rec.model
         models = [m.strip() for m in (nightly or default_model).split(",") if m.strip()]
-        from .deploy import deploy as register
+        from ..deploy import deploy as register
 
         ids = register(rec, models, cron=cron, pool=pool, dask=dask, device=device, search=searched)
     except (ValueError, OSError) as e:
@@ -145,7 +145,7 @@ def deploy(
 
 def up() -> None:
     """Start a local Prefect server, a process worker and an MLflow server (until `lrkv down`)."""
-    from .services import up as start
+    from ..services import up as start
 
     require_home()
     try:
@@ -163,7 +163,7 @@ def up() -> None:
 
 def down() -> None:
     """Stop what `lrkv up` started."""
-    from .services import down as stop
+    from ..services import down as stop
 
     stopped = stop()
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")

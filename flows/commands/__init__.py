@@ -1,0 +1,1 @@
+"""One module per command of the ``lrkv`` command line; :mod:`lrkv_flows.cli` assembles them."""

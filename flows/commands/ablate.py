@@ -1,0 +1,93 @@
+"""``lrkv ablate``: a grid of conversions from one base recipe, ranked in one table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+
+from lrkv_core.allocation import ALLOCATORS
+from lrkv_core.decompositions import DECOMPOSITIONS
+
+from ..options import (
+    csv_list,
+    flag_overrides,
+    parse_group_size,
+    parse_set,
+    path_option,
+)
+from ..report import console, fail, recipe_error, rich_progress
+from .common import (
+    USER_ERRORS,
+    DaskOption,
+    DatasetOption,
+    DeviceOption,
+    EvalDatasetOption,
+    ModelOption,
+    VerboseOption,
+    build_builtin,
+    choices,
+    configure_prefect,
+    dask_block,
+    prefect_api,
+    set_option,
+    use_device,
+)
+from .operations import require_home
+
+
+def ablate(
+    recipe: Annotated[
+        Optional[Path], path_option("--recipe", "YAML ablation recipe: base (convert recipe) + grid", "FILE")
+    ] = None,
+    model: ModelOption = None,
+    dataset: DatasetOption = None,
+    eval_dataset: EvalDatasetOption = None,
+    decompositions: Annotated[
+        Optional[str], typer.Option(help=f"comma list of {choices(DECOMPOSITIONS)}")
+    ] = None,
+    group_sizes: Annotated[Optional[str], typer.Option(help="comma list, e.g. 1,2,auto")] = None,
+    allocators: Annotated[Optional[str], typer.Option(help=f"comma list of {choices(ALLOCATORS)}")] = None,
+    ratios: Annotated[Optional[str], typer.Option(help="comma list, e.g. 0.7,0.5,0.3")] = None,
+    out_dir: Annotated[
+        Optional[Path], path_option("--out-dir", "write ablation.csv/.md/.png here", "DIR")
+    ] = None,
+    set_: set_option("base.eval.max_windows=8") = None,
+    device: DeviceOption = None,
+    dask: DaskOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
+    from lrkv_tasks.recipe import AblateRecipe, apply_overrides, read_yaml
+
+    flags = {
+        "base.model": model,
+        "base.calibration.dataset": dataset,
+        "base.eval.dataset": eval_dataset,
+        "decompositions": csv_list(decompositions),
+        "group_sizes": csv_list(group_sizes, parse_group_size),
+        "allocators": csv_list(allocators),
+        "ratios": csv_list(ratios, float),
+    }
+    overrides = flag_overrides(flags, "base.eval.dataset") | parse_set(set_ or [])
+    try:
+        rec = AblateRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
+    except (ValueError, OSError, yaml.YAMLError) as e:
+        raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
+    require_home()  # Prefect's and MLflow's local databases, logs and caches live there
+    configure_prefect(rec.base.store, verbose)
+    try:
+        build_builtin(rec.base.model)
+    except USER_ERRORS as e:
+        raise fail(str(e)) from None
+    use_device(device)
+    with dask_block(dask, rec.base.store), prefect_api() as supervise:
+        from lrkv_flows.ablate import ablate_flow
+
+        with supervise, rich_progress():
+            result = ablate_flow(rec, str(out_dir) if out_dir else None)
+    console.print(result["markdown"])
+    run = result["mlflow"]
+    console.print(f"wrote {result['dir']}; MLflow run {run['run_id']} at {run['tracking_uri']}")

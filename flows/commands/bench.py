@@ -1,0 +1,91 @@
+"""``lrkv bench``: decode, prefill and memory of an original and its compressed versions, measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..options import (
+    csv_list,
+    path_option,
+)
+from ..report import console, fail, rich_progress
+from .common import (
+    USER_ERRORS,
+    DeviceOption,
+    VerboseOption,
+    build_builtin,
+    configure_prefect,
+    prefect_api,
+    use_device,
+)
+from .operations import require_home
+
+
+def bench(
+    model: Annotated[str, typer.Option(help="the original model: hub id, local dir or builtin:NAME")],
+    ratios: Annotated[
+        str, typer.Option(help="KV width ratios of the data-free compressed versions measured, comma list")
+    ] = "0.5",
+    bits: Annotated[
+        Optional[str], typer.Option(help="also each ratio with B-bit rotated latents, comma list (2,3,4,8)")
+    ] = None,
+    compressed: Annotated[
+        Optional[list[str]], typer.Option(help="a compressed model directory to measure too (repeatable)")
+    ] = None,
+    contexts: Annotated[str, typer.Option(help="context lengths, comma list")] = "1024,4096,16384",
+    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 8,
+    steps: Annotated[int, typer.Option(help="timed decode steps per point (their median is reported)")] = 16,
+    warmup: Annotated[int, typer.Option(help="untimed decode steps before them")] = 2,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+    experiment: Annotated[str, typer.Option(help="MLflow experiment")] = "lrkv",
+    store: Annotated[Optional[str], typer.Option(help="artifact store (default $LRKV_HOME/store)")] = None,
+    json_out: Annotated[
+        Optional[Path], path_option("--json-out", "write the result JSON here", "FILE")
+    ] = None,
+    device: DeviceOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Measure serving speed (decode-step latency by context, prefill throughput, KV bytes, peak memory, and
+    tokens/s at the original's cache budget) of a model and its compressed versions, as cached Prefect
+    tasks logged to MLflow."""
+    from lrkv_tasks.recipe import TrackingRecipe
+
+    try:
+        ratio_list, context_list = csv_list(ratios, float), csv_list(contexts, int)
+        bit_list = csv_list(bits, int) or []
+    except ValueError as e:
+        raise fail(f"invalid option: {e}", 2) from None
+    bad_bits = any(b not in (2, 3, 4, 8) for b in bit_list)
+    if not ratio_list or any(not 0 < r <= 1 for r in ratio_list) or bad_bits:
+        raise fail("--ratios must be in (0, 1] and --bits among 2, 3, 4, 8", 2)
+    if not context_list or min(context_list) < 1 or batch < 1 or steps < 1 or warmup < 0:
+        raise fail("--contexts, --batch and --steps must be ≥ 1 and --warmup ≥ 0", 2)
+    require_home()
+    configure_prefect(store, verbose)
+    try:
+        build_builtin(model)
+    except USER_ERRORS as e:
+        raise fail(str(e)) from None
+    use_device(device)
+    with prefect_api() as supervise:
+        from lrkv_flows.bench import bench_flow
+
+        with supervise, rich_progress():
+            try:
+                result = bench_flow(
+                    model, ratio_list, bit_list, compressed, context_list, batch, steps, warmup, dtype,
+                    TrackingRecipe(experiment=experiment), store,
+                )  # fmt: skip
+            except USER_ERRORS as e:
+                raise fail(str(e)) from None
+    console.print(result["markdown"])
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=2))
+        console.print(f"wrote {json_out}")
+    run = result["mlflow"]
+    console.print(f"MLflow run {run['run_id']} at {run['tracking_uri']}")

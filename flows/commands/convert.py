@@ -1,0 +1,192 @@
+"""``lrkv convert``: a recipe (or flags) through the conversion flow, with its summary printed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+from rich.markup import escape
+
+from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
+from lrkv_core.decompositions import DECOMPOSITIONS
+
+from ..options import (
+    flag_overrides,
+    parse_group_size,
+    parse_set,
+    path_option,
+    quantized_cache,
+    store_root,
+)
+from ..report import console, fail, print_summary, recipe_error, rich_progress
+from .common import (
+    USER_ERRORS,
+    DaskOption,
+    DatasetOption,
+    DeviceOption,
+    EvalDatasetOption,
+    ModelOption,
+    VerboseOption,
+    build_builtin,
+    cache_option,
+    choices,
+    configure_prefect,
+    dask_block,
+    prefect_api,
+    set_option,
+    use_device,
+)
+from .operations import require_home
+
+
+def convert(
+    recipe: Annotated[
+        Optional[Path], path_option("--recipe", "YAML recipe (strict: unknown keys fail)", "FILE")
+    ] = None,
+    model: ModelOption = None,
+    dataset: DatasetOption = None,
+    eval_dataset: EvalDatasetOption = None,
+    ratio: Annotated[
+        Optional[float], typer.Option(help="compressed KV width / original (0.5 halves the cache)")
+    ] = None,
+    group_size: Annotated[
+        Optional[str], typer.Option(help="KV heads per group: 1 = M-LRD, Hkv = J-LRD, auto = min(Hkv, 4)")
+    ] = None,
+    decomposition: Annotated[
+        Optional[str], typer.Option(help=f"{choices(DECOMPOSITIONS)}. {DECOMPOSITIONS.help()}")
+    ] = None,
+    allocator: Annotated[
+        Optional[str],
+        typer.Option(help=f"{choices(ALLOCATORS)} (default {DEFAULT_ALLOCATOR}). {ALLOCATORS.help()}"),
+    ] = None,
+    rank_multiple: Annotated[
+        Optional[int], typer.Option(help="round ranks down to a multiple of this")
+    ] = None,
+    refine_steps: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Gauss–Newton steps refining the plan on its measured objective (0: the allocator's plan; "
+            "default: kl 3, the others 0)"
+        ),
+    ] = None,
+    bits: Annotated[
+        Optional[int],
+        typer.Option(
+            help="quantize the cached latents: 2, 3, 4 or 8 (packed integer codes, fp16 per-token scales and "
+            "zero-points) or 16 (fp16 latents); sets compression.cache to the quantized storage"
+        ),
+    ] = None,
+    quant_group_size: Annotated[
+        Optional[int],
+        typer.Option(help="latents per quantization group (must divide every rank); default: a whole group"),
+    ] = None,
+    residual_length: Annotated[
+        Optional[int], typer.Option(help="newest tokens kept in full precision (KIVI's residual); default 0")
+    ] = None,
+    cache: cache_option("the compressed model's cache storage (instead of --bits)", "dense latents") = None,
+    rotation: Annotated[
+        Optional[str],
+        typer.Option(
+            help="none | hadamard | auto: orthogonal rotation of each group's latents fused into the weights "
+            "(spreads outliers before quantization; auto: Hadamard where the rank allows, else seeded random)"
+        ),
+    ] = None,
+    n_samples: Annotated[Optional[int], typer.Option(help="calibration windows (default 256)")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
+    out: Annotated[
+        Optional[Path], path_option("--out", "write the compressed model directory here", "DIR")
+    ] = None,
+    store: Annotated[
+        Optional[str],
+        typer.Option(
+            help="artifact store root: a directory or s3://bucket/prefix (default <LRKV_HOME>/store)",
+            parser=store_root,
+            metavar="DIR|s3://BUCKET/PREFIX",
+        ),
+    ] = None,
+    mlflow_uri: Annotated[
+        Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
+    ] = None,
+    lora: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--lora/--no-lora",
+            help="LoRA recovery after compression, merged so the cache keeps its size (the recipe's lora: "
+            "section, else its defaults: r′ 32, α 32, lr 2e-4, cosine, 200 steps on the calibration data)",
+        ),
+    ] = None,
+    lora_steps: Annotated[Optional[int], typer.Option(help="LoRA optimizer steps (implies --lora)")] = None,
+    set_: set_option("eval.max_windows=8") = None,
+    device: DeviceOption = None,
+    dask: DaskOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
+    from lrkv_tasks.recipe import load_recipe, read_yaml, recipe_yaml
+
+    flags = {
+        "model": model,
+        "calibration.dataset": dataset,
+        "compression.ratio": ratio,
+        "compression.group_size": parse_group_size(group_size),
+        "compression.decomposition": decomposition,
+        "compression.allocator": allocator,
+        "compression.rank_multiple": rank_multiple,
+        "compression.refine.steps": refine_steps,
+        "compression.cache": quantized_cache(bits, quant_group_size, residual_length, cache),
+        "compression.rotation": rotation,
+        "calibration.n_samples": n_samples,
+        "calibration.seq_len": seq_len,
+        "eval.seq_len": seq_len,
+        "out": str(out) if out else None,
+        "store": store,
+        "tracking.mlflow_uri": mlflow_uri,
+        "eval.dataset": eval_dataset,
+    }
+    overrides = flag_overrides(flags, "eval.dataset")
+    if seq_len is not None:
+        overrides.setdefault("eval.decode_prefix", seq_len // 2)
+    overrides.update(parse_set(set_ or []))
+    try:
+        overrides = lora_overrides(lora, lora_steps, read_yaml(recipe)) | overrides
+        rec = load_recipe(recipe, overrides)
+    except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
+        raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
+    require_home()  # Prefect's and MLflow's local databases, logs and caches live there
+    configure_prefect(rec.store, verbose)
+    try:
+        build_builtin(rec.model)
+        from lrkv_tasks.preflight import prepare
+
+        prepared = prepare(rec)  # everything cheap is checked before Prefect starts
+    except USER_ERRORS as e:
+        raise fail(str(e)) from None
+    console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)
+    for note in prepared.notes:
+        console.print(f"[cyan]note:[/cyan] {escape(note)}", soft_wrap=True)
+    use_device(device)
+    with dask_block(dask, prepared.recipe.store), prefect_api() as supervise:
+        from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
+
+        try:
+            with supervise, rich_progress():
+                result = convert_flow(prepared.recipe)
+        except USER_ERRORS as e:
+            raise fail(str(e)) from None
+    print_summary(result)
+
+
+def lora_overrides(lora: bool | None, steps: int | None, recipe: dict) -> dict:
+    """``--lora`` adds a default ``lora:`` section when the recipe has none; ``--no-lora`` removes it."""
+    if lora is False:
+        if steps is not None:
+            raise typer.BadParameter("--lora-steps contradicts --no-lora")
+        return {"lora": None}
+    out = {}
+    if (lora or steps is not None) and not recipe.get("lora"):
+        out["lora"] = {}
+    if steps is not None:
+        out["lora.steps"] = steps
+    return out

@@ -1,0 +1,132 @@
+"""``lrkv search``: the cheapest recipe within a quality budget, searched by the search flow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+
+from lrkv_core.allocation import ALLOCATORS
+
+from ..options import (
+    csv_list,
+    flag_overrides,
+    parse_set,
+    path_option,
+    store_root,
+)
+from ..report import console, fail, print_summary, recipe_error, rich_progress
+from .common import (
+    USER_ERRORS,
+    DaskOption,
+    DatasetOption,
+    DeviceOption,
+    EvalDatasetOption,
+    ModelOption,
+    VerboseOption,
+    build_builtin,
+    choices,
+    configure_prefect,
+    dask_block,
+    fraction,
+    prefect_api,
+    set_option,
+    use_device,
+)
+from .operations import require_home
+
+
+def search(
+    recipe: Annotated[
+        Optional[Path], path_option("--recipe", "YAML search recipe: base (convert recipe) + search", "FILE")
+    ] = None,
+    model: ModelOption = None,
+    dataset: DatasetOption = None,
+    eval_dataset: EvalDatasetOption = None,
+    max_ppl_rise: Annotated[
+        Optional[str],
+        typer.Option(help="prefill PPL rise over the original allowed: 1% or 0.01 (default 1%)"),
+    ] = None,
+    max_kl: Annotated[
+        Optional[float], typer.Option(help="KL(original ‖ compressed) nats/token allowed")
+    ] = None,
+    ratios: Annotated[Optional[str], typer.Option(help="width ratios bisected per arm, comma list")] = None,
+    bits: Annotated[
+        Optional[str],
+        typer.Option(
+            help="cache storages searched, comma list: B (rotated B-bit latents) or dense (default 3,4,dense)"
+        ),
+    ] = None,
+    allocators: Annotated[Optional[str], typer.Option(help=f"comma list of {choices(ALLOCATORS)}")] = None,
+    n_samples: Annotated[Optional[int], typer.Option(help="calibration windows (default 256)")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
+    out: Annotated[Optional[Path], path_option("--out", "export the model found here", "DIR")] = None,
+    out_dir: Annotated[
+        Optional[Path], path_option("--out-dir", "write search.csv/.md and the Pareto plot here", "DIR")
+    ] = None,
+    store: Annotated[
+        Optional[str],
+        typer.Option(help="artifact store root", parser=store_root, metavar="DIR|s3://BUCKET/PREFIX"),
+    ] = None,
+    mlflow_uri: Annotated[
+        Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
+    ] = None,
+    set_: set_option("base.eval.max_windows=8") = None,
+    device: DeviceOption = None,
+    dask: DaskOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Find the smallest KV cache within a quality budget (bisection on the width ratio per cache storage and
+    allocator), then convert, export and register it; logs the Pareto front to MLflow."""
+    from lrkv_tasks.recipe import apply_overrides, read_yaml
+    from lrkv_tasks.search_recipe import SearchRecipe
+
+    try:
+        rise = None if max_ppl_rise is None else fraction(max_ppl_rise)
+    except ValueError:
+        raise fail(f"invalid option: --max-ppl-rise takes 1% or 0.01, got {max_ppl_rise!r}", 2) from None
+    try:
+        caches = csv_list(bits, lambda b: "dense" if b == "dense" else {"name": "quantized", "bits": int(b)})
+    except ValueError:
+        raise fail(f"invalid option: --bits takes e.g. 3,4,dense, got {bits!r}", 2) from None
+    flags = {
+        "base.model": model,
+        "base.calibration.dataset": dataset,
+        "base.eval.dataset": eval_dataset,
+        "base.calibration.n_samples": n_samples,
+        "base.calibration.seq_len": seq_len,
+        "base.eval.seq_len": seq_len,
+        "base.eval.decode_prefix": seq_len // 2 if seq_len else None,
+        "base.out": str(out) if out else None,
+        "base.store": store,
+        "base.tracking.mlflow_uri": mlflow_uri,
+        "search.max_ppl_rise": rise,
+        "search.max_kl": max_kl,
+        "search.ratios": csv_list(ratios, float),
+        "search.caches": caches,
+        "search.allocators": csv_list(allocators),
+    }
+    overrides = flag_overrides(flags, "base.eval.dataset") | parse_set(set_ or [])
+    try:
+        rec = SearchRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
+    except (ValueError, OSError, yaml.YAMLError) as e:
+        raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
+    require_home()
+    configure_prefect(rec.base.store, verbose)
+    try:
+        build_builtin(rec.base.model)
+    except USER_ERRORS as e:
+        raise fail(str(e)) from None
+    use_device(device)
+    with dask_block(dask, rec.base.store), prefect_api() as supervise:
+        from lrkv_flows.search import search_flow
+
+        try:
+            with supervise, rich_progress():
+                result = search_flow(rec, str(out_dir) if out_dir else None)
+        except USER_ERRORS as e:
+            raise fail(str(e)) from None
+    console.print(result["summary"]["markdown"], markup=False, highlight=False, soft_wrap=True)
+    print_summary(result["winner"])
