@@ -20,22 +20,19 @@ from ..options import (
 )
 from ..report import console, fail, recipe_error, rich_progress
 from .common import (
-    USER_ERRORS,
     DaskOption,
     DatasetOption,
     DeviceOption,
     EvalDatasetOption,
     ModelOption,
     VerboseOption,
-    build_builtin,
     choices,
-    configure_prefect,
     dask_block,
     prefect_api,
     set_option,
+    start_command,
     use_device,
 )
-from .operations import require_home
 
 
 def ablate(
@@ -76,12 +73,7 @@ def ablate(
         rec = AblateRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
     except (ValueError, OSError, yaml.YAMLError) as e:
         raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
-    require_home()  # Prefect's and MLflow's local databases, logs and caches live there
-    configure_prefect(rec.base.store, verbose)
-    try:
-        build_builtin(rec.base.model)
-    except USER_ERRORS as e:
-        raise fail(str(e)) from None
+    start_command(rec.base.store, verbose, rec.base.model)
     use_device(device)
     with dask_block(dask, rec.base.store), prefect_api() as supervise:
         from lrkv_flows.ablate import ablate_flow

@@ -17,12 +17,10 @@ from .common import (
     USER_ERRORS,
     DeviceOption,
     VerboseOption,
-    build_builtin,
-    configure_prefect,
     prefect_api,
+    start_command,
     use_device,
 )
-from .operations import require_home
 
 
 def bench(
@@ -64,12 +62,7 @@ def bench(
         raise fail("--ratios must be in (0, 1] and --bits among 2, 3, 4, 8", 2)
     if not context_list or min(context_list) < 1 or batch < 1 or steps < 1 or warmup < 0:
         raise fail("--contexts, --batch and --steps must be ≥ 1 and --warmup ≥ 0", 2)
-    require_home()
-    configure_prefect(store, verbose)
-    try:
-        build_builtin(model)
-    except USER_ERRORS as e:
-        raise fail(str(e)) from None
+    start_command(store, verbose, model)
     use_device(device)
     with prefect_api() as supervise:
         from lrkv_flows.bench import bench_flow

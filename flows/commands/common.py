@@ -16,6 +16,7 @@ from lrkv_tasks.device import ENV as DEVICE_ENV
 from ..cluster import ENV as DASK_ENV
 from ..options import cache_storage, dask_option, device_option
 from ..report import console, fail, rich_progress
+from .operations import require_home
 
 # what a user error looks like: one line, no traceback (FileExistsError/FileNotFoundError are OSErrors)
 USER_ERRORS = (ValueError, OSError, KeyError)
@@ -165,11 +166,21 @@ def build_builtin(model_ref: str) -> None:
     if not model_ref.startswith("builtin:"):
         return
     from lrkv_demo.builtin import ensure_builtin_model
-    from lrkv_tasks.progress import step
 
     with rich_progress(), step(f"{model_ref} (built on first use)") as advance:
         name = model_ref.split(":", 1)[1]
         ensure_builtin_model(name, progress=lambda done, total, _loss: advance(done, total))
+
+
+def start_command(store: str | None, verbose: bool, model: str) -> None:
+    """What a command that runs a flow does before it: the home must be writable (Prefect's and MLflow's
+    local databases, logs and caches live there), Prefect's settings, and a ``builtin:`` model built."""
+    require_home()
+    configure_prefect(store, verbose)
+    try:
+        build_builtin(model)
+    except USER_ERRORS as e:
+        raise fail(str(e)) from None
 
 
 def step(description: str):

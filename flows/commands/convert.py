@@ -29,16 +29,14 @@ from .common import (
     EvalDatasetOption,
     ModelOption,
     VerboseOption,
-    build_builtin,
     cache_option,
     choices,
-    configure_prefect,
     dask_block,
     prefect_api,
     set_option,
+    start_command,
     use_device,
 )
-from .operations import require_home
 
 
 def convert(
@@ -154,10 +152,8 @@ def convert(
         rec = load_recipe(recipe, overrides)
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
         raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
-    require_home()  # Prefect's and MLflow's local databases, logs and caches live there
-    configure_prefect(rec.store, verbose)
+    start_command(rec.store, verbose, rec.model)
     try:
-        build_builtin(rec.model)
         from lrkv_tasks.preflight import prepare
 
         prepared = prepare(rec)  # everything cheap is checked before Prefect starts

@@ -26,16 +26,14 @@ from .common import (
     EvalDatasetOption,
     ModelOption,
     VerboseOption,
-    build_builtin,
     choices,
-    configure_prefect,
     dask_block,
     fraction,
     prefect_api,
     set_option,
+    start_command,
     use_device,
 )
-from .operations import require_home
 
 
 def search(
@@ -113,12 +111,7 @@ def search(
         rec = SearchRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
     except (ValueError, OSError, yaml.YAMLError) as e:
         raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
-    require_home()
-    configure_prefect(rec.base.store, verbose)
-    try:
-        build_builtin(rec.base.model)
-    except USER_ERRORS as e:
-        raise fail(str(e)) from None
+    start_command(rec.base.store, verbose, rec.base.model)
     use_device(device)
     with dask_block(dask, rec.base.store), prefect_api() as supervise:
         from lrkv_flows.search import search_flow
