@@ -94,12 +94,14 @@ def quantized_cache(
 
 def cache_storage(value: str) -> str | dict:
     """A typer ``parser`` for ``--cache``: a storage's name or its YAML recipe form ``{name: gear, bits: 2}``,
-    checked against the registry (a usage error names the storages and their options)."""
+    checked as a recipe's ``cache`` field is, option types included (a usage error names the storages and
+    their options)."""
     from lrkv_core.cache import CACHE_STORAGES
+    from lrkv_tasks.registered import RegisteredMethod
 
     spec = yaml_value("--cache", value)
     try:
-        CACHE_STORAGES.create(spec)
+        RegisteredMethod(CACHE_STORAGES).validate(spec)
     except (TypeError, ValueError) as err:
         raise typer.BadParameter(str(err)) from None
     return spec

@@ -292,6 +292,7 @@ def test_eval_takes_another_cache_storage(compress, tmp_path, monkeypatch):
         ("gzip", "unknown cache storage"),
         ("{name: gear", "is not valid YAML"),
         ("{name: tale, low: 2}", "tale cache low must be between 0 and 1"),
+        ("{name: tale, recent: lots}", "'tale': recent: Input should be"),
     ):
         res = CliRunner().invoke(app, [*args, "--cache", spec])
         assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
