@@ -168,6 +168,47 @@ def release_freed() -> None:
         libc.malloc_trim(0)
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+# while mapping: allocations above this many bytes get a mapping of their own (glibc's initial threshold)
+MAPPED_ABOVE = 128 * 1024
+# after: allocations up to this many bytes come from the heap again, and free memory above the heap's top
+# returns to the system past twice that: where glibc's own moving thresholds settle once a large block has
+# been freed (their maximum on 64-bit systems)
+HEAP_UP_TO = 32 * 2**20
+_mapping = {"depth": 0}
+_mapping_lock = threading.Lock()
+
+
+@contextmanager
+def mapped_allocations(on: bool = True) -> Iterator[None]:
+    """While open (and ``on``), every allocation of more than :data:`MAPPED_ABOVE` bytes is a mapping of its
+    own (glibc's ``M_MMAP_THRESHOLD``), handed back to the operating system the moment it is freed.
+
+    A gradient pass over a long row keeps every layer's input and k/v outputs until its backward pass while
+    it frees each layer's larger temporaries; on the heap those holes between the kept blocks are not
+    reused by the next, larger temporaries, and the RSS climbs by the holes (about 1 GiB in a conversion's
+    refinement at 2,048 tokens). Mapped, they cost a page fault per page instead: the pass runs about a
+    fifth slower, so this is for long rows only. The setting is the process's; nested and concurrent blocks
+    share it, and the last to close sets the limits back (:data:`HEAP_UP_TO`). A no-op where the C library is
+    not glibc."""
+    libc = _libc() if on else None
+    if libc is None:
+        yield
+        return
+    with _mapping_lock:
+        _mapping["depth"] += 1
+        if _mapping["depth"] == 1:
+            libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_ABOVE)
+    try:
+        yield
+    finally:
+        with _mapping_lock:
+            _mapping["depth"] -= 1
+            if _mapping["depth"] == 0:
+                libc.mallopt(_M_MMAP_THRESHOLD, HEAP_UP_TO)
+                libc.mallopt(_M_TRIM_THRESHOLD, 2 * HEAP_UP_TO)
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     """glibc, loaded once; None where it is not the C library (nothing to trim)."""

@@ -11,9 +11,10 @@ Labels are the input ids themselves, shifted once: position t scores token t + 1
 Memory: a pass runs the decoder stack, then the output projection and the loss over :data:`LOSS_CHUNK`
 positions at a time (their gradient at the last hidden state accumulates), then the backward pass from there
 to the k/v outputs; a micro-batch of more than :data:`CHECKPOINT_TOKENS` tokens recomputes each layer's
-activations during the backward pass instead of keeping them. So one pass over a long row holds the model,
-each layer's input and one layer's activations, not every layer's activations and the whole row's
-full-vocabulary logits (``benchmarks/pass_memory.py`` measures it).
+activations during the backward pass instead of keeping them, and its large temporaries are mapped memory
+returned to the system when freed (:func:`lrkv_core.memory.mapped_allocations`). So one pass over a long row
+holds the model, each layer's input and one layer's activations, not every layer's activations and the
+whole row's full-vocabulary logits (``benchmarks/pass_memory.py`` measures it).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..adapters import get_adapter
+from ..memory import mapped_allocations
 
 Visit = Callable[[int, str, torch.Tensor, torch.Tensor], None]  # (layer, "k"|"v", x (B,T,d), g (B,T,out))
 # Given one micro-batch's rows (B, T), a function called for consecutive chunks of its scored positions, in
@@ -43,6 +45,9 @@ LOSS_CHUNK = 256
 # a micro-batch of more tokens keeps only each decoder layer's input through the forward pass and recomputes
 # the layer in the backward pass (activation checkpointing): one long row costs about one layer's activations
 CHECKPOINT_TOKENS = 1024
+# such a micro-batch's large temporaries are mappings of their own, returned to the system when freed
+# (lrkv_core.memory.mapped_allocations): no holes between the blocks the pass keeps; its pages cost faults
+MAP_LONG_ROWS = True
 
 
 def row_seeded_targets(seed: int, first_row: int = 0) -> Targets:
@@ -204,7 +209,8 @@ def kv_gradient_passes(
                 batch = rows[start : start + batch_size].to(device)  # (B, T)
                 seen.clear()
                 recording[0] = True
-                with checkpointed(adapter.layers(model), batch.numel() > CHECKPOINT_TOKENS):
+                long = batch.numel() > CHECKPOINT_TOKENS
+                with checkpointed(adapter.layers(model), long), mapped_allocations(long and MAP_LONG_ROWS):
                     hidden = base(input_ids=batch, use_cache=False)[0]  # (B, T, d)
                     recording[0] = False
                     grad = _loss_gradient(hidden, batch, logits_of, targets)

@@ -87,6 +87,28 @@ def _freed_memory_goes_back() -> None:
     assert memory.current_rss() < held - 256 * 2**20
 
 
+def _mapped_temporaries_leave_no_holes() -> None:
+    """A loop keeps 64 blocks of 1 MiB, each allocated while a temporary is alive that is freed next and is
+    larger than every one before it (as in a long row's gradient pass): on the heap no earlier hole fits the
+    next temporary, and the holes between the kept blocks would count in the RSS (up to 632 MiB)."""
+    raised = torch.ones(24 * 2**20 // 4)  # freed: glibc's moving threshold takes blocks ≤ 24 MiB to the heap
+    del raised
+    memory.release_freed()
+    start, kept = memory.current_rss(), []
+    with memory.mapped_allocations(), memory.mapped_allocations():  # nested blocks share the setting
+        for i in range(64):
+            temporary = torch.ones((2 * 2**20 + i * 2**18) // 4)
+            kept.append(torch.ones(2**18))
+            del temporary
+        grown = memory.current_rss() - start
+    assert grown < (64 + 16) * 2**20, grown / 2**20
+
+
+@pytest.mark.skipif(memory._libc() is None, reason="the C library is not glibc: nothing to set")
+def test_temporaries_freed_between_kept_blocks_go_back_while_allocations_are_mapped():
+    run_fresh("tests.core.test_memory:_mapped_temporaries_leave_no_holes")
+
+
 @exact
 def test_a_block_sees_a_peak_it_freed_at_once_without_any_sampling():
     run_fresh("tests.core.test_memory:_peak_freed_at_once")
