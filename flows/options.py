@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 import yaml
 
-from lrkv_tasks.refs import STORE_FORMS, is_s3, local_dir
+from lrkv_tasks.artifacts import STORE_FORMS, is_s3, local_dir
 
 
 def local_path(flag: str, accepts: str = "a local path") -> Callable[[str], Path]:

@@ -20,7 +20,7 @@ from lrkv_core.models import load_model, parse_device
 from .convert import CACHED, TASK_KEY, _local, _stored
 from .device import model_pass, task_device
 from .progress import step
-from .refs import ArtifactRef
+from .artifacts import ArtifactRef
 
 
 def device_identity(device: str) -> str:

@@ -1,6 +1,6 @@
 """Prefect tasks of the convert flow: resolve refs, one lrkv_core call, persist, return refs + metrics.
 
-Every task returns an :class:`~lrkv_tasks.refs.ArtifactRef` (or a small dict of metrics) and is cached on
+Every task returns an :class:`~lrkv_tasks.artifacts.ArtifactRef` (or a small dict of metrics) and is cached on
 content fingerprints (:mod:`lrkv_tasks.keys`). Each task's parameters are only what its step reads, so, for
 example, another allocator reuses the statistics and factors of an earlier run.
 """
@@ -25,12 +25,12 @@ from lrkv_core.fingerprint import hash_dir
 from lrkv_core.models import model_fingerprint, resolve_model_dir
 from lrkv_core.steps import Step, statistic_inputs
 
-from .cache import checked
+from .records import checked
 from .device import model_pass, task_device
 from .keys import calibration_key, resolve_key, task_key
 from .progress import step
 from .recipe import LongEvalRecipe
-from .refs import ArtifactRef
+from .artifacts import ArtifactRef
 from .store import StoreIntegrityError, local_path, open_store
 
 _RUN_SECONDS: dict[uuid.UUID, float] = {}
@@ -68,7 +68,7 @@ def run_seconds(task_run_id: uuid.UUID, wait: float = 3.0) -> float | None:
             time.sleep(0.1)
 
 
-# results persist as JSON (never pickle) in the store, and a hit is checked before use (lrkv_tasks.cache)
+# results persist as JSON (never pickle) in the store, and a hit is checked before use (lrkv_tasks.records)
 CACHED = {
     "persist_result": True,
     "result_serializer": "json",

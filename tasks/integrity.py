@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from .refs import digest_of
+from .artifacts import digest_of
 
 
 class StoreIntegrityError(OSError):

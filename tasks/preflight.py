@@ -27,7 +27,7 @@ from lrkv_core.refs import absolute_dataset_spec, absolute_model_ref, absolute_p
 
 from .device import pass_limit
 from .recipe import HELD_OUT, ConvertRecipe, LoraRecipe
-from .refs import is_s3
+from .artifacts import is_s3
 
 DEFAULT_CALIBRATION = "hf:wikitext:wikitext-2-raw-v1:train"  # Palu's and SVD-LLM's calibration text
 

@@ -27,7 +27,7 @@ from lrkv_core.registry import Method
 from lrkv_core.rotation import ROTATIONS
 from lrkv_core.statistics import STATISTICS
 
-from .refs import STORE_FORMS, is_s3, local_dir
+from .artifacts import STORE_FORMS, is_s3, local_dir
 from .registered import registered
 
 DEFAULT_MODEL = "builtin:pydoc-llama"

@@ -26,7 +26,7 @@ import yaml
 from lrkv_core.fingerprint import hash_dir
 from lrkv_core.paths import lrkv_home, writable_home
 
-from .registry import SHA_TAG, _alias_version
+from .model_registry import SHA_TAG, _alias_version
 from .tracking import client, tracking_uri
 
 _MODELS_REF = re.compile(r"/?(?P<name>[^/@]+)(?:@(?P<alias>[\w-]+)|/(?P<version>\d+))")

@@ -29,7 +29,7 @@ from lrkv_core.fingerprint import hash_dir, hash_file, hash_json
 from lrkv_core.paths import lrkv_home
 
 from .integrity import StoreIntegrityError, intact
-from .refs import RESULTS, digest_of, staging_path
+from .artifacts import RESULTS, digest_of, staging_path
 
 MANIFEST = "MANIFEST.json"
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")

@@ -18,7 +18,7 @@ a second change within the same timestamp tick would not show in its times).
 
 The store also holds the tasks' cached results (Prefect result records, JSON) in ``<root>/prefect-results``;
 :meth:`ArtifactStore.result_storage` is the Prefect storage block for them, and ``read_record`` /
-``write_record`` let :mod:`lrkv_tasks.cache` check a record before Prefect reads it.
+``write_record`` let :mod:`lrkv_tasks.records` check a record before Prefect reads it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from lrkv_core.files import make_tree_readable
 from lrkv_core.paths import lrkv_home
 
 from .integrity import StoreIntegrityError, intact, recorded_digest, verify_artifact
-from .refs import RESULTS, STORE_FORMS, digest_of, is_s3, local_dir, staging_path
+from .artifacts import RESULTS, STORE_FORMS, digest_of, is_s3, local_dir, staging_path
 
 __all__ = [
     "RESULTS",
@@ -56,7 +56,7 @@ def default_store_root() -> Path:
 
 
 class ArtifactStore(Protocol):
-    """What tasks need from a store; ``uri`` strings are what :class:`~lrkv_tasks.refs.ArtifactRef` holds."""
+    """What tasks need from a store; ``uri`` strings are what :class:`~lrkv_tasks.artifacts.ArtifactRef` holds."""
 
     root: str
 

@@ -15,7 +15,7 @@ from lrkv_core.models import load_model
 
 from .convert import CACHED, TASK_KEY
 from .device import model_pass, task_device
-from .refs import ArtifactRef
+from .artifacts import ArtifactRef
 from .store import local_path
 
 

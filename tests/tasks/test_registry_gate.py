@@ -2,7 +2,7 @@
 
 from lrkv_core.heldout import overlap
 from lrkv_tasks.publish import quality
-from lrkv_tasks.registry import model_name, quality_gate
+from lrkv_tasks.model_registry import model_name, quality_gate
 
 Q = {"ppl": 10.4, "base_ppl": 10.0, "protocol": "p1"}
 

@@ -1,8 +1,8 @@
 """Cached task results that hold no executable data and never point at deleted artifacts.
 
 Task results are persisted as JSON (Prefect's ``json`` serializer): dicts of numbers and strings, and
-:class:`~lrkv_tasks.refs.ArtifactRef` objects, which Prefect's JSON encoder writes as
-``{"__class__": "lrkv_tasks.refs.ArtifactRef", "data": {...}}``. Prefect reads a record with whatever
+:class:`~lrkv_tasks.artifacts.ArtifactRef` objects, which Prefect's JSON encoder writes as
+``{"__class__": "lrkv_tasks.artifacts.ArtifactRef", "data": {...}}``. Prefect reads a record with whatever
 serializer the record itself names, so a writable shared store could otherwise hand it a pickle. Before
 Prefect looks a key up, :func:`checked` reads the record itself (as plain JSON, never unpickling or importing
 anything) and accepts it only if
@@ -24,7 +24,7 @@ from typing import Any
 from prefect.context import TaskRunContext
 
 from .progress import run_logger
-from .refs import ArtifactRef
+from .artifacts import ArtifactRef
 from .store import ArtifactStore, artifact_problem, open_store
 
 REF_CLASS = f"{ArtifactRef.__module__}.{ArtifactRef.__qualname__}"
