@@ -20,6 +20,7 @@ from ..options import (
 )
 from ..report import console, fail, recipe_error, rich_progress
 from .common import (
+    USER_ERRORS,
     DaskOption,
     DatasetOption,
     DeviceOption,
@@ -78,8 +79,11 @@ def ablate(
     with dask_block(dask, rec.base.store), prefect_api() as supervise:
         from lrkv_flows.ablate import ablate_flow
 
-        with supervise, rich_progress():
-            result = ablate_flow(rec, str(out_dir) if out_dir else None)
+        try:
+            with supervise, rich_progress():
+                result = ablate_flow(rec, str(out_dir) if out_dir else None)
+        except USER_ERRORS as e:
+            raise fail(str(e)) from None
     console.print(result["markdown"])
     run = result["mlflow"]
     console.print(f"wrote {result['dir']}; MLflow run {run['run_id']} at {run['tracking_uri']}")
