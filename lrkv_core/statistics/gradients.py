@@ -10,11 +10,13 @@ Labels are the input ids themselves, shifted once: position t scores token t + 1
 
 Memory: a pass runs the decoder stack, then the output projection and the loss over :data:`LOSS_CHUNK`
 positions at a time (their gradient at the last hidden state accumulates), then the backward pass from there
-to the k/v outputs; a micro-batch of more than :data:`CHECKPOINT_TOKENS` tokens recomputes each layer's
-activations during the backward pass instead of keeping them, and its large temporaries are mapped memory
-returned to the system when freed (:func:`lrkv_core.memory.mapped_allocations`). So one pass over a long row
-holds the model, each layer's input and one layer's activations, not every layer's activations and the
-whole row's full-vocabulary logits (``benchmarks/pass_memory.py`` measures it).
+to the first layer's k/v outputs, visiting each projection as the pass reaches its output's gradient and
+dropping its input and gradient there (from the last layer down); a micro-batch of more than
+:data:`CHECKPOINT_TOKENS` tokens recomputes each layer's activations during the backward pass instead of
+keeping them, and its large temporaries are mapped memory returned to the system when freed
+(:func:`lrkv_core.memory.mapped_allocations`). So one pass over a long row holds the model, each layer's input
+and one layer's activations, not every layer's activations and the whole row's full-vocabulary logits
+(``benchmarks/pass_memory.py`` measures it).
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def kv_gradient_passes(
     progress: Callable[[int, int], None] | None = None,
     targets: Targets | None = None,
 ) -> tuple[int, int]:
-    """Call ``visit(layer, kind, x, g)`` for every k/v projection of every micro-batch of ``rows`` (N, T).
+    """Call ``visit(layer, kind, x, g)`` for every k/v projection of every micro-batch of ``rows`` (N, T),
+    in the backward pass's order (last layer first; no gradient is being recorded while it runs).
 
     ``targets`` picks what the loss scores: by default the rows' own next tokens (the empirical Fisher);
     e.g. tokens sampled from the model's own predictions give the true Fisher's gradients, and the original
@@ -183,16 +186,27 @@ def kv_gradient_passes(
     parts = {kind: adapter.rows(model.config, kind) for kind in ("k", "v")}  # Phi-3: qkv_proj's k/v rows
     base, logits_of = adapter.base_model(model), _logits_of(model)
     device = next(model.parameters()).device
-    seen: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (layer, kind, input x, output) per pass
+    # a pass keeps each projection's input until the backward pass reaches its output's gradient, visits the
+    # pair there and drops them: no output, input or gradient of a later layer waits for the earlier layers
+    inputs: dict[tuple[int, str], torch.Tensor] = {}
+    first: list[torch.Tensor] = []  # the first recorded outputs: what the backward pass is asked to reach
     recording = [False]  # the forward pass records; a checkpointed layer's recomputation does not
+
+    def reached(i: int, kind: str, g: torch.Tensor) -> None:
+        visit(i, kind, inputs.pop((i, kind)), g[..., parts[kind]].detach())
 
     def make_hook(i: int, kind: str):
         def hook(_module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             if recording[0]:
-                seen.append((i, kind, args[0].detach(), output))
+                inputs[(i, kind)] = args[0].detach()
+                output.register_hook(functools.partial(reached, i, kind))
+                if not first or i == first_layer[0]:
+                    first_layer[0] = i
+                    first.append(output)
 
         return hook
 
+    first_layer = [-1]
     flags = [(p, p.requires_grad) for p in model.parameters()]
     was_training = model.training
     handles = []
@@ -207,25 +221,26 @@ def kv_gradient_passes(
         with torch.enable_grad():
             for start in range(0, n, batch_size):
                 batch = rows[start : start + batch_size].to(device)  # (B, T)
-                seen.clear()
+                inputs.clear()
+                first.clear()
                 recording[0] = True
                 long = batch.numel() > CHECKPOINT_TOKENS
                 with checkpointed(adapter.layers(model), long), mapped_allocations(long and MAP_LONG_ROWS):
                     hidden = base(input_ids=batch, use_cache=False)[0]  # (B, T, d)
                     recording[0] = False
                     grad = _loss_gradient(hidden, batch, logits_of, targets)
-                    outs = [out for *_, out in seen]
-                    grads = torch.autograd.grad(hidden, outs, grad_outputs=grad, allow_unused=True)
+                    # every projection's output lies on the way from the loss to the first layer's, so its
+                    # hook sees its gradient on the way (the gradients returned here are not needed)
+                    torch.autograd.grad(hidden, first, grad_outputs=grad, allow_unused=True)
                 del hidden, grad
-                for (i, kind, x, _), g in zip(seen, grads):
-                    if g is not None:
-                        visit(i, kind, x, g[..., parts[kind]].detach())
-                seen.clear()
+                first.clear()
+                inputs.clear()  # an output the loss does not depend on: nothing to visit
                 n_batches += 1
                 if progress:
                     progress(min(start + batch_size, n), n)
     finally:
-        seen.clear()
+        inputs.clear()
+        first.clear()
         for h in handles:
             h.remove()
         for p, flag in flags:
