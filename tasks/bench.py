@@ -17,10 +17,10 @@ from prefect import task
 from lrkv_core import pipeline, serving
 from lrkv_core.models import load_model, parse_device
 
+from .artifacts import ArtifactRef
 from .convert import CACHED, TASK_KEY, _local, _stored
 from .device import model_pass, task_device
 from .progress import step
-from .artifacts import ArtifactRef
 
 
 def device_identity(device: str) -> str:

@@ -25,12 +25,12 @@ from lrkv_core.fingerprint import hash_dir
 from lrkv_core.models import model_fingerprint, resolve_model_dir
 from lrkv_core.steps import Step, statistic_inputs
 
-from .records import checked
+from .artifacts import ArtifactRef
 from .device import model_pass, task_device
 from .keys import calibration_key, resolve_key, task_key
 from .progress import step
 from .recipe import LongEvalRecipe
-from .artifacts import ArtifactRef
+from .records import checked
 from .store import StoreIntegrityError, local_path, open_store
 
 _RUN_SECONDS: dict[uuid.UUID, float] = {}

@@ -18,13 +18,13 @@ from prefect import task
 from lrkv_core.lora import recover_dir
 from lrkv_core.paths import lrkv_home
 
-from .records import checked
+from .artifacts import ArtifactRef, is_s3
 from .convert import CACHED, _local, _stored
 from .device import model_pass, task_device
 from .keys import lora_key, lora_run_id
 from .plots import plot_loss_curve
 from .progress import run_logger, step
-from .artifacts import ArtifactRef, is_s3
+from .records import checked
 
 CHECKPOINTS = "lora-checkpoints"
 

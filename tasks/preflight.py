@@ -25,9 +25,9 @@ from lrkv_core.lora import check_targets, check_training_dataset
 from lrkv_core.models import TOKENIZER_FILES, missing_safetensors, resolve_model_dir
 from lrkv_core.refs import absolute_dataset_spec, absolute_model_ref, absolute_path
 
+from .artifacts import is_s3
 from .device import pass_limit
 from .recipe import HELD_OUT, ConvertRecipe, LoraRecipe
-from .artifacts import is_s3
 
 DEFAULT_CALIBRATION = "hf:wikitext:wikitext-2-raw-v1:train"  # Palu's and SVD-LLM's calibration text
 

@@ -13,13 +13,13 @@ from prefect.context import TaskRunContext
 from lrkv_core.fingerprint import hash_json
 from lrkv_core.longcontext import LongContextResult
 
-from .records import checked
+from .artifacts import ArtifactRef
 from .convert import CACHED
 from .keys import task_key
+from .model_registry import log_model, model_name, register_version
 from .plots import plot_long_context
 from .recipe import flatten, method_label
-from .artifacts import ArtifactRef
-from .model_registry import log_model, model_name, register_version
+from .records import checked
 from .store import local_path
 from .tracking import close_run, log_metric_history, log_results, versions
 

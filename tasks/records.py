@@ -23,8 +23,8 @@ from typing import Any
 
 from prefect.context import TaskRunContext
 
-from .progress import run_logger
 from .artifacts import ArtifactRef
+from .progress import run_logger
 from .store import ArtifactStore, artifact_problem, open_store
 
 REF_CLASS = f"{ArtifactRef.__module__}.{ArtifactRef.__qualname__}"

@@ -28,8 +28,8 @@ from pathlib import Path
 from lrkv_core.fingerprint import hash_dir, hash_file, hash_json
 from lrkv_core.paths import lrkv_home
 
-from .integrity import StoreIntegrityError, intact
 from .artifacts import RESULTS, digest_of, staging_path
+from .integrity import StoreIntegrityError, intact
 
 MANIFEST = "MANIFEST.json"
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")

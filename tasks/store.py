@@ -32,8 +32,8 @@ from typing import Protocol
 from lrkv_core.files import make_tree_readable
 from lrkv_core.paths import lrkv_home
 
-from .integrity import StoreIntegrityError, intact, recorded_digest, verify_artifact
 from .artifacts import RESULTS, STORE_FORMS, digest_of, is_s3, local_dir, staging_path
+from .integrity import StoreIntegrityError, intact, recorded_digest, verify_artifact
 
 __all__ = [
     "RESULTS",
@@ -56,7 +56,8 @@ def default_store_root() -> Path:
 
 
 class ArtifactStore(Protocol):
-    """What tasks need from a store; ``uri`` strings are what :class:`~lrkv_tasks.artifacts.ArtifactRef` holds."""
+    """What tasks need from a store; ``uri`` strings are what :class:`~lrkv_tasks.artifacts.ArtifactRef`
+    holds."""
 
     root: str
 

@@ -13,9 +13,9 @@ from prefect import task
 
 from lrkv_core.models import load_model
 
+from .artifacts import ArtifactRef
 from .convert import CACHED, TASK_KEY
 from .device import model_pass, task_device
-from .artifacts import ArtifactRef
 from .store import local_path
 
 

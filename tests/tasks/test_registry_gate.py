@@ -1,8 +1,8 @@
 """The quality gate that decides the ``champion`` alias, and the registered model's name."""
 
 from lrkv_core.heldout import overlap
-from lrkv_tasks.publish import quality
 from lrkv_tasks.model_registry import model_name, quality_gate
+from lrkv_tasks.publish import quality
 
 Q = {"ppl": 10.4, "base_ppl": 10.0, "protocol": "p1"}
 

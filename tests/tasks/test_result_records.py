@@ -7,8 +7,8 @@ import pytest
 from prefect.results import ResultRecord, ResultRecordMetadata
 from prefect.serializers import JSONSerializer, PickleSerializer
 
-from lrkv_tasks.records import EXPIRED, UnsafeRecord, parse_record, stale_reason
 from lrkv_tasks.artifacts import ArtifactRef
+from lrkv_tasks.records import EXPIRED, UnsafeRecord, parse_record, stale_reason
 from lrkv_tasks.store import LocalStore
 
 
