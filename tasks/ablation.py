@@ -64,6 +64,8 @@ def to_markdown(rows: list[dict], base: dict) -> str:
     head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
     lines = ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
     ok = [r for r in rows if r.get("error") is None]
+    if not ok:
+        return head + "\n".join(lines) + "\n\nNo row succeeded: each row's error is in its last column.\n"
     note = f"\nOriginal model: prefill PPL {base['prefill_ppl']:.4f}, decode PPL {base['decode_ppl']:.4f}.\n"
     for ratio in sorted({r["ratio"] for r in ok}, reverse=True):
         best = min((r for r in ok if r["ratio"] == ratio), key=lambda r: r["prefill_ppl"])
@@ -147,8 +149,7 @@ def summarize_ablation(rows: list[dict], recipe: dict, store: str, out_dir: str 
     ok = [r for r in rows if r.get("error") is None]
     base = {"prefill_ppl": ok[0]["base_prefill_ppl"], "decode_ppl": ok[0]["base_decode_ppl"]} if ok else {}
     target = summary_dir(store, out_dir, "ablations")
-    markdown = to_markdown(rows, base) if ok else "no successful row\n"
-    files = {"ablation.csv": table_csv(rows, COLUMNS), "ablation.md": markdown}
+    files = {"ablation.csv": table_csv(rows, COLUMNS), "ablation.md": to_markdown(rows, base)}
     for name, text in files.items():
         (target / name).write_text(text)
     if ok:
@@ -161,4 +162,9 @@ def summarize_ablation(rows: list[dict], recipe: dict, store: str, out_dir: str 
         json_artifacts={"ablation_rows.json": {"rows": rows}},
         file_artifacts={p.name: str(p) for p in sorted(target.iterdir()) if p.name.startswith("ablation")},
     )
-    return {"dir": str(target), "mlflow": run, "markdown": files["ablation.md"]}
+    return {
+        "dir": str(target),
+        "mlflow": run,
+        "markdown": files["ablation.md"],
+        "failed_rows": len(rows) - len(ok),
+    }

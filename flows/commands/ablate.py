@@ -84,6 +84,8 @@ def ablate(
                 result = ablate_flow(rec, str(out_dir) if out_dir else None)
         except USER_ERRORS as e:
             raise fail(str(e)) from None
-    console.print(result["markdown"])
+    console.print(result["markdown"], markup=False, highlight=False, soft_wrap=True)
     run = result["mlflow"]
     console.print(f"wrote {result['dir']}; MLflow run {run['run_id']} at {run['tracking_uri']}")
+    if result["failed_rows"] == len(result["rows"]):
+        raise fail(f"no conversion of the grid succeeded ({len(result['rows'])} failed; errors above)")
