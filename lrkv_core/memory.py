@@ -187,8 +187,8 @@ def mapped_allocations(on: bool = True) -> Iterator[None]:
     A gradient pass over a long row keeps every layer's input and k/v outputs until its backward pass while
     it frees each layer's larger temporaries; on the heap those holes between the kept blocks are not
     reused by the next, larger temporaries, and the RSS climbs by the holes (about 1 GiB in a conversion's
-    refinement at 2,048 tokens). Mapped, they cost a page fault per page instead: the pass runs about a
-    fifth slower, so this is for long rows only. The setting is the process's; nested and concurrent blocks
+    refinement at 2,048 tokens). Mapped, they cost a page fault per page instead: the pass runs 10–20 %
+    slower, so this is for long rows only. The setting is the process's; nested and concurrent blocks
     share it, and the last to close sets the limits back (:data:`HEAP_UP_TO`). A no-op where the C library is
     not glibc."""
     libc = _libc() if on else None
