@@ -189,7 +189,8 @@ def kv_gradient_passes(
     # a pass keeps each projection's input until the backward pass reaches its output's gradient, visits the
     # pair there and drops them: no output, input or gradient of a later layer waits for the earlier layers
     inputs: dict[tuple[int, str], torch.Tensor] = {}
-    first: list[torch.Tensor] = []  # the first recorded outputs: what the backward pass is asked to reach
+    first: list[torch.Tensor] = []  # the first layer's outputs: what the backward pass is asked to reach
+    first_layer = [-1]
     recording = [False]  # the forward pass records; a checkpointed layer's recomputation does not
 
     def reached(i: int, kind: str, g: torch.Tensor) -> None:
@@ -206,7 +207,6 @@ def kv_gradient_passes(
 
         return hook
 
-    first_layer = [-1]
     flags = [(p, p.requires_grad) for p in model.parameters()]
     was_training = model.training
     handles = []
@@ -221,8 +221,6 @@ def kv_gradient_passes(
         with torch.enable_grad():
             for start in range(0, n, batch_size):
                 batch = rows[start : start + batch_size].to(device)  # (B, T)
-                inputs.clear()
-                first.clear()
                 recording[0] = True
                 long = batch.numel() > CHECKPOINT_TOKENS
                 with checkpointed(adapter.layers(model), long), mapped_allocations(long and MAP_LONG_ROWS):
