@@ -20,7 +20,6 @@ from ..options import (
 )
 from ..report import console, fail, recipe_error, rich_progress
 from .common import (
-    USER_ERRORS,
     DaskOption,
     DatasetOption,
     DeviceOption,
@@ -33,6 +32,7 @@ from .common import (
     set_option,
     start_command,
     use_device,
+    user_errors,
 )
 
 
@@ -79,11 +79,8 @@ def ablate(
     with dask_block(dask, rec.base.store), prefect_api() as supervise:
         from lrkv_flows.ablate import ablate_flow
 
-        try:
-            with supervise, rich_progress():
-                result = ablate_flow(rec, str(out_dir) if out_dir else None)
-        except USER_ERRORS as e:
-            raise fail(str(e)) from None
+        with user_errors(), supervise, rich_progress():
+            result = ablate_flow(rec, str(out_dir) if out_dir else None)
     console.print(result["markdown"], markup=False, highlight=False, soft_wrap=True)
     run = result["mlflow"]
     console.print(f"wrote {result['dir']}; MLflow run {run['run_id']} at {run['tracking_uri']}")

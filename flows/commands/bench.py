@@ -14,12 +14,12 @@ from ..options import (
 )
 from ..report import console, fail, rich_progress
 from .common import (
-    USER_ERRORS,
     DeviceOption,
     VerboseOption,
     prefect_api,
     start_command,
     use_device,
+    user_errors,
 )
 
 
@@ -67,14 +67,11 @@ def bench(
     with prefect_api() as supervise:
         from lrkv_flows.bench import bench_flow
 
-        with supervise, rich_progress():
-            try:
-                result = bench_flow(
-                    model, ratio_list, bit_list, compressed, context_list, batch, steps, warmup, dtype,
-                    TrackingRecipe(experiment=experiment), store,
-                )  # fmt: skip
-            except USER_ERRORS as e:
-                raise fail(str(e)) from None
+        with supervise, rich_progress(), user_errors():
+            result = bench_flow(
+                model, ratio_list, bit_list, compressed, context_list, batch, steps, warmup, dtype,
+                TrackingRecipe(experiment=experiment), store,
+            )  # fmt: skip
     console.print(result["markdown"])
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

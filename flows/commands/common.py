@@ -22,6 +22,16 @@ from .operations import require_home
 USER_ERRORS = (ValueError, OSError, KeyError)
 
 
+@contextmanager
+def user_errors(describe=str):
+    """Inside: an error of the user's (:data:`USER_ERRORS`: a bad value, a missing file) ends the command
+    with one line, ``describe(error)``, instead of a traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        raise fail(describe(e)) from None
+
+
 def choices(registry) -> str:
     return " | ".join(sorted(registry.names()))
 
@@ -177,10 +187,8 @@ def start_command(store: str | None, verbose: bool, model: str) -> None:
     local databases, logs and caches live there), Prefect's settings, and a ``builtin:`` model built."""
     require_home()
     configure_prefect(store, verbose)
-    try:
+    with user_errors():
         build_builtin(model)
-    except USER_ERRORS as e:
-        raise fail(str(e)) from None
 
 
 def step(description: str):

@@ -22,7 +22,6 @@ from ..options import (
 )
 from ..report import console, fail, print_summary, recipe_error, rich_progress
 from .common import (
-    USER_ERRORS,
     DaskOption,
     DatasetOption,
     DeviceOption,
@@ -36,6 +35,7 @@ from .common import (
     set_option,
     start_command,
     use_device,
+    user_errors,
 )
 
 
@@ -153,12 +153,10 @@ def convert(
     except (ValueError, OSError, yaml.YAMLError) as e:  # pydantic (a ValueError), file and YAML errors
         raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
     start_command(rec.store, verbose, rec.model)
-    try:
+    with user_errors():
         from lrkv_tasks.preflight import prepare
 
         prepared = prepare(rec)  # everything cheap is checked before Prefect starts
-    except USER_ERRORS as e:
-        raise fail(str(e)) from None
     console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)
     for note in prepared.notes:
         console.print(f"[cyan]note:[/cyan] {escape(note)}", soft_wrap=True)
@@ -166,11 +164,8 @@ def convert(
     with dask_block(dask, prepared.recipe.store), prefect_api() as supervise:
         from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
 
-        try:
-            with supervise, rich_progress():
-                result = convert_flow(prepared.recipe)
-        except USER_ERRORS as e:
-            raise fail(str(e)) from None
+        with user_errors(), supervise, rich_progress():
+            result = convert_flow(prepared.recipe)
     print_summary(result)
 
 

@@ -15,10 +15,10 @@ from ..options import (
 from ..report import console, fail, print_eval, recipe_error, rich_progress
 from .common import (
     DATASET_FORMS,
-    USER_ERRORS,
     DeviceOption,
     cache_option,
     step,
+    user_errors,
 )
 
 
@@ -83,7 +83,7 @@ def eval_cmd(
             model_dir, dataset, suite, long_options, max_windows, json_out,
             base_dir=base, hf_quantized_cache=hf_quant_cache, cache=cache, device=device,
         )  # fmt: skip
-    try:
+    with user_errors():
         res = _evaluate(
             model_dir,
             dataset,
@@ -109,8 +109,6 @@ def eval_cmd(
                     batch_size=batch_size,
                     device=device,
                 )
-    except USER_ERRORS as e:
-        raise fail(str(e)) from None
     print_eval(model_dir, res)
     text = json.dumps(res, indent=2)
     if json_out:
@@ -143,7 +141,7 @@ def _eval_long(
 
     if suite != "long":
         raise fail(f"--suite must be standard or long, got {suite!r}")
-    try:
+    with user_errors(recipe_error):
         given = {
             "lengths": csv_list(opts["lengths"], int),
             "depths": csv_list(opts["depths"], float),
@@ -154,8 +152,6 @@ def _eval_long(
         protocol = section.protocol(dataset)
         with rich_progress(), step("long-context suite") as advance:
             res = evaluate_long_dir(model_dir, dataset, protocol, progress=advance, **kwargs)
-    except USER_ERRORS as e:
-        raise fail(recipe_error(e)) from None
     console.print(f"long-context suite: {model_dir}\n\n{res.markdown()}", markup=False, highlight=False)
     text = json.dumps(res.to_dict() | {"model": model_dir}, indent=2)
     if json_out:

@@ -19,7 +19,6 @@ from ..options import (
 )
 from ..report import console, fail, print_summary, recipe_error, rich_progress
 from .common import (
-    USER_ERRORS,
     DaskOption,
     DatasetOption,
     DeviceOption,
@@ -33,6 +32,7 @@ from .common import (
     set_option,
     start_command,
     use_device,
+    user_errors,
 )
 
 
@@ -116,10 +116,7 @@ def search(
     with dask_block(dask, rec.base.store), prefect_api() as supervise:
         from lrkv_flows.search import search_flow
 
-        try:
-            with supervise, rich_progress():
-                result = search_flow(rec, str(out_dir) if out_dir else None)
-        except USER_ERRORS as e:
-            raise fail(str(e)) from None
+        with user_errors(), supervise, rich_progress():
+            result = search_flow(rec, str(out_dir) if out_dir else None)
     console.print(result["summary"]["markdown"], markup=False, highlight=False, soft_wrap=True)
     print_summary(result["winner"])
