@@ -36,7 +36,7 @@ from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWe
 from .fuse import compress_model
 from .linalg import group_slices
 from .refine import RefineConfig, refine_plan
-from .rotation import ROTATIONS
+from .rotation import RotationConfig
 from .statistics import STATISTICS, LayerValue, Statistic
 from .steps import (
     Step,
@@ -70,9 +70,10 @@ class CompressionConfig:
     cache : the cache storage the compressed model uses (a registered strategy: name, recipe form or
         instance, e.g. ``{"name": "quantized", "bits": 3}``); recorded in the model-format section, so
         loading rebuilds the same cache.
-    rotation : ``none``, ``hadamard`` or ``auto``: the orthogonal rotation fused into each group's factors
-        (:mod:`lrkv_core.rotation`) to spread latents before quantization; ``rotation_seed`` seeds the
-        random orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists.
+    rotation : the orthogonal rotation fused into each group's factors (:mod:`lrkv_core.rotation`) to spread
+        latents before quantization, a :class:`~lrkv_core.rotation.RotationConfig`, its mapping form or its
+        policy's name (``none``, ``hadamard`` or ``auto``; its ``seed`` seeds the random orthogonal matrices
+        ``auto`` uses where no Hadamard matrix of the rank exists).
     refine : how the allocator's plan is refined on calibration rows, a
         :class:`~lrkv_core.refine.RefineConfig` or its mapping form (``{"steps": 0}`` keeps the allocator's
         plan); its ``steps`` of None (the default) resolves to the allocator's own default (``kl``: 3, the
@@ -96,15 +97,9 @@ class CompressionConfig:
         metadata={"help": "options of calibration statistics, e.g. [{name: fisher, per_row: false}]"},
     )
     cache: CacheStorage | str | Mapping[str, Any] = "dense"
-    rotation: str = field(
-        default="none",
-        metadata={
-            "help": "orthogonal rotation of each group's rank dimension fused into the factors (spreads "
-            "latents before quantization): hadamard, or auto (Hadamard where the rank allows, else random)"
-        },
-    )
-    rotation_seed: int = field(
-        default=0, metadata={"help": "seeds the random orthogonal matrices auto draws where Hadamard cannot"}
+    rotation: RotationConfig | str | Mapping[str, Any] = field(
+        default=RotationConfig(),
+        metadata={"help": "the rotation fused into each group's factors: a name, or {name: auto, seed: 1}"},
     )
     refine: RefineConfig | Mapping[str, Any] = field(
         default=RefineConfig(),
@@ -118,8 +113,6 @@ class CompressionConfig:
             raise ValueError(f"rank multiple must be ≥ 1, got {self.rank_multiple}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group size must be ≥ 1, got {self.group_size}")
-        if self.rotation not in ROTATIONS:
-            raise ValueError(f"unknown rotation {self.rotation!r}; choose from {', '.join(ROTATIONS)}")
         object.__setattr__(self, "decomposition", DECOMPOSITIONS.create(self.decomposition))
         object.__setattr__(self, "allocator", ALLOCATORS.create(self.allocator))
         refine = RefineConfig.create(self.refine)
@@ -131,7 +124,8 @@ class CompressionConfig:
             raise ValueError("each statistic may be configured once")
         object.__setattr__(self, "statistics", stats)
         object.__setattr__(self, "cache", CACHE_STORAGES.create(self.cache))
-        self.cache.check_rotation(self.rotation)
+        object.__setattr__(self, "rotation", RotationConfig.create(self.rotation))
+        self.cache.check_rotation(self.rotation.name)
 
     @property
     def refines(self) -> bool:

@@ -16,8 +16,9 @@ picks the attention kind (:data:`ATTENTION_KINDS`): its module class and how its
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from .cache import CACHE_ARG, CACHE_STORAGES, LatentCache, pop_cache
 from .decompositions import LayerFactors
 from .format import LrkvFormat
 from .linalg import GroupFactors, truncate
-from .rotation import check_rotation, group_seed, rotate_factors, rotation_matrix
+from .rotation import RotationConfig, check_rotation, group_seed, rotate_factors, rotation_matrix
 from .version import __version__
 
 
@@ -104,14 +105,14 @@ def attention_kind(adapter: ArchAdapter) -> AttentionKind:
 
 
 def rotated_parts(
-    groups: list[GroupFactors], ranks: tuple[int, ...], rotation: str, seed: int, layer: int, kind: str
+    groups: list[GroupFactors], ranks: tuple[int, ...], rotation: RotationConfig, layer: int, kind: str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each group's rank-r factors ``(A (r, d), B (s·D, r))`` in float64 on the CPU, rotated to
     ``(Rᵀ A, B R)`` by the policy's matrix for that group (:func:`lrkv_core.rotation.rotation_matrix`)."""
     parts = []
     for g, (f, r) in enumerate(zip(groups, ranks)):
         a, b = (t.to(torch.float64).cpu() for t in truncate(f, r))
-        matrix, _ = rotation_matrix(r, rotation, group_seed(seed, layer, kind, g))
+        matrix, _ = rotation_matrix(r, rotation.name, group_seed(rotation.seed, layer, kind, g))
         parts.append(rotate_factors(a, b, matrix))
     return parts
 
@@ -124,8 +125,7 @@ def fuse_attention(
     adapter: ArchAdapter,
     config,
     layer_idx: int,
-    rotation: str = "none",
-    rotation_seed: int = 0,
+    rotation: RotationConfig | None = None,
 ) -> LatentAttentionBase:
     """The latent attention holding ``attn``'s weights through the truncated (and rotated) factors, fused
     in float64."""
@@ -136,9 +136,9 @@ def fuse_attention(
     new = kind.module(config, layer_idx, adapter, layout)  # filled in float64 on the CPU, then moved
     new = new.to(dtype=torch.float64)
 
-    rot = (rotation, rotation_seed, layer_idx)
-    k_parts = rotated_parts(factors.groups["k"], layout.ranks_k, *rot, "k")
-    v_parts = rotated_parts(factors.groups["v"], layout.ranks_v, *rot, "v")
+    rotation = rotation or RotationConfig()
+    k_parts = rotated_parts(factors.groups["k"], layout.ranks_k, rotation, layer_idx, "k")
+    v_parts = rotated_parts(factors.groups["v"], layout.ranks_v, rotation, layer_idx, "v")
     _set_linear(new.k_down, torch.cat([a for a, _ in k_parts]))
     _set_linear(new.v_down, torch.cat([a for a, _ in v_parts]))
     kind.fuse_keys(new, q, k, k_parts, shape)
@@ -167,19 +167,19 @@ def compress_model(
     *,
     decomposition: dict,
     cache: dict | None = None,
-    rotation: str = "none",
-    rotation_seed: int = 0,
+    rotation: RotationConfig | str | Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Replace every attention in place by its latent form with the plan's ranks; returns the model.
 
     ``decomposition`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) recorded in the
     model-format section (``config.lrkv``); the cache storage is what the model's latent cache will use.
-    ``rotation`` (a policy of :mod:`lrkv_core.rotation`, seeded by ``rotation_seed``) is fused into every
-    group's factors. Whether the storage can hold the plan's ranks and the policy can rotate them is checked
-    before the model is touched.
+    ``rotation`` (a :class:`~lrkv_core.rotation.RotationConfig`, its mapping form or a policy's name; None:
+    no rotation) is fused into every group's factors. Whether the storage can hold the plan's ranks and the
+    policy can rotate them is checked before the model is touched.
     """
     config = model.config
     adapter = get_adapter(config)
+    rotation = RotationConfig.create(rotation)
     first = adapter.attention(model, 0)
     has_bias = {p: adapter.linear(first, p, config).bias is not None for p in "qkvo"}
     fmt = LrkvFormat(
@@ -195,8 +195,8 @@ def compress_model(
         qkv_bias=has_bias["q"] or has_bias["k"],
         o_bias=has_bias["o"] or has_bias["v"],  # the v bias folds into the output bias
         cache=dict(cache or {"name": "dense"}),
-        rotation=rotation,
-        rotation_seed=rotation_seed,
+        rotation=rotation.name,
+        rotation_seed=rotation.seed,
         lrkv_version=__version__,
     )
     if fmt.n_layers != len(factors) or fmt.n_layers != adapter.shape(config).L:
@@ -204,11 +204,11 @@ def compress_model(
     storage = CACHE_STORAGES.create(fmt.cache)
     for ranks in (*fmt.ranks_k, *fmt.ranks_v):
         storage.check_ranks(ranks)
-    storage.check_rotation(rotation)
-    check_rotation(rotation, [*fmt.ranks_k, *fmt.ranks_v])
+    storage.check_rotation(rotation.name)
+    check_rotation(rotation.name, [*fmt.ranks_k, *fmt.ranks_v])
     for i, (f, layout) in enumerate(zip(factors, layouts(fmt))):
         attn = adapter.attention(model, i)
-        new = fuse_attention(attn, f, layout, adapter, config, i, rotation, rotation_seed)
+        new = fuse_attention(attn, f, layout, adapter, config, i, rotation)
         adapter.set_attention(model, i, new)
     config.lrkv = fmt.to_dict()
     enable_latent_cache(model)

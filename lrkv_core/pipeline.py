@@ -273,8 +273,7 @@ def build_file(
     *,
     decomposition: str | Mapping[str, Any],
     cache: Mapping[str, Any] | None = None,
-    rotation: str = "none",
-    rotation_seed: int = 0,
+    rotation: Mapping[str, Any] | None = None,
     dtype: str = "float32",
 ) -> dict:
     """Fuse the factors (rotated by ``rotation``) into the model and save the compressed model directory."""
@@ -289,7 +288,6 @@ def build_file(
         decomposition=decomposition,
         cache=cache,
         rotation=rotation,
-        rotation_seed=rotation_seed,
     )
     card = model_card(LrkvFormat.of(model.config), model_dir)
     save_compressed(model, out_dir, tokenizer=tokenizer, card=card)

@@ -44,6 +44,7 @@ from .adapters import get_adapter
 from .allocation import RankPlan
 from .allocation.knapsack import minimize_separable
 from .allocation.problem import KINDS, RankProblem, Ranks
+from .registry import Section
 from .statistics.gradients import (
     kv_gradient_passes,
     last_hidden,
@@ -63,21 +64,13 @@ REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md
 REFINE_OBJECTIVE = "nll"  # what the refinement lowers on its rows, "nll" or "kl" (docs/allocation.md)
 
 
-def _describe_fields(schema: dict[str, Any], cls: type) -> None:
-    """A recipe's JSON schema (the Prefect UI's form) takes each field's ``help`` as its description."""
-    for f in dataclasses.fields(cls):
-        if "help" in f.metadata and f.name in schema.get("properties", {}):
-            schema["properties"][f.name]["description"] = f.metadata["help"]
-
-
 @dataclasses.dataclass(frozen=True)
-class RefineConfig:
+class RefineConfig(Section):
     """How a conversion refines the allocator's plan (the module doc): the ``refine`` section of
     :class:`lrkv_core.convert.CompressionConfig` and of a recipe's ``compression`` (one definition: a recipe
     validates this class itself). A new option is a field here, read by :func:`refine_plan`."""
 
-    # a recipe validates this dataclass strictly (unknown keys fail) and shows each field's help in its form
-    __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "json_schema_extra": _describe_fields}
+    label: ClassVar[str] = "refine"
 
     steps: int | None = dataclasses.field(
         default=None,
@@ -121,23 +114,6 @@ class RefineConfig:
                 f"{self.steps}, {self.rows}, {self.radius}"
             )
         _check(self.objective)
-
-    @classmethod
-    def create(cls, value: RefineConfig | Mapping[str, Any] | None) -> RefineConfig:
-        """The config itself, or one from its mapping form (``{"steps": 2, "objective": "kl"}``)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, Mapping):
-            raise TypeError(f"refine options must be a mapping, got {value!r}")
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown refine option(s) {', '.join(sorted(unknown))}")
-        return cls(**value)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class PlanWeights:

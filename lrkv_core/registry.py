@@ -44,6 +44,42 @@ class Method:
         return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else cls.name
 
 
+def _describe_fields(schema: dict[str, Any], cls: type) -> None:
+    """A recipe's JSON schema (the Prefect UI's form) takes each field's ``help`` as its description."""
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata and f.name in schema.get("properties", {}):
+            schema["properties"][f.name]["description"] = f.metadata["help"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """Base of a config section that is one set of options rather than a choice among registered methods
+    (a conversion's ``refine`` and ``rotation``): a frozen dataclass whose fields are the options, with
+    each field's ``help`` in its metadata. A recipe validates the class itself, strictly, and shows the
+    helps in its form; a new option is a field of the subclass and the code that reads it."""
+
+    # the name errors give the section ("refine options must be a mapping")
+    label: ClassVar[str] = ""
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "json_schema_extra": _describe_fields}
+
+    @classmethod
+    def create(cls, value: Any) -> Any:
+        """The section itself, its defaults for None, or one from its mapping form (``{"steps": 2}``)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{cls.label} options must be a mapping, got {value!r}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {cls.label} option(s) {', '.join(sorted(unknown))}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 M = TypeVar("M", bound=Method)
 
 

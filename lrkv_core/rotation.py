@@ -25,11 +25,46 @@ high-energy latents only within their own block, which is what the rotation is t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
-ROTATIONS = ("none", "hadamard", "auto")
+from .registry import Section
+
+Policy = Literal["none", "hadamard", "auto"]
+ROTATIONS: tuple[str, ...] = get_args(Policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class RotationConfig(Section):
+    """The rotation a conversion fuses into every group's factors: the ``rotation`` section of
+    :class:`lrkv_core.convert.CompressionConfig` and of a recipe's ``compression``, the policy's ``name``
+    (as a registered method's) and its options (``rotation: {name: auto, seed: 1}``; ``rotation: auto`` for
+    short). A new option is a field here, read by :func:`lrkv_core.fuse.compress_model`."""
+
+    label: ClassVar[str] = "rotation"
+
+    name: Policy = dataclasses.field(
+        default="none",
+        metadata={
+            "help": "orthogonal rotation of each group's rank dimension fused into the factors (spreads "
+            "latents before quantization): hadamard, or auto (Hadamard where the rank allows, else random)"
+        },
+    )
+    seed: int = dataclasses.field(
+        default=0, metadata={"help": "seeds the random orthogonal matrices auto draws where Hadamard cannot"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.name not in ROTATIONS:
+            raise ValueError(f"unknown rotation {self.name!r}; choose from {', '.join(ROTATIONS)}")
+
+    @classmethod
+    def create(cls, value: Any) -> RotationConfig:
+        """The section itself, its defaults for None, one from its mapping form, or the policy's name."""
+        return cls(name=value) if isinstance(value, str) else super().create(value)
 
 
 def _is_prime(q: int) -> bool:

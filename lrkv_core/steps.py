@@ -129,8 +129,7 @@ def build_params(config: Any) -> dict[str, Any]:
     return {
         "decomposition": config.decomposition.to_dict(),
         "cache": config.cache.to_dict(),
-        "rotation": config.rotation,
-        "rotation_seed": config.rotation_seed,
+        "rotation": config.rotation.to_dict(),
     }
 
 

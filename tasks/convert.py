@@ -347,8 +347,7 @@ def build_model(
     cache: dict,
     dtype: str,
     store: str,
-    rotation: str = "none",
-    rotation_seed: int = 0,
+    rotation: dict | None = None,
 ) -> ArtifactRef:
     """Fuse factors (rotated) into the model and save the compressed model directory."""
     with model_pass(), step("build model"):
@@ -365,7 +364,6 @@ def build_model(
                 decomposition=decomposition,
                 cache=cache,
                 rotation=rotation,
-                rotation_seed=rotation_seed,
                 dtype=dtype,
             ),
         )
@@ -438,7 +436,6 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
             ctx.dtype,
             ctx.store,
             rotation=p["rotation"],
-            rotation_seed=p["rotation_seed"],
         )
     raise ValueError(f"the convert flow has no task for {step.kind} steps")
 

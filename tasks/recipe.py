@@ -9,10 +9,18 @@ from __future__ import annotations
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from lrkv_core.allocation import ALLOCATORS
 from lrkv_core.cache import CACHE_STORAGES
@@ -24,7 +32,7 @@ from lrkv_core.lora.config import Role  # noqa: F401  (the recipe's roles, re-ex
 from lrkv_core.needles import TASKS as NEEDLE_TASKS
 from lrkv_core.refine import RefineConfig
 from lrkv_core.registry import Method
-from lrkv_core.rotation import ROTATIONS
+from lrkv_core.rotation import RotationConfig
 from lrkv_core.statistics import STATISTICS
 
 from .artifacts import STORE_FORMS, is_s3, local_dir
@@ -82,21 +90,29 @@ def config_fields(config: type, types: dict[str, Any] | None = None) -> dict[str
     return fields
 
 
+def _rotation_name(value: Any) -> Any:
+    """``rotation: auto`` is short for ``rotation: {name: auto}``."""
+    return {"name": value} if isinstance(value, str) else value
+
+
 class _Compression(Strict):
     name: Literal["palu"] = "palu"
 
     @model_validator(mode="before")
     @classmethod
-    def _flat_refine_keys(cls, data: Any) -> Any:
-        """The flat form ``refine_steps: 2`` (``refine_rows``, ...) is read as ``refine: {steps: 2}``."""
-        if not isinstance(data, dict) or not any(k.startswith("refine_") for k in data):
+    def _flat_section_keys(cls, data: Any) -> Any:
+        """The flat forms ``refine_steps: 2`` (``refine_rows``, ...) and ``rotation_seed: 1`` are read as
+        ``refine: {steps: 2}`` and ``rotation: {seed: 1}``; a section written as a name
+        (``rotation: auto``) keeps it."""
+        if not isinstance(data, dict):
             return data
         data = dict(data)
-        flat = {k[len("refine_") :]: data.pop(k) for k in list(data) if k.startswith("refine_")}
-        nested = data.get("refine") or {}
-        if not isinstance(nested, dict):
-            nested = dataclasses.asdict(nested)
-        data["refine"] = {**nested, **flat}
+        for section, config in (("refine", RefineConfig), ("rotation", RotationConfig)):
+            prefix = f"{section}_"
+            flat = {k[len(prefix) :]: data.pop(k) for k in list(data) if k.startswith(prefix)}
+            if flat:
+                nested = config.create(data.get(section)).to_dict() if data.get(section) else {}
+                data[section] = {**nested, **flat}
         return data
 
     @model_validator(mode="after")
@@ -126,7 +142,7 @@ PaluRecipe = create_model(
             "allocator": (registered(ALLOCATORS), CompressionConfig.allocator),
             "statistics": (list[registered(STATISTICS)], []),
             "cache": (registered(CACHE_STORAGES), CompressionConfig.cache),
-            "rotation": (Literal[ROTATIONS], CompressionConfig.rotation),
+            "rotation": (Annotated[RotationConfig, BeforeValidator(_rotation_name)], RotationConfig()),
             "refine": (RefineConfig, CompressionConfig.refine),
         },
     ),
@@ -302,12 +318,18 @@ def read_yaml(path: str | Path | None) -> dict:
 
 
 def apply_overrides(data: dict, overrides: dict | None) -> dict:
-    """Set dotted keys in a nested dict, in place (``{"compression.ratio": 0.5}``)."""
+    """Set dotted keys in a nested dict, in place (``{"compression.ratio": 0.5}``). A section written as a
+    name (``cache: quantized``) becomes its mapping form (``{name: quantized}``) when a key inside it is
+    set (``compression.cache.bits``)."""
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
         for p in parents:
+            if isinstance(node.get(p), str):
+                node[p] = {"name": node[p]}
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"cannot set {dotted}: {p} is {node!r}, not a section")
         node[leaf] = value
     return data
 

@@ -4,13 +4,14 @@ Prefect-free, like :mod:`lrkv_tasks.recipe`, so the CLI can validate a recipe be
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
 from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
 from lrkv_core.cache import CACHE_STORAGES
-from lrkv_core.rotation import ROTATIONS
+from lrkv_core.rotation import Policy
 from lrkv_core.search import Budget
 
 from .recipe import ConvertRecipe, PaluRecipe, Strict, method_label
@@ -35,7 +36,7 @@ class SearchSpace(Strict):
     allocators: list[registered(ALLOCATORS)] = Field(  # type: ignore[valid-type]
         [DEFAULT_ALLOCATOR], min_length=1
     )
-    rotation: Literal[ROTATIONS] = Field(
+    rotation: Policy = Field(
         "auto", description="rotation fused for every storage but dense (dense keeps the base's)"
     )
 
@@ -75,7 +76,9 @@ class SearchRecipe(Strict):
         """The base's compression section at this arm and ratio."""
         cache, allocator = self.arms()[arm]
         comp = self.base.compression
-        rotation = comp.rotation if cache.name == "dense" else self.search.rotation
+        rotation = comp.rotation
+        if cache.name != "dense":
+            rotation = replace(rotation, name=self.search.rotation)
         return comp.model_copy(
             update={"cache": cache, "allocator": allocator, "ratio": ratio, "rotation": rotation}
         )

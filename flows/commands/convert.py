@@ -134,7 +134,7 @@ def convert(
         "compression.rank_multiple": rank_multiple,
         "compression.refine.steps": refine_steps,
         "compression.cache": quantized_cache(bits, quant_group_size, residual_length, cache),
-        "compression.rotation": rotation,
+        "compression.rotation.name": rotation,
         "calibration.n_samples": n_samples,
         "calibration.seq_len": seq_len,
         "eval.seq_len": seq_len,

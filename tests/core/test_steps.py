@@ -140,7 +140,7 @@ def test_a_conversion_fuses_as_its_config_says() -> None:
     conversion = plan_conversion(
         model, rows, CompressionConfig(ratio=0.5, rank_multiple=4, allocator="uniform")
     )
-    assert conversion.graph["build"].params["rotation"] == "none"
+    assert conversion.graph["build"].params["rotation"] == {"name": "none", "seed": 0}
     rotated = replace(conversion, config=replace(conversion.config, rotation="hadamard", cache="quantized"))
     fused = rotated.apply(tiny_model("llama", 2)).config.lrkv
     assert fused["rotation"] == "hadamard" and fused["cache"]["name"] == "quantized"

@@ -92,7 +92,7 @@ def test_build_model_fuses_the_rotation_and_records_the_quantized_cache(setup):
     cache = {"name": "quantized", "bits": 4, "quant_group_size": 4, "residual": 0}
     plain = t.build_model.fn(model, layers, plan, whitened, {"name": "dense"}, "float32", store)
     built = t.build_model.fn(
-        model, layers, plan, whitened, cache, "float32", store, rotation="hadamard", rotation_seed=3
+        model, layers, plan, whitened, cache, "float32", store, rotation={"name": "hadamard", "seed": 3}
     )
     section = json.loads(open(f"{built.uri}/config.json").read())["lrkv"]
     assert section["cache"] == cache and (section["rotation"], section["rotation_seed"]) == ("hadamard", 3)

@@ -1,12 +1,14 @@
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from lrkv_core.allocation import DEFAULT_ALLOCATOR, Allocator
 from lrkv_core.convert import CompressionConfig
 from lrkv_core.decompositions import Decomposition
-from lrkv_tasks.recipe import ConvertRecipe, flatten, load_recipe, method_label
+from lrkv_core.rotation import RotationConfig
+from lrkv_tasks.recipe import ConvertRecipe, apply_overrides, flatten, load_recipe, method_label
 from tests.support.models import tiny_config
 
 
@@ -74,15 +76,39 @@ def test_the_quantized_cache_and_the_rotation_are_recipe_fields():
     assert r.compression.cache.bits == 3 and r.compression.cache.quant_group_size == 8  # typed options
     dumped = r.model_dump(mode="json")["compression"]
     assert dumped["cache"] == {"name": "quantized", "bits": 3, "quant_group_size": 8, "residual": 0}
-    assert dumped["rotation"] == "auto" and dumped["rotation_seed"] == 0
+    assert dumped["rotation"] == {"name": "auto", "seed": 0}
     config = r.compression.to_config()
-    assert config.rotation == "auto" and config.cache.to_dict() == dumped["cache"]
+    assert config.rotation.name == "auto" and config.cache.to_dict() == dumped["cache"]
     with pytest.raises(ValidationError, match="quantized cache bits must be one of"):
         load_recipe(None, {"compression.cache": {"name": "quantized", "bits": 5}})
     with pytest.raises(ValidationError, match=r"cache storage 'quantized': group_size: Unexpected keyword"):
         load_recipe(None, {"compression.cache": {"name": "quantized", "group_size": 8}})
     with pytest.raises(ValidationError, match="rotation"):
         load_recipe(None, {"compression.rotation": "random"})
+
+
+def test_the_rotation_is_a_section_written_as_a_name_a_mapping_or_flat_keys(tmp_path):
+    def rotation(data, overrides=None):
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump({"compression": data}))
+        rotation = load_recipe(path, overrides).compression.to_config().rotation
+        assert isinstance(rotation, RotationConfig)
+        return rotation.name, rotation.seed
+
+    assert rotation({}) == ("none", 0)
+    assert rotation({"rotation": {"name": "auto", "seed": 2}}) == ("auto", 2)
+    assert rotation({"rotation": "auto", "rotation_seed": 3}) == ("auto", 3)  # older recipes
+    # a key set inside a section written as a name: the name is kept
+    assert rotation({"rotation": "hadamard"}, {"compression.rotation.seed": 5}) == ("hadamard", 5)
+    assert rotation({"rotation": {"seed": 4}}, {"compression.rotation.name": "auto"}) == ("auto", 4)
+    with pytest.raises(ValidationError, match="spin"):
+        rotation({"rotation": {"name": "spin"}})
+    with pytest.raises(ValidationError, match="angle"):
+        rotation({"rotation": {"name": "auto", "angle": 1}})
+    quantized = load_recipe(None, {"compression.cache": "quantized", "compression.cache.bits": 3})
+    assert quantized.compression.cache.to_dict()["bits"] == 3
+    with pytest.raises(ValueError, match="ratio is 0.5, not a section"):
+        apply_overrides({"compression": {"ratio": 0.5}}, {"compression.ratio.value": 1})
 
 
 def test_the_gear_cache_is_a_recipe_field_checked_against_the_rank_multiple():
