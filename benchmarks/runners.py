@@ -63,10 +63,10 @@ def main() -> None:
             with dask_cluster(None if runner == "threads" else runner):
                 result = convert_flow(recipe)
             wall = time.perf_counter() - start
-            seconds = {row["task"]: row["seconds"] or 0.0 for row in result["timings"]}
+            seconds = {row["task"]: row["seconds"] or 0.0 for row in result.timings}
             decompose = sum(s for task, s in seconds.items() if task.startswith("decompose_layer"))
-            ppl = result["eval"]["compressed"]["prefill"]["ppl"]
-            shards = result["recipe"].calibration.shards
+            ppl = result.eval.compressed.prefill_ppl
+            shards = result.recipe.calibration.shards
             rows.append((runner, shards, wall, decompose, statistic_passes(seconds), ppl))
             slowest = sorted(seconds.items(), key=lambda item: -item[1])[:6]
             print(f"{runner}: {wall:.1f} s; slowest tasks: " + ", ".join(f"{t} {s:.1f}" for t, s in slowest))

@@ -12,6 +12,7 @@ task, in this process or another, on a local or an S3 store.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from lrkv_tasks.preflight import prepare
 from lrkv_tasks.progress import run_peak_rss
 from lrkv_tasks.publish import log_run, register_model
 from lrkv_tasks.recipe import ConvertRecipe
+from lrkv_tasks.results import ConvertResult, Evaluations, eval_result
 from lrkv_tasks.store import open_store
 from lrkv_tasks.summary import publish_summary
 from lrkv_tasks.tracking import OPEN_RUNS, close_run, discard_run, open_run
@@ -56,7 +58,7 @@ def _run_tags(recipe: ConvertRecipe) -> dict[str, str]:
 
 
 @flow(name="lrkv-convert", log_prints=True, task_runner=ConfiguredTaskRunner())
-def convert_flow(recipe: ConvertRecipe) -> dict:
+def convert_flow(recipe: ConvertRecipe) -> ConvertResult:
     """Compress a model's KV projections to a latent cache, evaluate it, log and register it in MLflow."""
     prepared = prepare(recipe)
     recipe = prepared.recipe
@@ -76,11 +78,12 @@ def convert_flow(recipe: ConvertRecipe) -> dict:
         raise
     finally:
         FLOW_RUNS.discard(tags["lrkv.prefect_flow_run"])
+    result = replace(result, notes=list(prepared.notes))
     publish_summary(result)
-    return result | {"notes": prepared.notes}
+    return result
 
 
-def _convert(recipe: ConvertRecipe, run: dict) -> dict:
+def _convert(recipe: ConvertRecipe, run: dict) -> ConvertResult:
     st = open_store(recipe.store)
     store = st.root
     storage = st.result_storage()
@@ -186,17 +189,17 @@ def _convert(recipe: ConvertRecipe, run: dict) -> dict:
             "export_model",
             stored(t.export_model).with_options(refresh_cache=refresh).submit(built, recipe.out, store),
         )
-    return {
-        "recipe": recipe,
-        "model": model,
-        "calibration": calib,
-        "plan": plan,
-        "compressed": built,
-        "exported": exported,
-        "lora": recovered,
-        "before_lora": before_lora,
-        "eval": {"base": base_eval, "compressed": comp_eval, "before_lora": pre_eval},
-        "mlflow": {k: logged[k] for k in ("run_id", "experiment_id", "tracking_uri")},
-        "registered": registered,
-        "timings": timings,
-    }
+    return ConvertResult(
+        recipe=recipe,
+        model=model,
+        calibration=calib,
+        plan=plan,
+        compressed=built,
+        eval=Evaluations(eval_result(base_eval), eval_result(comp_eval), eval_result(pre_eval)),
+        mlflow={k: logged[k] for k in ("run_id", "experiment_id", "tracking_uri")},
+        timings=timings,
+        exported=exported,
+        lora=recovered,
+        before_lora=before_lora,
+        registered=registered,
+    )

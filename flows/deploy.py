@@ -53,8 +53,8 @@ def _each_model(models: list[str], run, what: str) -> dict:
             failures[model] = f"{type(err).__name__}: {err}"
             print(f"{model}: failed ({failures[model]})")
             continue
-        results[model] = {"mlflow": result["mlflow"], "registered": result["registered"]}
-        print(f"{model}: done, MLflow run {result['mlflow']['run_id']}")
+        results[model] = {"mlflow": result.mlflow, "registered": result.registered}
+        print(f"{model}: done, MLflow run {result.mlflow['run_id']}")
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(models)} nightly {what} failed: {failures}")
     return results

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import flow
 
+from lrkv_core.evaluate import EvalResult
 from lrkv_tasks import convert as t
 from lrkv_tasks.publish import long_context_outputs
 from lrkv_tasks.recipe import HELD_OUT, EvalRecipe, TrackingRecipe
@@ -25,7 +27,8 @@ def evaluate_flow(
     tracking: TrackingRecipe | None = None,
     store: str | None = None,
 ) -> dict:
-    """Evaluate a model (a directory, a hub id, ``models:/NAME@ALIAS``, ...) and log the result to MLflow."""
+    """Evaluate a model (a directory, a hub id, ``models:/NAME@ALIAS``, ...) and log the result to MLflow;
+    returns ``{"eval": EvalResult, "mlflow": the run}``."""
     if eval.dataset in (None, HELD_OUT):
         raise ValueError(
             "the evaluate flow needs an explicit eval.dataset (held-out data belongs to a conversion)"
@@ -35,20 +38,22 @@ def evaluate_flow(
     storage = st.result_storage()
     ref = t.resolve_model.with_options(result_storage=storage)(model, st.root)
     base_ref = t.resolve_model.with_options(result_storage=storage)(base, st.root) if base else None
-    result = t.evaluate.with_options(result_storage=storage)(
-        ref, eval.model_dump(exclude={"long"}), dtype, "model", base_ref, st.root
+    result = EvalResult.from_dict(
+        t.evaluate.with_options(result_storage=storage)(
+            ref, eval.model_dump(exclude={"long"}), dtype, "model", base_ref, st.root
+        )
     )
-    metrics = {"prefill_ppl": result["prefill"]["ppl"], "decode_ppl": result["decode"]["ppl"]}
-    metrics["kv_bytes_per_token"] = result["kv"]["kv_bytes_per_token"]
-    if "kl" in result:
-        metrics |= {"kl_base_model": result["kl"]["kl"], "top1_agreement": result["kl"]["top1_agreement"]}
+    metrics = result.metrics()
+    if result.kl is not None:
+        metrics |= {"kl_base_model": result.kl_to_base, "top1_agreement": result.top1_agreement}
     tables, figures = {}, {}
     with tempfile.TemporaryDirectory(prefix="lrkv-figures-") as scratch:
         if eval.long is not None:  # the long-context suite, with the base model on the same data
-            result["long"] = t.evaluate_long.with_options(result_storage=storage)(
+            long = t.evaluate_long.with_options(result_storage=storage)(
                 ref, eval.dataset, eval.long.model_dump(), dtype, "model", base_ref, st.root
             )
-            long_metrics, tables, figures = long_context_outputs(result["long"], scratch)
+            result = replace(result, long=long)
+            long_metrics, tables, figures = long_context_outputs(long, scratch)
             metrics |= long_metrics
         run = log_conversion(
             tracking_uri=tracking.mlflow_uri,
@@ -62,7 +67,7 @@ def evaluate_flow(
                 **{f"eval.long.{k}": v for k, v in (eval.long.model_dump() if eval.long else {}).items()},
             },
             metrics=metrics,
-            json_artifacts={"eval.json": result},
+            json_artifacts={"eval.json": result.to_dict()},
             file_artifacts={},
             tags={"lrkv.kind": "evaluate", "lrkv.model": model},
             tables=tables,

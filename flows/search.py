@@ -17,6 +17,7 @@ from prefect import flow
 from lrkv_core.heldout import overlap
 from lrkv_core.search import Point, grid_size, search_smallest
 from lrkv_tasks.preflight import prepare
+from lrkv_tasks.results import ConvertResult
 from lrkv_tasks.search import search_row, summarize_search, to_point
 from lrkv_tasks.search_recipe import SearchRecipe
 
@@ -24,9 +25,9 @@ from .convert import convert_flow
 from .runner import ConfiguredTaskRunner
 
 
-def _computed(result: dict) -> tuple[int, int, int]:
+def _computed(result: ConvertResult) -> tuple[int, int, int]:
     """Tasks of a conversion computed, served from the cache, and evaluations computed."""
-    states = [(row["task"], row["state"]) for row in result["timings"]]
+    states = [(row["task"], row["state"]) for row in result.timings]
     computed = sum(state != "Cached" for _, state in states)
     evaluations = sum(name.startswith("evaluate") and state != "Cached" for name, state in states)
     return computed, len(states) - computed, evaluations

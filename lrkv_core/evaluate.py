@@ -23,8 +23,9 @@ scales, zero-points, positions, full-precision windows) next to those of the ori
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -281,3 +282,69 @@ def kl_and_agreement(
             "tokens_scored": tokens,
         },
     }
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One model's evaluation (:func:`lrkv_core.pipeline.evaluate_dir`), its measures read by name.
+
+    Each part is the dict its function above returns, with its ``protocol``: ``prefill`` and ``decode``
+    (:func:`prefill_perplexity`, :func:`decode_perplexity`), ``kv`` (:func:`kv_bytes_per_token`), ``kl``
+    against the base model when one was given (:func:`kl_and_agreement`), ``zeroshot`` (lm-eval's results)
+    and ``long`` (:meth:`lrkv_core.longcontext.LongContextResult.to_dict`) when asked for. :meth:`to_dict`
+    is the JSON form a run logs (``eval.json``) and a cached task returns; :meth:`from_dict` reads it back.
+    """
+
+    model: str
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+    kv: dict[str, Any]
+    kl: dict[str, Any] | None = None
+    zeroshot: dict[str, Any] | None = None
+    long: dict[str, Any] | None = None
+
+    @property
+    def prefill_ppl(self) -> float:
+        return self.prefill["ppl"]
+
+    @property
+    def decode_ppl(self) -> float:
+        return self.decode["ppl"]
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.kv["kv_bytes_per_token"]
+
+    @property
+    def kl_to_base(self) -> float | None:
+        """Mean KL(base ‖ model) in nats per token, None without a base."""
+        return None if self.kl is None else self.kl["kl"]
+
+    @property
+    def top1_agreement(self) -> float | None:
+        return None if self.kl is None else self.kl["top1_agreement"]
+
+    def zeroshot_scores(self) -> dict[str, dict[str, float]]:
+        """task -> metric -> value of the zero-shot tasks ({} when none ran)."""
+        return dict((self.zeroshot or {}).get("results", {}))
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """Perplexities, KV bytes per token and zero-shot scores as flat metric names, each after ``prefix``
+        (the KL, named for what it compares, is the caller's)."""
+        out = {"prefill_ppl": self.prefill_ppl, "decode_ppl": self.decode_ppl}
+        out["kv_bytes_per_token"] = self.kv_bytes_per_token
+        for task, scores in self.zeroshot_scores().items():
+            out |= {f"zeroshot.{task}.{metric}": value for metric, value in scores.items()}
+        return {f"{prefix}{name}": value for name, value in out.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: every part, the optional ones only when present."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EvalResult:
+        """The result :meth:`to_dict` wrote (a stored task result, an ``eval.json``)."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"not an evaluation result: unknown part(s) {', '.join(sorted(unknown))}")
+        return cls(**data)

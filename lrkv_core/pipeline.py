@@ -332,7 +332,7 @@ def evaluate_dir(
     hf_quantized_cache: str | HfQuantizedCacheSpec | None = None,
     cache: str | Mapping[str, Any] | CacheStorage | None = None,
     progress: Progress = None,
-) -> dict[str, Any]:
+) -> evaluate.EvalResult:
     """Prefill PPL, teacher-forced decode PPL and measured KV bytes/token of a (compressed or base) model.
 
     With ``base_dir``, also KL(base ‖ model) per token and top-1 agreement on the prefill windows. With
@@ -374,7 +374,7 @@ def evaluate_dir(
             result["protocol"]["hf_quantized_cache"] = spec.to_dict()
         if storage is not None:
             result["protocol"]["cache"] = storage.to_dict()
-    return out | {"model": str(model_dir)}
+    return evaluate.EvalResult(model=str(model_dir), **out)
 
 
 def evaluate_long_dir(

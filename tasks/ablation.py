@@ -10,6 +10,7 @@ from typing import Any
 from prefect import task
 
 from .recipe import method_label
+from .results import ConvertResult
 from .store import LocalStore, is_s3
 
 COLUMNS = [
@@ -29,7 +30,7 @@ COLUMNS = [
 ]
 
 
-def ablation_row(compression: Any, result: dict | None, error: str | None = None) -> dict:
+def ablation_row(compression: Any, result: ConvertResult | None, error: str | None = None) -> dict:
     """One table row from a grid point's compression section and its convert-flow result (or the error
     that stopped it)."""
     row = {
@@ -40,19 +41,19 @@ def ablation_row(compression: Any, result: dict | None, error: str | None = None
     }
     if result is None:
         return row | {"error": error}
-    base, comp = result["eval"]["base"], result["eval"]["compressed"]
-    row["group_size"] = result["recipe"].compression.group_size  # "auto" resolved
+    base, comp = result.eval.base, result.eval.compressed
+    row["group_size"] = result.recipe.compression.group_size  # "auto" resolved
     return row | {
-        "achieved_ratio": result["plan"].meta["achieved_ratio"],
-        "prefill_ppl": comp["prefill"]["ppl"],
-        "prefill_rise": comp["prefill"]["ppl"] - base["prefill"]["ppl"],
-        "decode_ppl": comp["decode"]["ppl"],
-        "decode_rise": comp["decode"]["ppl"] - base["decode"]["ppl"],
-        "kl": comp["kl"]["kl"],
-        "top1_agreement": comp["kl"]["top1_agreement"],
-        "kv_bytes_ratio": comp["kv"]["kv_bytes_per_token"] / base["kv"]["kv_bytes_per_token"],
-        "base_prefill_ppl": base["prefill"]["ppl"],
-        "base_decode_ppl": base["decode"]["ppl"],
+        "achieved_ratio": result.plan.meta["achieved_ratio"],
+        "prefill_ppl": comp.prefill_ppl,
+        "prefill_rise": comp.prefill_ppl - base.prefill_ppl,
+        "decode_ppl": comp.decode_ppl,
+        "decode_rise": comp.decode_ppl - base.decode_ppl,
+        "kl": comp.kl_to_base,
+        "top1_agreement": comp.top1_agreement,
+        "kv_bytes_ratio": result.eval.kv_bytes_ratio,
+        "base_prefill_ppl": base.prefill_ppl,
+        "base_decode_ppl": base.decode_ppl,
     }
 
 

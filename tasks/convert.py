@@ -489,7 +489,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Prefill and decode perplexity, measured KV bytes/token, and KL against ``base`` when given."""
     with model_pass(), step(f"evaluate {label}") as advance:
-        return pipeline.evaluate_dir(
+        result = pipeline.evaluate_dir(
             _local(model),
             eval_cfg["dataset"],
             seq_len=eval_cfg["seq_len"],
@@ -502,6 +502,7 @@ def evaluate(
             base_dir=_local(base) if base else None,
             progress=advance,
         )
+        return result.to_dict()  # a JSON record: EvalResult.from_dict reads it back
 
 
 @task(name="evaluate_long", cache_key_fn=TASK_KEY, **CACHED)

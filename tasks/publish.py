@@ -10,6 +10,7 @@ from typing import Any
 from prefect import task
 from prefect.context import TaskRunContext
 
+from lrkv_core.evaluate import EvalResult
 from lrkv_core.fingerprint import hash_json
 from lrkv_core.longcontext import LongContextResult
 
@@ -20,12 +21,16 @@ from .model_registry import log_model, model_name, register_version
 from .plots import plot_long_context
 from .recipe import flatten, method_label
 from .records import checked
+from .results import Evaluations, eval_result
 from .store import local_path
 from .tracking import close_run, log_metric_history, log_results, versions
 
 
 def conversion_metrics(
-    plan: ArtifactRef, base_eval: dict | None, eval_: dict | None, before_lora: dict | None = None
+    plan: ArtifactRef,
+    base_eval: EvalResult | None,
+    eval_: EvalResult | None,
+    before_lora: EvalResult | None = None,
 ) -> dict[str, float]:
     """The MLflow metrics of one conversion: ratios, perplexities, bytes, KL, zero-shot scores (with LoRA
     recovery, ``compressed_*`` are the recovered model's and ``before_lora_*`` the model's before it)."""
@@ -35,38 +40,32 @@ def conversion_metrics(
         kept = plan.meta[objective]
         metrics[f"refine_{objective}_before"], metrics[f"refine_{objective}_after"] = kept[0], min(kept)
     for label, ev in (("base", base_eval), ("compressed", eval_), ("before_lora", before_lora)):
-        if ev is None:
-            continue
-        metrics[f"{label}_prefill_ppl"] = ev["prefill"]["ppl"]
-        metrics[f"{label}_decode_ppl"] = ev["decode"]["ppl"]
-        metrics[f"{label}_kv_bytes_per_token"] = ev["kv"]["kv_bytes_per_token"]
-        for task_name, task_metrics in ev.get("zeroshot", {}).get("results", {}).items():
-            for metric, value in task_metrics.items():
-                metrics[f"{label}_zeroshot.{task_name}.{metric}"] = value
-    if eval_ and "kl" in eval_:
-        metrics["kl_base_compressed"] = eval_["kl"]["kl"]
-        metrics["top1_agreement"] = eval_["kl"]["top1_agreement"]
+        if ev is not None:
+            metrics |= ev.metrics(f"{label}_")
+    if eval_ and eval_.kl is not None:
+        metrics["kl_base_compressed"] = eval_.kl_to_base
+        metrics["top1_agreement"] = eval_.top1_agreement
     if base_eval and eval_:
-        metrics["kv_bytes_ratio"] = eval_["kv"]["kv_bytes_per_token"] / base_eval["kv"]["kv_bytes_per_token"]
+        metrics["kv_bytes_ratio"] = Evaluations(base_eval, eval_).kv_bytes_ratio
     return metrics
 
 
 def eval_table(
-    base_eval: dict | None, eval_: dict | None, before_lora: dict | None = None
+    base_eval: EvalResult | None, eval_: EvalResult | None, before_lora: EvalResult | None = None
 ) -> dict[str, list]:
     """Base vs compressed measures (and before LoRA, when recovered) as an MLflow table."""
     rows = [
-        ("prefill ppl", "prefill", "ppl"),
-        ("decode ppl", "decode", "ppl"),
-        ("KV bytes/token", "kv", "kv_bytes_per_token"),
+        ("prefill ppl", "prefill_ppl"),
+        ("decode ppl", "decode_ppl"),
+        ("KV bytes/token", "kv_bytes_per_token"),
     ]
     table = {
-        "measure": [r[0] for r in rows],
-        "base": [base_eval[a][b] if base_eval else None for _, a, b in rows],
-        "compressed": [eval_[a][b] if eval_ else None for _, a, b in rows],
+        "measure": [name for name, _ in rows],
+        "base": [getattr(base_eval, a) if base_eval else None for _, a in rows],
+        "compressed": [getattr(eval_, a) if eval_ else None for _, a in rows],
     }
     if before_lora:
-        table["before LoRA"] = [before_lora[a][b] for _, a, b in rows]
+        table["before LoRA"] = [getattr(before_lora, a) for _, a in rows]
     return table
 
 
@@ -123,15 +122,17 @@ def lora_results(lora: ArtifactRef) -> tuple[dict[str, float], dict[str, list[tu
     return metrics, histories
 
 
-def quality(base_eval: dict | None, eval_: dict | None, overlap: str | None = None) -> dict | None:
+def quality(
+    base_eval: EvalResult | None, eval_: EvalResult | None, overlap: str | None = None
+) -> dict | None:
     """What the registry's quality gate compares: prefill perplexities, a fingerprint of their protocol and,
     when the evaluation data overlaps the calibration data, the line saying so (the gate then refuses)."""
     if not base_eval or not eval_:
         return None
     out = {
-        "ppl": eval_["prefill"]["ppl"],
-        "base_ppl": base_eval["prefill"]["ppl"],
-        "protocol": hash_json(eval_["prefill"]["protocol"])[:16],
+        "ppl": eval_.prefill_ppl,
+        "base_ppl": base_eval.prefill_ppl,
+        "protocol": hash_json(eval_.prefill["protocol"])[:16],
     }
     return out | ({"calibration_overlap": overlap} if overlap else {})
 
@@ -166,9 +167,10 @@ def log_run(
             "fingerprint.compressed": built.sha256,
         }
     )
+    evals = {"base": base_eval, "compressed": eval_, "before_lora": before_lora}
+    base_eval, eval_, before_lora = (eval_result(e) for e in evals.values())
     metrics = conversion_metrics(plan, base_eval, eval_, before_lora)
     comp = recipe["compression"]
-    evals = {"base": base_eval, "compressed": eval_, "before_lora": before_lora}
     figures = {"rank_plan_heatmap.png": str(local_path(plan.meta["heatmap"]))}
     files = {}
     if lora is not None:
@@ -179,7 +181,7 @@ def log_run(
         files["lora_history.json"] = str(local_path(lora.meta["history"]))
         params["fingerprint.before_lora"] = lora.meta["source"]
     tables = {"eval_table.json": eval_table(base_eval, eval_, before_lora)} if eval_ else {}
-    long = (eval_ or {}).get("long")
+    long = eval_.long if eval_ else None
     with tempfile.TemporaryDirectory(prefix="lrkv-figures-") as scratch:
         if long is not None:
             long_metrics, long_tables, long_figures = long_context_outputs(long, scratch)
@@ -229,6 +231,6 @@ def register_model(
         logged["model"],
         built.sha256,
         name,
-        quality(base_eval, eval_, overlap),
+        quality(eval_result(base_eval), eval_result(eval_), overlap),
         registry["max_ppl_rise"],
     )

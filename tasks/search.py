@@ -13,19 +13,20 @@ from prefect import task
 from lrkv_core.search import Budget, Point, SearchResult
 
 from .ablation import ablation_row, log_summary, summary_dir, table_csv
+from .results import ConvertResult
 
 
-def search_row(arm: str, compression: Any, result: dict | None, error: str | None = None) -> dict:
+def search_row(arm: str, compression: Any, result: ConvertResult | None, error: str | None = None) -> dict:
     """An ablation row (:func:`lrkv_tasks.ablation.ablation_row`) with the arm, the measured KV bytes/token
     and the relative perplexity rise the budget reads."""
     row = ablation_row(compression, result, error) | {"arm": arm}
     if result is None:
         return row
-    base, comp = result["eval"]["base"], result["eval"]["compressed"]
+    base, comp = result.eval.base, result.eval.compressed
     return row | {
-        "kv_bytes_per_token": comp["kv"]["kv_bytes_per_token"],
-        "base_kv_bytes_per_token": base["kv"]["kv_bytes_per_token"],
-        "ppl_rise_rel": comp["prefill"]["ppl"] / base["prefill"]["ppl"] - 1,
+        "kv_bytes_per_token": comp.kv_bytes_per_token,
+        "base_kv_bytes_per_token": base.kv_bytes_per_token,
+        "ppl_rise_rel": comp.prefill_ppl / base.prefill_ppl - 1,
     }
 
 

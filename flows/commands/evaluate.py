@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from lrkv_core.evaluate import EvalResult
 
 from ..options import (
     csv_list,
@@ -101,7 +105,7 @@ def eval_cmd(
             from lrkv_tasks.zeroshot import run_zeroshot
 
             with rich_progress(), step("zero-shot tasks"):
-                res["zeroshot"] = run_zeroshot(
+                zeroshot = run_zeroshot(
                     model_dir,
                     csv_list(tasks),
                     include_path=str(tasks_path) if tasks_path else None,
@@ -109,8 +113,9 @@ def eval_cmd(
                     batch_size=batch_size,
                     device=device,
                 )
+            res = replace(res, zeroshot=zeroshot)
     print_eval(model_dir, res)
-    text = json.dumps(res, indent=2)
+    text = json.dumps(res.to_dict(), indent=2)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(text)
@@ -119,7 +124,7 @@ def eval_cmd(
         console.print_json(text)
 
 
-def _evaluate(model_dir: str, dataset: str, seq_len: int, decode_prefix: int | None, **options) -> dict:
+def _evaluate(model_dir: str, dataset: str, seq_len: int, decode_prefix: int | None, **options) -> EvalResult:
     """:func:`lrkv_core.pipeline.evaluate_dir` with the CLI's progress (``options``: its keywords)."""
     from lrkv_core.pipeline import evaluate_dir
 

@@ -10,7 +10,13 @@ import torch
 from transformers import LlamaForCausalLM
 
 from lrkv_core.data import eval_windows
-from lrkv_core.evaluate import decode_perplexity, kl_and_agreement, kv_bytes_per_token, prefill_perplexity
+from lrkv_core.evaluate import (
+    EvalResult,
+    decode_perplexity,
+    kl_and_agreement,
+    kv_bytes_per_token,
+    prefill_perplexity,
+)
 from tests.support.models import tiny_model
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
@@ -136,6 +142,31 @@ def test_kl_of_a_different_model_matches_float64_reference() -> None:
     res = kl_and_agreement(base, other, windows, batch_size=2)
     assert res["kl"] == pytest.approx(expected_kl, rel=1e-4) and res["kl"] > 1e-3
     assert res["top1_agreement"] == pytest.approx(expected_agree) and res["top1_agreement"] < 1.0
+
+
+def test_an_eval_result_reads_its_parts_by_name_and_round_trips_its_json_form() -> None:
+    model, windows = _tiny_llama(), _windows(3, 12)
+    parts = {
+        "prefill": prefill_perplexity(model, windows, batch_size=2),
+        "decode": decode_perplexity(model, windows, prefix_len=6, batch_size=2),
+        "kv": kv_bytes_per_token(model, windows),
+    }
+    plain = EvalResult(model="m", **parts)
+    assert plain.kl is None and plain.kl_to_base is None and plain.top1_agreement is None
+    assert set(plain.to_dict()) == {"model", "prefill", "decode", "kv"}  # absent parts are left out
+    scores = {"results": {"piqa": {"acc": 0.5}}}
+    full = EvalResult(model="m", **parts, kl=kl_and_agreement(model, model, windows), zeroshot=scores)
+    assert EvalResult.from_dict(full.to_dict()) == full
+    assert full.prefill_ppl == parts["prefill"]["ppl"] and full.decode_ppl == parts["decode"]["ppl"]
+    assert full.kl_to_base == 0.0 and full.top1_agreement == 1.0
+    assert full.metrics("base_") == {
+        "base_prefill_ppl": parts["prefill"]["ppl"],
+        "base_decode_ppl": parts["decode"]["ppl"],
+        "base_kv_bytes_per_token": parts["kv"]["kv_bytes_per_token"],
+        "base_zeroshot.piqa.acc": 0.5,
+    }
+    with pytest.raises(ValueError, match="unknown part"):
+        EvalResult.from_dict(full.to_dict() | {"perplexity": 1.0})
 
 
 def test_shakespeare_prefill_reproduces_readme(shakespeare) -> None:

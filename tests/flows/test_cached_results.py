@@ -34,7 +34,7 @@ def _recipe(tmp_path: Path):
 
 
 def _states(result) -> dict[str, str]:
-    return {row["task"]: row["state"] for row in result["timings"]}
+    return {row["task"]: row["state"] for row in result.timings}
 
 
 def _records(store: Path) -> dict[Path, dict]:
@@ -59,7 +59,7 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
 
     # every cached result in the store is a JSON record naming only lrkv's reference class: no pickle
     records = _records(store)
-    assert len(records) == len(first["timings"])
+    assert len(records) == len(first.timings)
     for record in records.values():
         assert record["metadata"]["serializer"]["type"] == "json"
         assert _classes(record["result"]) <= ALLOWED_CLASSES
@@ -67,7 +67,7 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
     # the run's task progress reached its Prefect logs (the UI), and its summary is a Prefect artifact
     flow_run_id = (
         MlflowClient(recipe.tracking.mlflow_uri)
-        .get_run(first["mlflow"]["run_id"])
+        .get_run(first.mlflow["run_id"])
         .data.tags["lrkv.prefect_flow_run"]
     )
     with get_client(sync_client=True) as client:
@@ -91,7 +91,7 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
     assert len(summaries) == 1 and summaries[0]["type"] == "markdown"
     assert (
         "| plan_ranks | Completed |" in summaries[0]["data"]
-        and first["mlflow"]["run_id"] in summaries[0]["data"]
+        and first.mlflow["run_id"] in summaries[0]["data"]
     )
 
     # a deleted store file: the task that made it runs again and the file is back; nothing else reruns
@@ -119,7 +119,7 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
     assert not marker.exists()
     assert states["plan_ranks"] == "Completed" and states["build_model"] == "Cached", states
     assert json.loads(plan_record.read_bytes())["metadata"]["serializer"]["type"] == "json"
-    assert third["plan"] == first["plan"]
+    assert third.plan == first.plan
 
 
 def test_a_corrupt_stored_model_is_rebuilt_and_never_exported(prefect_api, tmp_path):
@@ -128,7 +128,7 @@ def test_a_corrupt_stored_model_is_rebuilt_and_never_exported(prefect_api, tmp_p
     out = tmp_path / "out"
     recipe = _recipe(tmp_path).model_copy(update={"out": str(out)})
     first = convert_flow(recipe)
-    weights = Path(first["compressed"].uri) / "model.safetensors"
+    weights = Path(first.compressed.uri) / "model.safetensors"
     intact = weights.read_bytes()
     corrupt = bytearray(intact)
     corrupt[-3] ^= 0x10  # a byte of a tensor: the file still parses
@@ -139,7 +139,7 @@ def test_a_corrupt_stored_model_is_rebuilt_and_never_exported(prefect_api, tmp_p
     assert states["build_model"] == "Completed" and states["decompose_layer[0]"] == "Cached", states
     assert weights.read_bytes() == intact
     assert (out / "model.safetensors").read_bytes() == intact
-    assert second["compressed"] == first["compressed"]
+    assert second.compressed == first.compressed
 
 
 def _classes(result: str) -> set[str]:

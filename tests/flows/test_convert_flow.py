@@ -44,7 +44,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     recipe = _recipe(model_dir, data, tmp_path / "store", tmp_path / "out", mlflow_server)
 
     first = convert_flow(recipe)
-    states = {row["task"]: row["state"] for row in first["timings"]}
+    states = {row["task"]: row["state"] for row in first.timings}
     assert set(states.values()) == {"Completed"}, states
     expected = {
         "collect_statistic[gram]",
@@ -55,9 +55,9 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     }
     assert expected | {"export_model"} <= set(states)
     assert list(states)[-1] == "export_model"  # exported last: a failed step leaves no complete-looking --out
-    seconds = {row["task"]: row["seconds"] for row in first["timings"]}
+    seconds = {row["task"]: row["seconds"] for row in first.timings}
     assert all(s is not None and s > 0 for s in seconds.values()), seconds  # each task's own run time
-    peaks = {row["task"]: row["peak_rss_bytes"] for row in first["timings"]}
+    peaks = {row["task"]: row["peak_rss_bytes"] for row in first.timings}
     assert peaks["collect_statistic[gram]"] > 50 * 2**20 and peaks["build_model"] > 50 * 2**20, peaks
     assert peaks["summarize_layer[1]"] is None  # a step that loads no model logs no peak
 
@@ -71,7 +71,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
         base_logits = base(windows).logits
         kl_bound = full_rank_kl_bound(base_logits, max_diff(base_logits, compressed(windows).logits))
 
-    run = MlflowClient(tracking_uri=mlflow_server).get_run(first["mlflow"]["run_id"])
+    run = MlflowClient(tracking_uri=mlflow_server).get_run(first.mlflow["run_id"])
     m = run.data.metrics
     for key in (
         "base_prefill_ppl",
@@ -86,7 +86,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
         assert key in m, key
     assert m["achieved_ratio"] == 1.0 and abs(m["base_prefill_ppl"] - m["compressed_prefill_ppl"]) < 1e-3
     assert m["kl_base_compressed"] <= kl_bound and m["top1_agreement"] == 1.0  # full rank: same distributions
-    assert run.data.params["fingerprint.model"] == first["model"].sha256
+    assert run.data.params["fingerprint.model"] == first.model.sha256
     assert run.data.params["recipe.compression.allocator.name"] == DEFAULT_ALLOCATOR == "kl"
     assert "version.transformers" in run.data.params
     artifacts = {a.path for a in MlflowClient(tracking_uri=mlflow_server).list_artifacts(run.info.run_id)}
@@ -94,17 +94,17 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
 
     # an identical re-run recomputes nothing
     second = convert_flow(recipe)
-    assert {row["state"] for row in second["timings"]} == {"Cached"}, second["timings"]
-    assert all(row["seconds"] is not None for row in second["timings"])  # a cache hit's own lookup time
-    assert all(row["peak_rss_bytes"] is None for row in second["timings"])  # nothing was computed
-    assert second["mlflow"]["run_id"] == first["mlflow"]["run_id"]
+    assert {row["state"] for row in second.timings} == {"Cached"}, second.timings
+    assert all(row["seconds"] is not None for row in second.timings)  # a cache hit's own lookup time
+    assert all(row["peak_rss_bytes"] is None for row in second.timings)  # nothing was computed
+    assert second.mlflow["run_id"] == first.mlflow["run_id"]
 
     # a deleted export is redone; everything upstream stays cached
     import shutil
 
     shutil.rmtree(tmp_path / "out")
     third = convert_flow(recipe)
-    states = {row["task"]: row["state"] for row in third["timings"]}
+    states = {row["task"]: row["state"] for row in third.timings}
     assert states.pop("export_model") == "Completed" and set(states.values()) == {"Cached"}
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
@@ -112,28 +112,28 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     comp = load_recipe(None, {"compression.ratio": 0.5, "compression.allocator": "fisher-greedy"}).compression
     comp = comp.model_copy(update={"group_size": 2, "rank_multiple": 8})
     half = convert_flow(recipe.model_copy(update={"compression": comp}))
-    states = {row["task"]: row["state"] for row in half["timings"]}
+    states = {row["task"]: row["state"] for row in half.timings}
     assert states["collect_statistic[gram]"] == "Cached" and states["decompose_layer[0]"] == "Cached"
     assert states["collect_statistic[fisher]"] == "Completed" and states["plan_ranks"] == "Completed"
     assert states["summarize_layer[0]"] == "Completed"  # the error curves are new features
-    assert half["plan"].meta["achieved_ratio"] == 0.5
+    assert half.plan.meta["achieved_ratio"] == 0.5
 
     # kl's statistic reads the factors: collected after them, from the cached decomposition; kl's plan is then
     # refined on the measured KL by default, a task of its own, and the model is built from the refined plan
     comp = load_recipe(None, {"compression.ratio": 0.5, "compression.allocator": "kl"}).compression
     comp = comp.model_copy(update={"group_size": 2, "rank_multiple": 8})
     measured = convert_flow(recipe.model_copy(update={"compression": comp}))
-    states = {row["task"]: row["state"] for row in measured["timings"]}
+    states = {row["task"]: row["state"] for row in measured.timings}
     assert states["decompose_layer[0]"] == "Cached"
     assert states["collect_statistic[kl_response]"] == "Completed"
     assert "collect_statistic[fisher]" not in states and states["plan_ranks"] == "Completed"
     assert states["refine_plan"] == "Completed" and states["build_model"] == "Completed"
-    objective = measured["plan"].meta["objective"]  # the default: the loss of the rows' own next tokens
-    kept = measured["plan"].meta[objective]  # its measured value for each kept plan, the allocator's first
+    objective = measured.plan.meta["objective"]  # the default: the loss of the rows' own next tokens
+    kept = measured.plan.meta[objective]  # its measured value for each kept plan, the allocator's first
     assert objective == "nll" and kept == sorted(kept, reverse=True) and kept[0] > 0
-    assert measured["plan"].meta["heatmap"]
-    assert 0.5 - 8 / 64 < measured["plan"].meta["achieved_ratio"] <= 0.5
-    run = MlflowClient(mlflow_server).get_run(measured["mlflow"]["run_id"])
+    assert measured.plan.meta["heatmap"]
+    assert 0.5 - 8 / 64 < measured.plan.meta["achieved_ratio"] <= 0.5
+    run = MlflowClient(mlflow_server).get_run(measured.mlflow["run_id"])
     metrics = run.data.metrics
     assert (metrics["refine_nll_before"], metrics["refine_nll_after"]) == (kept[0], kept[-1])
 
@@ -141,9 +141,9 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     unrefined = convert_flow(
         recipe.model_copy(update={"compression": comp.model_copy(update={"refine": RefineConfig(steps=0)})})
     )
-    states = {row["task"]: row["state"] for row in unrefined["timings"]}
+    states = {row["task"]: row["state"] for row in unrefined.timings}
     assert states["plan_ranks"] == "Cached" and "refine_plan" not in states
-    assert "kl" not in unrefined["plan"].meta and unrefined["plan"].meta["achieved_ratio"] == 0.5
+    assert "kl" not in unrefined.plan.meta and unrefined.plan.meta["achieved_ratio"] == 0.5
 
 
 def test_the_flow_and_the_in_memory_api_build_the_same_model(prefect_api, tmp_path):
@@ -156,13 +156,13 @@ def test_the_flow_and_the_in_memory_api_build_the_same_model(prefect_api, tmp_pa
     )
     recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"shards": 3})})
     result = convert_flow(recipe)
-    assert "merge_statistic[gram]" in {row["task"] for row in result["timings"]}
-    rows = read_token_rows(local_path(result["calibration"].uri))
+    assert "merge_statistic[gram]" in {row["task"] for row in result.timings}
+    rows = read_token_rows(local_path(result.calibration.uri))
     model, _ = load_model(model_dir)
     config = recipe.compression.to_config()
     conversion = plan_conversion(model, rows, config, batch_size=recipe.calibration.batch_size)
     assert "refine" in conversion.graph.names
-    assert conversion.plan.ranks == RankPlan.load(local_path(result["plan"].uri)).ranks
+    assert conversion.plan.ranks == RankPlan.load(local_path(result.plan.uri)).ranks
     conversion.apply(model)
     ids = rows[:4]
     with torch.no_grad():
@@ -194,9 +194,9 @@ def test_convert_flow_on_stories260k_is_exact_at_full_rank(prefect_api, tmp_path
         },
     )
     result = convert_flow(recipe)
-    base, comp = result["eval"]["base"], result["eval"]["compressed"]
-    assert abs(base["prefill"]["nll"] - comp["prefill"]["nll"]) < 1e-5
-    assert abs(base["decode"]["nll"] - comp["decode"]["nll"]) < 1e-5
+    base, comp = result.eval.base, result.eval.compressed
+    assert abs(base.prefill["nll"] - comp.prefill["nll"]) < 1e-5
+    assert abs(base.decode["nll"] - comp.decode["nll"]) < 1e-5
     original, _ = load_model(model_dir)
     compressed = load_compressed(tmp_path / "out")
     bos = torch.tensor([[1]])

@@ -65,24 +65,24 @@ def test_convert_on_a_dask_cluster_matches_threads_and_shares_their_cached_resul
         dask = convert_flow(on_dask)
         ran = _tasks_run_by(spec.address)
     assert ENV not in os.environ  # restored (unset) after the block
-    states = {row["task"]: row["state"] for row in dask["timings"]}
+    states = {row["task"]: row["state"] for row in dask.timings}
     assert set(states.values()) == {"Completed"}, states
-    assert all(row["seconds"] is not None for row in dask["timings"])  # read back from the API
+    assert all(row["seconds"] is not None for row in dask.timings)  # read back from the API
     # every task ran on the cluster's workers, none in this process (the default kl: refine_plan too)
     assert ran["decompose_layer"] == ran["summarize_layer"] == 2  # the tiny model's 2 layers
     # gram, attention_gram, output_fisher (the default decomposition's), kl_response (the allocator's):
     # each whole-model pass split between the 2 workers (its rows halved), then merged
     assert ran["collect_statistic_shard"] == 2 * 4 and ran["merge_statistic"] == 4
     assert "collect_statistic" not in ran and ran["evaluate"] == 2 and ran["refine_plan"] == 1
-    assert dask["recipe"].calibration.shards == 2  # one per worker, recorded with the run
-    assert sum(ran.values()) == len(dask["timings"])
+    assert dask.recipe.calibration.shards == 2  # one per worker, recorded with the run
+    assert sum(ran.values()) == len(dask.timings)
 
     threads = convert_flow(on_threads)
-    assert {row["state"] for row in threads["timings"]} == {"Completed"}
-    plans = [RankPlan.load(local_path(result["plan"].uri)) for result in (dask, threads)]
+    assert {row["state"] for row in threads.timings} == {"Completed"}
+    plans = [RankPlan.load(local_path(result.plan.uri)) for result in (dask, threads)]
     assert plans[0].ranks == plans[1].ranks
-    assert dask["eval"]["compressed"]["prefill"]["nll"] == pytest.approx(
-        threads["eval"]["compressed"]["prefill"]["nll"], abs=1e-5
+    assert dask.eval.compressed.prefill["nll"] == pytest.approx(
+        threads.eval.compressed.prefill["nll"], abs=1e-5
     )
     ids = read_token_rows(data.split(":", 1)[1])[:4]
     with torch.no_grad():
@@ -93,8 +93,8 @@ def test_convert_on_a_dask_cluster_matches_threads_and_shares_their_cached_resul
     # recomputes nothing
     cal = on_dask.calibration.model_copy(update={"shards": 2})
     again = convert_flow(on_dask.model_copy(update={"calibration": cal}))
-    assert {row["state"] for row in again["timings"]} == {"Cached"}, again["timings"]
-    assert again["mlflow"]["run_id"] == dask["mlflow"]["run_id"]
+    assert {row["state"] for row in again.timings} == {"Cached"}, again.timings
+    assert again.mlflow["run_id"] == dask.mlflow["run_id"]
 
 
 def _lrkv(args, home, env_extra=None):

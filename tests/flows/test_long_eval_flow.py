@@ -53,23 +53,23 @@ def _recipe(tmp_path, mlflow_uri, **overrides):
 def test_the_long_suite_runs_in_the_flow_cached_and_logged(prefect_api, mlflow_server, tmp_path):
     plain = _recipe(tmp_path, mlflow_server)
     first = convert_flow(plain)
-    assert "evaluate_long[compressed]" not in {row["task"] for row in first["timings"]}
-    assert "long" not in first["eval"]["compressed"]
+    assert "evaluate_long[compressed]" not in {row["task"] for row in first.timings}
+    assert first.eval.compressed.long is None
 
     with_long = _recipe(tmp_path, mlflow_server, **{"eval": plain.eval.model_dump() | {"long": LONG}})
     second = convert_flow(with_long)
-    states = {row["task"]: row["state"] for row in second["timings"]}
+    states = {row["task"]: row["state"] for row in second.timings}
     # the standard evaluations do not depend on eval.long: they come from the cache
     assert states["evaluate[base]"] == states["evaluate[compressed]"] == "Cached", states
     assert states["evaluate_long[compressed]"] == "Completed" and states["log_run"] == "Completed"
 
-    long = second["eval"]["compressed"]["long"]
+    long = second.eval.compressed.long
     result = LongContextResult.from_dict(long)
     assert result.to_dict() == long  # the stored result reads back whole
     assert result.protocol.context_lengths == (128, 320) and result.protocol.prompt_lengths == (128, 320)
     # the same suite run in memory on the flow's compressed model and the original gives the same numbers
     again = evaluate_long_dir(
-        second["compressed"].uri,
+        second.compressed.uri,
         with_long.eval.dataset,
         LongEvalRecipe(**LONG).protocol(with_long.eval.dataset),
         base_dir=str(MODEL),
@@ -78,7 +78,7 @@ def test_the_long_suite_runs_in_the_flow_cached_and_logged(prefect_api, mlflow_s
     assert [r.correct for r in again.retrieval] == [r.correct for r in result.retrieval]
     assert all(c.base_nll is not None and c.base_nll < c.nll for c in result.continuation)  # ratio 0.5 costs
 
-    run = MlflowClient(mlflow_server).get_run(second["mlflow"]["run_id"])
+    run = MlflowClient(mlflow_server).get_run(second.mlflow["run_id"])
     m = run.data.metrics
     for c in result.continuation:
         assert m[f"long_ppl_at_{c.context_len}"] == pytest.approx(math.exp(c.nll))
@@ -99,8 +99,8 @@ def test_the_long_suite_runs_in_the_flow_cached_and_logged(prefect_api, mlflow_s
     assert "long-context suite" in shown.get() and "| 320 | 2 |" in shown.get()
 
     third = convert_flow(with_long)  # a rerun is served from the cache
-    assert {row["state"] for row in third["timings"]} == {"Cached"}, third["timings"]
-    assert third["eval"]["compressed"]["long"] == long
+    assert {row["state"] for row in third.timings} == {"Cached"}, third.timings
+    assert third.eval.compressed.long == long
 
 
 def test_a_bad_long_section_is_refused_before_any_work(tmp_path):
@@ -126,7 +126,7 @@ def test_the_evaluate_flow_runs_the_long_suite_and_logs_it(prefect_api, tmp_path
     ev = EvalRecipe(dataset=dataset, seq_len=64, max_windows=2, decode_prefix=32, decode_windows=1, long=long)
     tracking = TrackingRecipe(mlflow_uri=mlflow_uri, experiment="eval-long-test")
     result = evaluate_flow(str(MODEL), ev, tracking=tracking, store=str(tmp_path / "store"))
-    suite = LongContextResult.from_dict(result["eval"]["long"])
+    suite = LongContextResult.from_dict(result["eval"].long)
     assert [c.context_len for c in suite.continuation] == [128] and len(suite.retrieval) == 1
     assert suite.continuation[0].base_nll is None  # no base given: the model alone
     run = MlflowClient(mlflow_uri).get_run(result["mlflow"]["run_id"])

@@ -43,7 +43,7 @@ def _recipe(tmp_path, **lora):
 
 
 def _states(result) -> dict[str, str]:
-    return {row["task"]: row["state"] for row in result["timings"]}
+    return {row["task"]: row["state"] for row in result.timings}
 
 
 def test_lora_step_trains_logs_and_is_cached(prefect_api, tmp_path):
@@ -51,23 +51,21 @@ def test_lora_step_trains_logs_and_is_cached(prefect_api, tmp_path):
     first = convert_flow(recipe)
     states = _states(first)
     assert states["lora_recover"] == "Completed" and "evaluate[before-lora]" in states
-    lora = first["lora"]
+    lora = first.lora
     assert lora.meta["steps"] == 6 and lora.meta["steps_run"] == 6 and lora.meta["resumed_from"] is None
     assert lora.meta["dataset"].endswith("[:90%]") and lora.meta["eval_dataset"].endswith(
         "[90%:]"
     )  # disjoint
-    assert first["compressed"].uri == lora.uri  # evaluated, logged and exported: the recovered model
+    assert first.compressed.uri == lora.uri  # evaluated, logged and exported: the recovered model
     assert not any(checkpoint_dir(recipe.store, "x").parent.iterdir())  # checkpoints removed once stored
 
-    before, after = first["eval"]["before_lora"], first["eval"]["compressed"]
-    assert before["kv"]["kv_bytes_per_token"] == after["kv"]["kv_bytes_per_token"]  # the cache is unchanged
-    assert first["before_lora"].sha256 == lora.meta["source"]
-    assert (
-        load_compressed(tmp_path / "out").config.lrkv == load_compressed(first["before_lora"].uri).config.lrkv
-    )
+    before, after = first.eval.before_lora, first.eval.compressed
+    assert before.kv_bytes_per_token == after.kv_bytes_per_token  # the cache is unchanged
+    assert first.before_lora.sha256 == lora.meta["source"]
+    assert load_compressed(tmp_path / "out").config.lrkv == load_compressed(first.before_lora.uri).config.lrkv
 
     client = MlflowClient(tracking_uri=recipe.tracking.mlflow_uri)
-    run_id = first["mlflow"]["run_id"]
+    run_id = first.mlflow["run_id"]
     losses = client.get_metric_history(run_id, "lora_train_loss")
     assert sorted(m.step for m in losses) == [1, 2, 3, 4, 5, 6]
     assert sorted(m.step for m in client.get_metric_history(run_id, "lora_eval_loss")) == [0, 3, 6]
@@ -78,7 +76,7 @@ def test_lora_step_trains_logs_and_is_cached(prefect_api, tmp_path):
     assert {"lora_loss_curve.png", "lora_history.json"} <= artifacts
 
     second = convert_flow(recipe)
-    assert set(_states(second).values()) == {"Cached"}, second["timings"]
+    assert set(_states(second).values()) == {"Cached"}, second.timings
 
 
 def test_a_flow_killed_in_training_resumes_from_the_checkpoint(prefect_api, tmp_path, monkeypatch):
@@ -100,14 +98,14 @@ def test_a_flow_killed_in_training_resumes_from_the_checkpoint(prefect_api, tmp_
     resumed = convert_flow(recipe)
     states = _states(resumed)
     assert states["lora_recover"] == "Completed" and states["build_model"] == "Cached"
-    meta = resumed["lora"].meta
+    meta = resumed.lora.meta
     assert meta["resumed_from"] == 4 and meta["steps_run"] == 2 and meta["steps"] == 6
 
     # an uninterrupted run of the same task elsewhere gives the same model, bit for bit
-    lora = resumed["recipe"].lora.model_dump(mode="json")  # its datasets resolved
-    again = lora_recover.fn(resumed["before_lora"], lora, recipe.dtype, str(tmp_path / "s2"))
-    assert again.sha256 == resumed["lora"].sha256
-    a, b = load_compressed(again.uri), load_compressed(resumed["lora"].uri)
+    lora = resumed.recipe.lora.model_dump(mode="json")  # its datasets resolved
+    again = lora_recover.fn(resumed.before_lora, lora, recipe.dtype, str(tmp_path / "s2"))
+    assert again.sha256 == resumed.lora.sha256
+    a, b = load_compressed(again.uri), load_compressed(resumed.lora.uri)
     ids = ids_for(2, 16, vocab=64)
     with torch.no_grad():
         assert max_diff(a(ids).logits, b(ids).logits) == 0

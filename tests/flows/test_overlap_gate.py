@@ -30,10 +30,10 @@ def test_evaluation_on_the_calibration_data_is_warned_about_and_never_champion(p
     )
     result = convert_flow(recipe)
     warning = f"warning: the evaluation data {data} overlaps the calibration data {data}"
-    assert any(note.startswith(warning) for note in result["notes"]), result["notes"]
-    base, compressed = (result["eval"][k]["prefill"]["ppl"] for k in ("base", "compressed"))
+    assert any(note.startswith(warning) for note in result.notes), result.notes
+    base, compressed = result.eval.base.prefill_ppl, result.eval.compressed.prefill_ppl
     assert abs(compressed / base - 1) < 1e-3  # within the default 5% gate
-    registered = result["registered"]
+    registered = result.registered
     assert registered["aliases"] == ["candidate"] and not registered["gate"]["passed"]
     assert "overlaps the calibration data" in registered["gate"]["reason"]
     client = MlflowClient(mlflow_uri)

@@ -92,14 +92,12 @@ def test_a_toy_allocator_and_storage_run_through_the_convert_flow(prefect_api, t
         },
     )
     result = convert_flow(recipe)
-    plan = result["plan"].meta
+    plan = result.plan.meta
     assert plan["achieved_ratio"] == 0.75
     fmt = load_compressed(tmp_path / "out").config.lrkv
     assert fmt["ranks_k"] == [[8], [16]] and fmt["ranks_v"] == [[8], [16]]  # the spare went to layer 1
     assert fmt["allocator"] == {"name": "test-deep-first"} and fmt["cache"] == {"name": "test-half"}
-    kv = result["eval"]["compressed"]["kv"]
+    kv = result.eval.compressed.kv
     # float16 latents: (8 + 8 + 16 + 16) · 2 bytes, plus an int32 position per layer, per token
     assert kv["cache_class"] == "LatentCache" and kv["kv_bytes_per_token"] == 48 * 2 + 2 * 4
-    assert (
-        result["eval"]["base"]["kv"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
-    )  # 2 layers × K,V × Hkv·D fp32
+    assert result.eval.base.kv["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # 2 layers × K,V × Hkv·D fp32

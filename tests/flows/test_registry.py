@@ -114,7 +114,7 @@ def test_round_trip_s3_store_mlflow_registry_and_pull(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_s3_server)
     prefix = f"store-{uuid.uuid4().hex[:8]}"
     first = convert_flow(_recipe(tmp_path, f"s3://lrkv/{prefix}", mlflow_s3_server, ratio=1.0))
-    reg = first["registered"]
+    reg = first.registered
     assert reg["name"] == "lrkv-tiny-llama" and reg["aliases"] == ["candidate", "champion"], reg
 
     # artifacts landed in the bucket: the store's and MLflow's (the registered model's files among them)
@@ -127,13 +127,13 @@ def test_round_trip_s3_store_mlflow_registry_and_pull(
     store_keys = [k for k in keys if k.startswith(prefix + "/")]
     for folder in ("calibration/", "factors/", "models/", "plans/", "prefect-results/"):
         assert any(k.startswith(f"{prefix}/{folder}") for k in store_keys), folder
-    assert first["compressed"].uri.startswith(f"s3://lrkv/{prefix}/models/")
+    assert first.compressed.uri.startswith(f"s3://lrkv/{prefix}/models/")
     mlflow_keys = [k for k in keys if k.startswith("mlflow/")]
     assert any(k.endswith("/MLmodel") for k in mlflow_keys)
     assert any(k.endswith("lrkv-model/model.safetensors") for k in mlflow_keys)
 
     client = MlflowClient(mlflow_s3_server)
-    run = client.get_run(first["mlflow"]["run_id"])
+    run = client.get_run(first.mlflow["run_id"])
     assert run.info.status == "FINISHED" and "compressed_prefill_ppl" in run.data.metrics
     version = client.get_model_version_by_alias("lrkv-tiny-llama", "champion")
     assert version.run_id == run.info.run_id and version.tags["lrkv.complete"] == "true"
@@ -141,7 +141,7 @@ def test_round_trip_s3_store_mlflow_registry_and_pull(
     # the model before upload; the same model pulled in a fresh process, loaded by models:/ URI in another
     # (its own LRKV_HOME: it downloads), and loaded as an MLflow pyfunc model in a third
     torch.set_num_threads(1)
-    before = load_compressed(local_path(first["compressed"].uri))
+    before = load_compressed(local_path(first.compressed.uri))
     with torch.no_grad():
         expected = before(torch.tensor(IDS)).logits
         greedy = [
@@ -191,16 +191,16 @@ def test_round_trip_s3_store_mlflow_registry_and_pull(
     # the 0.5 conversion has the higher perplexity: within the gate's rise, but it does not beat the
     # full-rank champion, so it is registered as candidate only and the champion stays
     second = convert_flow(_recipe(tmp_path, f"s3://lrkv/{prefix}", mlflow_s3_server, ratio=0.5))
-    assert second["eval"]["compressed"]["prefill"]["ppl"] > first["eval"]["compressed"]["prefill"]["ppl"]
-    reg2 = second["registered"]
+    assert second.eval.compressed.prefill_ppl > first.eval.compressed.prefill_ppl
+    reg2 = second.registered
     assert reg2["aliases"] == ["candidate"] and "does not beat champion v1" in reg2["gate"]["reason"], reg2
     assert client.get_model_version_by_alias("lrkv-tiny-llama", "champion").version == version.version
     assert client.get_model_version_by_alias("lrkv-tiny-llama", "candidate").version == reg2["version"]
 
     # an identical re-run: every task a cache hit served from the records in S3, no new version
     again = convert_flow(_recipe(tmp_path, f"s3://lrkv/{prefix}", mlflow_s3_server, ratio=0.5))
-    assert {row["state"] for row in again["timings"]} == {"Cached"}, again["timings"]
-    assert again["registered"] == reg2 and again["mlflow"] == second["mlflow"]
+    assert {row["state"] for row in again.timings} == {"Cached"}, again.timings
+    assert again.registered == reg2 and again.mlflow == second.mlflow
     assert len(client.search_model_versions("name='lrkv-tiny-llama'")) == 2
 
 

@@ -78,10 +78,10 @@ def test_the_winner_is_no_larger_than_any_grid_point_within_budget(searched):
 def test_the_winner_is_registered_exported_and_logged(searched):
     tmp_path, recipe, result = searched
     winner = result["winner"]
-    reg = winner["registered"]
+    reg = winner.registered
     assert reg["aliases"][0] == "candidate"
     assert ("champion" in reg["aliases"]) == reg["gate"]["passed"]
-    comp = winner["recipe"].compression
+    comp = winner.recipe.compression
     assert (
         comp.ratio == result["best"]["ratio"]
         and comp.cache.to_dict()
@@ -90,7 +90,7 @@ def test_the_winner_is_registered_exported_and_logged(searched):
     assert (tmp_path / "found" / "config.json").is_file()
     client = MlflowClient(tracking_uri=recipe.base.tracking.mlflow_uri)
     version = client.get_model_version_by_alias(reg["name"], "candidate")
-    assert version.run_id == winner["mlflow"]["run_id"]
+    assert version.run_id == winner.mlflow["run_id"]
     arts = {a.path for a in client.list_artifacts(result["summary"]["mlflow"]["run_id"])}
     assert {"search.csv", "search.md", "search_pareto.png", "search_points.json", "pareto_front.json"} <= arts
     assert "Pareto front" in result["summary"]["markdown"]
@@ -102,7 +102,7 @@ def test_a_rerun_is_served_from_the_cache(searched):
     assert again["best"] == result["best"]
     assert again["cost"]["tasks_computed"] == 0 and again["cost"]["evaluations"] == 0
     assert again["cost"]["tasks_cached"] > 0
-    assert {row["state"] for row in again["winner"]["timings"]} == {"Cached"}
+    assert {row["state"] for row in again["winner"].timings} == {"Cached"}
 
 
 def test_an_impossible_budget_fails_clearly_and_registers_nothing(searched):
@@ -141,5 +141,5 @@ def test_a_nightly_deployment_searches_instead_of_converting(searched):
 def test_the_nightly_search_flow_registers_each_model_s_winner(searched):
     _, recipe, result = searched
     done = nightly_search_flow([str(MODEL)], recipe)  # every step served from the test's cache
-    assert done[str(MODEL)]["registered"]["name"] == result["winner"]["registered"]["name"]
-    assert done[str(MODEL)]["mlflow"]["run_id"] == result["winner"]["mlflow"]["run_id"]
+    assert done[str(MODEL)]["registered"]["name"] == result["winner"].registered["name"]
+    assert done[str(MODEL)]["mlflow"]["run_id"] == result["winner"].mlflow["run_id"]

@@ -1,5 +1,6 @@
 """The quality gate that decides the ``champion`` alias, and the registered model's name."""
 
+from lrkv_core.evaluate import EvalResult
 from lrkv_core.heldout import overlap
 from lrkv_tasks.model_registry import model_name, quality_gate
 from lrkv_tasks.publish import quality
@@ -31,7 +32,9 @@ def test_model_names_are_slugs_of_the_reference():
 
 
 def test_evaluation_data_that_overlaps_the_calibration_data_never_makes_a_champion():
-    base, ev = ({"prefill": {"ppl": p, "protocol": {"dataset": "text:a.txt"}}} for p in (10.0, 10.1))
+    base, ev = (
+        EvalResult("m", {"ppl": p, "protocol": {"dataset": "text:a.txt"}}, {}, {}) for p in (10.0, 10.1)
+    )
     clash = overlap("text:a.txt", "text:a.txt[90%:]")
     assert clash is not None and "overlaps the calibration data text:a.txt" in clash
     assert quality_gate(quality(base, ev), None, 0.05)[0]  # the same numbers pass on held-out data
