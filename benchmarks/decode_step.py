@@ -58,6 +58,7 @@ from lrkv_kernels.latent_rope import (
     PackedLatents,
     latent_decode_attention,
     latent_rope_scores,
+    rotated_decode_attention,
 )
 
 _packing = importlib.util.spec_from_file_location(  # torch alone: no need for lrkv_core's dependencies
@@ -104,6 +105,8 @@ TILING_FIELDS = (
     "hoist",
     "n_splits",
 )
+ROTATED_TILINGS = [(0, 4, 1), (128, 4, 1), (64, 4, 2), (128, 8, 2)]  # tokens/tile, warps, stages[, splits]
+ROTATED_FIELDS = ("block_s", "num_warps", "num_stages", "n_splits")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -203,32 +206,42 @@ class Original:
 
 class Latent:
     """lrkv's decode path over a static latent cache H_k (B, S_max, R_k), H_v (B, S_max, R_v) per layer: the
-    same stack, each group's k/v projections cut to ``rank`` by a data-free SVD, B_v folded into o_proj."""
+    same stack, each group's k/v projections cut to ``rank`` by a data-free SVD, B_v folded into o_proj.
 
-    def __init__(self, stack: Stack, rank: int, batch: int, capacity: int, bits: int = 0) -> None:
+    ``rotated``: the key latents project each group's keys *after* RoPE on the left singular vectors U of its
+    k projection (``h_k = Uᵀ rope(k)``), and each query head is absorbed (``U_jᵀ rope(q)``), so attention
+    rebuilds no key (:mod:`lrkv_kernels.latent_rope.rotated`); exact at full rank like the default."""
+
+    def __init__(
+        self, stack: Stack, rank: int, batch: int, capacity: int, bits: int = 0, rotated: bool = False
+    ) -> None:
         s, dev, dt = stack.shape, stack.device, stack.dtype
-        self.stack, self.rank, self.bits = stack, rank, bits
+        self.stack, self.rank, self.bits, self.rotated = stack, rank, bits, rotated
         G, nq, n_rep = s.Hkv // s.group, s.H // (s.Hkv // s.group), s.H // s.Hkv
         self.layers = []
         for L in stack.layers:
-            k_down, v_down, ups, o_blocks = [], [], [], []
+            k_down, v_down, ups, o_blocks, bases, absorbed = [], [], [], [], [], []
             for g in range(G):
                 rows = slice(g * s.group * s.D, (g + 1) * s.group * s.D)
                 uk, sk, vk = torch.linalg.svd(L["k"][rows].float(), full_matrices=False)
                 uv, sv, vv = torch.linalg.svd(L["v"][rows].float(), full_matrices=False)
                 k_down.append(vk[:rank])
                 ups.append((uk[:, :rank] * sk[:rank]).to(dt))  # B_k (s·D, r)
+                bases.append(uk[:, :rank])  # U (s·D, r), orthonormal: the rotated keys' basis
                 v_down.append(vv[:rank])
                 b_v = uv[:, :rank] * sv[:rank]  # (s·D, r)
                 for h in range(g * nq, (g + 1) * nq):  # W_o,h B_v,g,h
                     j = (h - g * nq) // n_rep
                     o_blocks.append(L["o"][:, h * s.D : (h + 1) * s.D].float() @ b_v[j * s.D : (j + 1) * s.D])
+                    absorbed.append(uk[j * s.D : (j + 1) * s.D, :rank])  # U_j (D, r)
             self.layers.append(
                 dict(
                     k_down=torch.cat(k_down).to(dt),
                     v_down=torch.cat(v_down).to(dt),
                     o=torch.cat(o_blocks, dim=1).to(dt),
                     weights=LatentDecodeWeights.build(ups, [None] * G, [rank] * G, nq, dt),
+                    basis=torch.stack(bases).to(dt),  # (G, s·D, r)
+                    absorb=torch.stack(absorbed).to(dt),  # (H, D, r)
                 )  # fmt: skip
             )
             self.layers[-1]["groups"] = self.layers[-1][
@@ -289,8 +302,9 @@ class Latent:
         )
 
     def choose(self, kernel) -> None:
-        """The flash-decoding kernel's settings (a tuple of :data:`TILING_FIELDS`), ``"dispatch"`` (its
-        defaults through the dispatcher, any device) or ``"palu-scores"``."""
+        """The flash-decoding kernel's settings (a tuple of :data:`TILING_FIELDS`, or with ``rotated`` of
+        :data:`ROTATED_FIELDS`), ``"dispatch"`` (its defaults through the dispatcher, any device),
+        ``"palu-scores"`` or, with ``rotated``, ``"sdpa"`` (torch's attention over the latents)."""
         self.kernel = kernel
         self.stats = {}
 
@@ -301,6 +315,8 @@ class Latent:
         s, L, M = self.stack.shape, self.stack.layers[i], self.layers[i]
         B = h.shape[0]
         q = rope((h @ L["q"].T).view(B, s.H, s.D), cos[:, None], sin[:, None])
+        if self.rotated:
+            return self.rotated_attention(i, h, pos, q, cos, sin)
         self.write(i, pos, h @ M["k_down"].T, h @ M["v_down"].T)
         hk, hv = self.latents(i, pos + 1)
         positions = self.positions[:, : pos + 1]
@@ -333,6 +349,33 @@ class Latent:
             out = torch.cat(outs, dim=-1)
         return out @ M["o"].T
 
+    def rotated_attention(self, i: int, h: torch.Tensor, pos: int, q: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Keys rotated, then projected on each group's basis into the cache; queries absorbed; attention
+        over the latents as a multi-query attention of head dim r (the kernel, or torch's SDPA)."""
+        s, L, M = self.stack.shape, self.stack.layers[i], self.layers[i]
+        B, G = h.shape[0], s.Hkv // s.group
+        k = rope((h @ L["k"].T).view(B, s.Hkv, s.D), cos[:, None], sin[:, None]).view(B, G, -1)
+        self.write(i, pos, torch.einsum("bgc,gcr->bgr", k, M["basis"]).flatten(1), h @ M["v_down"].T)
+        q_abs = torch.einsum("bhd,hdr->bhr", q, M["absorb"])  # (B, H, r)
+        hk, hv = self.latents(i, pos + 1)
+        if self.kernel == "sdpa":
+            if self.bits:
+                raise ValueError("torch's attention reads dense latents only")
+            keys, values = (x.unflatten(-1, (G, -1)).transpose(1, 2) for x in (hk, hv))  # (B, G, S, r)
+            out = F.scaled_dot_product_attention(
+                q_abs[:, :, None], keys, values, scale=s.D**-0.5, enable_gqa=G != s.H
+            )  # fmt: skip
+            out = out.reshape(B, -1)
+        elif isinstance(self.kernel, tuple):
+            from lrkv_kernels.latent_rope.flash_rotated import rotated_decode_attention_triton
+
+            options = {k: v or None for k, v in zip(ROTATED_FIELDS, self.kernel, strict=False)}
+            options["num_warps"], options["num_stages"] = self.kernel[1], self.kernel[2]
+            out = rotated_decode_attention_triton(q_abs, hk, hv, M["weights"], s.D**-0.5, **options)
+        else:
+            out = rotated_decode_attention(q_abs, hk, hv, M["weights"], s.D**-0.5)
+        return out @ M["o"].T
+
     def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         cos, sin = self.stack.tables(pos, x.shape[0])
         for i, L in enumerate(self.stack.layers):
@@ -350,13 +393,13 @@ def latent_bytes_per_token(stack: Stack, rank: int, bits: int) -> int:
     return 2 * s.layers * (packing.packed_width(G * rank, bits) + 2 * G * 2)
 
 
-def check_full_rank(device: torch.device) -> float:
+def check_full_rank(device: torch.device, rotated: bool = False) -> float:
     """lrkv at full rank decodes a prefix token by token to the original's logits (float32)."""
     shape = SHAPES["tiny"] if device.type == "cpu" else SHAPES["smollm2"]
     stack = Stack(shape, device, torch.float32, seed=1)
     batch, steps = 2, 40
     orig = Original(stack, batch, steps, backend="default")  # float32: torch's own choice (not flash)
-    lat = Latent(stack, shape.group * shape.D, batch, steps)
+    lat = Latent(stack, shape.group * shape.D, batch, steps, rotated=rotated)
     ids = torch.randint(shape.vocab, (batch, steps), generator=torch.Generator().manual_seed(0)).to(device)
     worst = 0.0
     for t in range(steps):
@@ -364,6 +407,22 @@ def check_full_rank(device: torch.device) -> float:
         a, b = orig.step(x, t), lat.step(x, t)
         worst = max(worst, float((a - b).abs().max() / a.abs().max()))
     return worst
+
+
+def check_rotated_kernel(device: torch.device, bits: int, dtype: torch.dtype, context: int = 3000) -> float:
+    """Relative error of the rotated-keys kernel against its torch reference on a layer of random latents
+    (SmolLM2's shape at half width; dense or packed ``bits``-bit codes) in ``dtype``."""
+    from lrkv_kernels.latent_rope import rotated_decode_attention_ref
+
+    stack = Stack(SHAPES["smollm2"], device, dtype, seed=2)
+    lat = Latent(stack, 96, 4, context, bits, rotated=True)
+    lat.fill()
+    hk, hv = lat.latents(0, context)
+    q = torch.randn(4, stack.shape.H, 96, device=device, dtype=dtype)
+    weights = lat.layers[0]["weights"]
+    got = rotated_decode_attention(q, hk, hv, weights, 0.125).double()
+    ref = rotated_decode_attention_ref(q, hk, hv, weights, 0.125).double()
+    return float((got - ref).norm() / ref.norm())
 
 
 def cuda_graph_ms(fn, steps: int, repeats: int) -> float:
@@ -411,6 +470,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: only the full-rank check (Triton's interpreter)")
     ap.add_argument("--out", type=Path, default=None, help="append JSON rows here")
     ap.add_argument(
+        "--keys", default="rebuilt,rotated",
+        help="lrkv's key latents: rebuilt (projected before RoPE, keys rebuilt in the kernel), rotated "
+        "(projected after RoPE, queries absorbed), or both",
+    )  # fmt: skip
+    ap.add_argument(
         "--tilings", default=None,
         help="the kernel's settings to time, e.g. '0,4,1;64,4,1,1,4,1' (tokens per tile (0: default), warps, "
         "stages[, scores in the latents' dtype (-1: default), KV heads per block (0: default), hoist B_k "
@@ -422,8 +486,18 @@ def main() -> None:
     out = args.out.open("a") if args.out else None
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     meta = dict(shape=args.shape, device=name, torch=torch.__version__, ratio=args.ratio, bits=args.bits)
+    kinds = ["lrkv" if keys == "rebuilt" else "lrkv-rotated" for keys in args.keys.split(",")]
     if "check" in parts:
-        emit(out, dict(meta, part="full-rank check", max_relative_logit_error=check_full_rank(device)))
+        for kind in kinds:
+            error = check_full_rank(device, rotated=kind == "lrkv-rotated")
+            emit(out, dict(meta, part="full-rank check", model=kind, max_relative_logit_error=error))
+        if "lrkv-rotated" in kinds and device.type == "cuda":
+            for dtype in (torch.float32, torch.bfloat16):
+                error = check_rotated_kernel(device, args.bits, dtype)
+                emit(
+                    out,
+                    dict(meta, part="rotated kernel vs reference", dtype=str(dtype), relative_error=error),
+                )
     if device.type != "cuda":
         return
     dtype = getattr(torch, args.dtype)
@@ -439,11 +513,12 @@ def main() -> None:
     emit(out, dict(meta, part="device copy", gb_per_s=round(copy_bandwidth(device), 1)))
     best: dict[tuple[str, int], str] = {}  # each side's fastest attention at a context, for its steps
     steps: dict[tuple[str, int], float] = {}
-    for kind in ("original", "lrkv"):
+    for kind in ("original", *kinds):
         if kind == "original":
             cache = Original(stack, args.batch, max(contexts) + 1)
         else:
-            cache = Latent(stack, rank, args.batch, max(contexts) + 1, args.bits)
+            rotated = kind == "lrkv-rotated"
+            cache = Latent(stack, rank, args.batch, max(contexts) + 1, args.bits, rotated)
         cache.fill()
         x = stack.embed[torch.arange(args.batch, device=device)]
         for ctx in contexts:
@@ -454,6 +529,8 @@ def main() -> None:
             )
             if kind == "original":
                 options = [*BACKENDS, "default"]
+            elif kind == "lrkv-rotated":
+                options = [*ROTATED_TILINGS] if args.bits else [*ROTATED_TILINGS, "sdpa"]
             else:
                 options = [*tilings] if args.bits else [*tilings, "palu-scores"]
             timed = {}
@@ -493,7 +570,7 @@ def main() -> None:
                             ms=round(ms, 4),
                             cache_gb_read=round(read / 1e9, 4),
                             cache_gb_per_s=round(read / ms / 1e6, 1),
-                            **(dict(kernel_stats=dict(cache.stats)) if kind == "lrkv" else {}),
+                            **(dict(kernel_stats=dict(cache.stats)) if kind != "original" else {}),
                         ),
                     )
             fastest = min(timed, key=timed.get) if timed else options[0]
@@ -517,26 +594,30 @@ def main() -> None:
                 )
         del cache
         torch.cuda.empty_cache()
-    for ctx in contexts:
-        if ("lrkv", ctx) in steps:
-            emit(
-                out,
-                dict(
-                    meta,
-                    part="decode step ratio",
-                    context=ctx,
-                    batch=args.batch,
-                    lrkv_over_original=round(steps["lrkv", ctx] / steps["original", ctx], 3),
-                ),
-            )
+    for kind in kinds:
+        for ctx in contexts:
+            if (kind, ctx) in steps:
+                emit(
+                    out,
+                    dict(
+                        meta,
+                        part="decode step ratio",
+                        model=kind,
+                        context=ctx,
+                        batch=args.batch,
+                        lrkv_over_original=round(steps[kind, ctx] / steps["original", ctx], 3),
+                    ),
+                )
     if "serving" in parts:
         ctx = max(contexts)
-        serving(
-            stack, rank, ctx, best.get(("original", ctx), "flash"), best.get(("lrkv", ctx)), args, meta, out
-        )
+        for kind in kinds:
+            tiling = best.get((kind, ctx))
+            serving(stack, rank, ctx, best.get(("original", ctx), "flash"), tiling, args, meta, out, kind)
 
 
-def serving(stack: Stack, rank: int, ctx: int, backend: str, tiling, args, meta: dict, out) -> None:
+def serving(
+    stack: Stack, rank: int, ctx: int, backend: str, tiling, args, meta: dict, out, kind: str = "lrkv"
+) -> None:
     """Within the memory the original's cache takes at ``--batch`` × ``ctx`` tokens, lrkv holds a larger
     batch: tokens/s of each at its own largest batch (a decode step of every row)."""
     orig = Original(stack, args.batch, ctx + 1)
@@ -551,7 +632,7 @@ def serving(stack: Stack, rank: int, ctx: int, backend: str, tiling, args, meta:
     s = stack.shape
     latent_per_token = latent_bytes_per_token(stack, rank, args.bits)
     batch_l = budget // (latent_per_token * (ctx + 1))
-    lat = Latent(stack, rank, batch_l, ctx + 1, args.bits)
+    lat = Latent(stack, rank, batch_l, ctx + 1, args.bits, rotated=kind == "lrkv-rotated")
     if tiling is not None:
         lat.choose(eval(tiling) if tiling.startswith("(") else tiling)  # noqa: S307 (our own repr)
     lat.fill()
@@ -563,6 +644,7 @@ def serving(stack: Stack, rank: int, ctx: int, backend: str, tiling, args, meta:
         dict(
             meta,
             part="serving at a fixed cache budget",
+            model=kind,
             context=ctx,
             cache_budget_gb=round(budget / 1e9, 2),
             original_batch=args.batch,

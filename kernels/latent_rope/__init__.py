@@ -28,6 +28,7 @@ from .reference import (
     rope_tables,
     rotate_half,
 )
+from .rotated import rotated_decode_attention_ref
 
 
 def reconstruct_rope_keys(
@@ -102,6 +103,24 @@ def latent_decode_attention(
     return reference(q, h_k, h_v, weights, positions, inv_freq, attention_scaling, scaling, mask)
 
 
+def rotated_decode_attention(
+    q: torch.Tensor,
+    h_k: torch.Tensor | PackedLatents,
+    h_v: torch.Tensor | PackedLatents,
+    weights: LatentDecodeWeights,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dispatcher for :func:`rotated_decode_attention_ref` (same arguments and result; latents of keys
+    projected after RoPE, queries absorbed): the Triton kernel where :func:`triton_runs_on` the tensors'
+    device, else the reference."""
+    if triton_runs_on(q.device):
+        from .flash_rotated import rotated_decode_attention_triton
+
+        return rotated_decode_attention_triton(q, h_k, h_v, weights, scaling, mask)
+    return rotated_decode_attention_ref(q, h_k, h_v, weights, scaling, mask)
+
+
 __all__ = [
     "LatentDecodeWeights",
     "PackedLatents",
@@ -117,5 +136,7 @@ __all__ = [
     "reconstruct_rope_keys_ref",
     "rope_tables",
     "rotate_half",
+    "rotated_decode_attention",
+    "rotated_decode_attention_ref",
     "triton_runs_on",
 ]

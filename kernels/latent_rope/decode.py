@@ -75,6 +75,15 @@ class LatentDecodeWeights:
             offsets(out_widths), sum(out_widths), max(ranks_v), norm, float(norm_eps),
         )  # fmt: skip
 
+    @classmethod
+    def layout(
+        cls, ranks_k: list[int], ranks_v: list[int], q_heads_per_group: int, device: torch.device | str
+    ) -> LatentDecodeWeights:
+        """The groups' layout alone (ranks, offsets, output width), for latents that need no key
+        up-projection (:mod:`lrkv_kernels.latent_rope.rotated`): ``up`` has no rows."""
+        ups = [torch.empty(0, r, device=device) for r in ranks_k]
+        return cls.build(ups, [None] * len(ups), list(ranks_v), q_heads_per_group, torch.float32)
+
     def groups(self) -> list[tuple[slice, slice, torch.Tensor, torch.Tensor | None]]:
         """Per group: its key and value latents' columns in H_k, H_v, its ``B_k`` (s·D, r_k) and bias."""
         out = []

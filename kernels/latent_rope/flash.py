@@ -157,6 +157,19 @@ def _head_block(
     return up1, up2, bias1, bias2, qa, qb
 
 
+@triton.jit
+def _online_softmax(scores, mask_s, m_i, l_i):
+    """One tile of the online softmax: the scores (NQ_P, BLOCK_S) of tokens ``mask_s`` (others −inf) update
+    the running maximum ``m_i`` and sum ``l_i``; returns the tile's probabilities, the factor that rescales
+    what was accumulated before, and the new maximum and sum."""
+    scores = tl.where(mask_s[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row so far: nothing to shift
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])  # (NQ_P, BLOCK_S)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
 @triton.jit(do_not_specialize=["k_qw", "v_qw"])  # one compiled kernel for every quantization group width
 def _flash_decode_kernel(
     q_ptr, hk_ptr, hv_ptr, up_ptr, bias_ptr, norm_ptr, pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, mask_ptr,
@@ -262,18 +275,12 @@ def _flash_decode_kernel(
         if HAS_MASK:
             add = tl.load(mask_ptr + b * sm_b + offs_s * sm_s, mask=mask_s, other=0.0)
             scores += add[None, :]
-        scores = tl.where(mask_s[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row so far: nothing to shift
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])  # (NQ_P, BLOCK_S)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _online_softmax(scores, mask_s, m_i, l_i)
         v = _latent_tile(
             hv_ptr, shv_b, shv_s, shv_r, vc_ptr, svc_b, svc_s, vs_ptr, vz_ptr, svs_b, svs_s, svs_g,
             b, offs_s, mask_s, voff + offs_rv, mask_rv, g, v_qw, S_packed, V_BITS, V_SUB, V_RECENT, DTYPE,
         )  # (BLOCK_S, RV_P)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     row = (pid * NQ_P + offs_h) * n_splits + split  # partial sums laid out (B·G·NQ_P, n_splits[, RV_P])
     tl.store(m_ptr + row, m_i)
