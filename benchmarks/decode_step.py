@@ -11,18 +11,25 @@ Llama-3.1-8B's) it builds the decoder stack twice from the same weights:
   k/v projection at ``--ratio`` of the KV width, as ``plain`` gives), the new latents written into a static
   latent cache, attention through the flash-decoding kernel over latents
   (:func:`lrkv_kernels.latent_rope.latent_decode_attention`: keys rebuilt in registers, values folded into
-  o_proj), and the folded o_proj.
+  o_proj), and the folded o_proj;
+- **lrkv-rotated**: the same, with the key latents projecting each group's keys *after* RoPE
+  (``h_k = Uᵀ rope(k)``, U the group's left singular vectors at ``--ratio``), the queries absorbed
+  (``U_jᵀ rope(q)``), and attention over the latents as a multi-query attention of head dim r: no key is
+  rebuilt (:mod:`lrkv_kernels.latent_rope.absorbed`; timed through its Triton kernel and torch's SDPA).
+  ``--keys`` chooses which of the two lrkv paths run.
 
-Printed, per context: the attention of one layer alone (``triton.testing.do_bench`` medians: the original's
-SDPA; lrkv's kernel; Palu's per-group scores kernel with softmax and the value product in torch), with the
-bytes each reads and the bandwidth that makes; then a whole decode step of the stack (the cache prefilled to
-the context, one token written at the next position, attention over all of it; CUDA-graph replays timed with
-CUDA events, median of ``--repeats`` runs of ``--steps``); and the serving trade: within the memory the
-original's cache takes at ``--batch``, lrkv holds ``⌊1/ratio_bytes⌋`` times the batch, and tokens/s at each.
+Printed, per context: the attention of one layer alone (CUDA-graph replays: the original's SDPA; lrkv's
+kernel; Palu's per-group scores kernel with softmax and the value product in torch; the rotated keys' kernel
+and SDPA), with the bytes each reads and the bandwidth that makes; then a whole decode step of the stack
+(the cache prefilled to the context, one token written at the next position, attention over all of it;
+CUDA-graph replays timed with CUDA events, median of ``--repeats`` runs of ``--steps``); and the serving
+trade: within the memory the original's cache takes at ``--batch``, lrkv holds ``⌊1/ratio_bytes⌋`` times the
+batch, and tokens/s at each.
 Every row is also written as JSON to ``--out``.
 
 Before timing, the stack is checked at full rank (rank = the whole KV width) on a small prefix decoded token
-by token: lrkv's logits must equal the original's (float32), or the script stops.
+by token: lrkv's logits must equal the original's (float32); on a GPU the rotated keys' kernel is also
+compared with its torch reference (float32 and bfloat16).
 
     python benchmarks/decode_step.py --shape smollm2 --context 16384,32768,65536 --batch 8
 """
@@ -56,9 +63,9 @@ except ImportError:  # a checkout without the package installed: the kernels liv
 from lrkv_kernels.latent_rope import (
     LatentDecodeWeights,
     PackedLatents,
+    absorbed_decode_attention,
     latent_decode_attention,
     latent_rope_scores,
-    rotated_decode_attention,
 )
 
 _packing = importlib.util.spec_from_file_location(  # torch alone: no need for lrkv_core's dependencies
@@ -210,7 +217,7 @@ class Latent:
 
     ``rotated``: the key latents project each group's keys *after* RoPE on the left singular vectors U of its
     k projection (``h_k = Uᵀ rope(k)``), and each query head is absorbed (``U_jᵀ rope(q)``), so attention
-    rebuilds no key (:mod:`lrkv_kernels.latent_rope.rotated`); exact at full rank like the default."""
+    rebuilds no key (:mod:`lrkv_kernels.latent_rope.absorbed`); exact at full rank like the default."""
 
     def __init__(
         self, stack: Stack, rank: int, batch: int, capacity: int, bits: int = 0, rotated: bool = False
@@ -367,13 +374,13 @@ class Latent:
             )  # fmt: skip
             out = out.reshape(B, -1)
         elif isinstance(self.kernel, tuple):
-            from lrkv_kernels.latent_rope.flash_rotated import rotated_decode_attention_triton
+            from lrkv_kernels.latent_rope.flash_absorbed import absorbed_decode_attention_triton
 
             options = {k: v or None for k, v in zip(ROTATED_FIELDS, self.kernel, strict=False)}
             options["num_warps"], options["num_stages"] = self.kernel[1], self.kernel[2]
-            out = rotated_decode_attention_triton(q_abs, hk, hv, M["weights"], s.D**-0.5, **options)
+            out = absorbed_decode_attention_triton(q_abs, hk, hv, M["weights"], s.D**-0.5, **options)
         else:
-            out = rotated_decode_attention(q_abs, hk, hv, M["weights"], s.D**-0.5)
+            out = absorbed_decode_attention(q_abs, hk, hv, M["weights"], s.D**-0.5)
         return out @ M["o"].T
 
     def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -412,7 +419,7 @@ def check_full_rank(device: torch.device, rotated: bool = False) -> float:
 def check_rotated_kernel(device: torch.device, bits: int, dtype: torch.dtype, context: int = 3000) -> float:
     """Relative error of the rotated-keys kernel against its torch reference on a layer of random latents
     (SmolLM2's shape at half width; dense or packed ``bits``-bit codes) in ``dtype``."""
-    from lrkv_kernels.latent_rope import rotated_decode_attention_ref
+    from lrkv_kernels.latent_rope import absorbed_decode_attention_ref
 
     stack = Stack(SHAPES["smollm2"], device, dtype, seed=2)
     lat = Latent(stack, 96, 4, context, bits, rotated=True)
@@ -420,8 +427,8 @@ def check_rotated_kernel(device: torch.device, bits: int, dtype: torch.dtype, co
     hk, hv = lat.latents(0, context)
     q = torch.randn(4, stack.shape.H, 96, device=device, dtype=dtype)
     weights = lat.layers[0]["weights"]
-    got = rotated_decode_attention(q, hk, hv, weights, 0.125).double()
-    ref = rotated_decode_attention_ref(q, hk, hv, weights, 0.125).double()
+    got = absorbed_decode_attention(q, hk, hv, weights, 0.125).double()
+    ref = absorbed_decode_attention_ref(q, hk, hv, weights, 0.125).double()
     return float((got - ref).norm() / ref.norm())
 
 

@@ -8,6 +8,8 @@ kernel for one group's scores (:mod:`lrkv_kernels.latent_rope.fused`, Triton): t
 heads against keys rebuilt in registers, never written out. Both run on CUDA tensors where Triton is
 installed, and on CPU tensors under ``TRITON_INTERPRET=1`` (the tests); elsewhere their torch references,
 which are the spec.
+:func:`absorbed_decode_attention` is a decode step over latents of keys projected *after* RoPE: the queries
+absorb the key basis, so no key is rebuilt (:mod:`lrkv_kernels.latent_rope.absorbed`).
 :func:`reconstruct_rope_keys` (keys materialised, any number of queries) stays the torch reference.
 """
 
@@ -19,6 +21,7 @@ import os
 
 import torch
 
+from .absorbed import absorbed_decode_attention_ref
 from .decode import LatentDecodeWeights, additive_mask, latent_decode_attention_ref
 from .packed import PackedLatents, dequantize_ref, latent_decode_attention_packed_ref
 from .reference import (
@@ -28,7 +31,6 @@ from .reference import (
     rope_tables,
     rotate_half,
 )
-from .rotated import rotated_decode_attention_ref
 
 
 def reconstruct_rope_keys(
@@ -103,7 +105,7 @@ def latent_decode_attention(
     return reference(q, h_k, h_v, weights, positions, inv_freq, attention_scaling, scaling, mask)
 
 
-def rotated_decode_attention(
+def absorbed_decode_attention(
     q: torch.Tensor,
     h_k: torch.Tensor | PackedLatents,
     h_v: torch.Tensor | PackedLatents,
@@ -111,14 +113,14 @@ def rotated_decode_attention(
     scaling: float,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatcher for :func:`rotated_decode_attention_ref` (same arguments and result; latents of keys
+    """Dispatcher for :func:`absorbed_decode_attention_ref` (same arguments and result; latents of keys
     projected after RoPE, queries absorbed): the Triton kernel where :func:`triton_runs_on` the tensors'
     device, else the reference."""
     if triton_runs_on(q.device):
-        from .flash_rotated import rotated_decode_attention_triton
+        from .flash_absorbed import absorbed_decode_attention_triton
 
-        return rotated_decode_attention_triton(q, h_k, h_v, weights, scaling, mask)
-    return rotated_decode_attention_ref(q, h_k, h_v, weights, scaling, mask)
+        return absorbed_decode_attention_triton(q, h_k, h_v, weights, scaling, mask)
+    return absorbed_decode_attention_ref(q, h_k, h_v, weights, scaling, mask)
 
 
 __all__ = [
@@ -136,7 +138,7 @@ __all__ = [
     "reconstruct_rope_keys_ref",
     "rope_tables",
     "rotate_half",
-    "rotated_decode_attention",
-    "rotated_decode_attention_ref",
+    "absorbed_decode_attention",
+    "absorbed_decode_attention_ref",
     "triton_runs_on",
 ]

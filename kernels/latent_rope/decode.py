@@ -80,7 +80,7 @@ class LatentDecodeWeights:
         cls, ranks_k: list[int], ranks_v: list[int], q_heads_per_group: int, device: torch.device | str
     ) -> LatentDecodeWeights:
         """The groups' layout alone (ranks, offsets, output width), for latents that need no key
-        up-projection (:mod:`lrkv_kernels.latent_rope.rotated`): ``up`` has no rows."""
+        up-projection (:mod:`lrkv_kernels.latent_rope.absorbed`): ``up`` has no rows."""
         ups = [torch.empty(0, r, device=device) for r in ranks_k]
         return cls.build(ups, [None] * len(ups), list(ranks_v), q_heads_per_group, torch.float32)
 

@@ -13,10 +13,10 @@ import torch
 
 from lrkv_kernels.latent_rope import (
     LatentDecodeWeights,
+    absorbed_decode_attention,
+    absorbed_decode_attention_ref,
     apply_rope,
     rope_tables,
-    rotated_decode_attention,
-    rotated_decode_attention_ref,
     triton_runs_on,
 )
 from tests.kernels.test_flash_decode import DEVICE, relative_error
@@ -25,7 +25,7 @@ from tests.kernels.test_flash_decode_packed import packed
 pytest.importorskip("triton", reason="the kernel needs Triton (installed by scripts/setup.sh)")
 
 
-def rotated_layer(B, S, nq, ranks_k, ranks_v, dtype=torch.float32, seed=0):
+def absorbed_layer(B, S, nq, ranks_k, ranks_v, dtype=torch.float32, seed=0):
     """Random absorbed queries (B, G·nq, max r_k), key and value latents (B, S, R) and the layout."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -49,9 +49,9 @@ CASES = [  # B, S, nq, ranks_k, ranks_v
 @pytest.mark.parametrize("B, S, nq, ranks_k, ranks_v", CASES)
 def test_kernel_equals_reference_float32(B, S, nq, ranks_k, ranks_v):
     assert triton_runs_on(torch.device(DEVICE))
-    args = rotated_layer(B, S, nq, ranks_k, ranks_v)
-    got = rotated_decode_attention(*args, scaling=0.125)
-    ref = rotated_decode_attention_ref(*args, scaling=0.125)
+    args = absorbed_layer(B, S, nq, ranks_k, ranks_v)
+    got = absorbed_decode_attention(*args, scaling=0.125)
+    ref = absorbed_decode_attention_ref(*args, scaling=0.125)
     assert got.shape == (B, sum(nq * r for r in ranks_v)) and got.dtype == torch.float32
     assert relative_error(got, ref) < 1e-5
 
@@ -64,27 +64,27 @@ def test_kernel_equals_reference_float32(B, S, nq, ranks_k, ranks_v):
 def test_packed_kernel_equals_reference(bits, ranks_k, ranks_v, group_width, recent):
     """Packed codes unpacked in registers (quantization sub-groups, a residual window) give the attention of
     the dequantized latents."""
-    q, h_k, h_v, weights = rotated_layer(2, 120, 3, ranks_k, ranks_v)
+    q, h_k, h_v, weights = absorbed_layer(2, 120, 3, ranks_k, ranks_v)
     k = packed(h_k, ranks_k, bits, group_width, recent)
     v = packed(h_v, ranks_v, bits, group_width, recent)
-    ref = rotated_decode_attention_ref(q, k, v, weights, scaling=0.2)
-    got = rotated_decode_attention(q, k, v, weights, scaling=0.2)
+    ref = absorbed_decode_attention_ref(q, k, v, weights, scaling=0.2)
+    got = absorbed_decode_attention(q, k, v, weights, scaling=0.2)
     assert relative_error(got, ref) < 1e-5
-    assert relative_error(ref, rotated_decode_attention_ref(q, h_k, h_v, weights, scaling=0.2)) > 1e-3
+    assert relative_error(ref, absorbed_decode_attention_ref(q, h_k, h_v, weights, scaling=0.2)) > 1e-3
 
 
 @pytest.mark.parametrize("n_splits", [1, 3, 7])
 def test_splits_and_masks_merge_to_the_same_attention(n_splits):
     """However the sequence is split, with masks that empty whole splits or all but one token of a row."""
-    from lrkv_kernels.latent_rope.flash_rotated import rotated_decode_attention_triton
+    from lrkv_kernels.latent_rope.flash_absorbed import absorbed_decode_attention_triton
 
-    q, h_k, h_v, weights = rotated_layer(3, 200, 4, (24, 16), (8, 24))
+    q, h_k, h_v, weights = absorbed_layer(3, 200, 4, (24, 16), (8, 24))
     mask = torch.zeros(3, 200, device=DEVICE)
     mask[0, :150] = float("-inf")  # the first splits of row 0 see nothing
     mask[1, 1:] = float("-inf")  # row 1 attends to its first token only
     mask[2] = torch.linspace(-3, 0, 200)
-    ref = rotated_decode_attention_ref(q, h_k, h_v, weights, 0.2, mask)
-    got = rotated_decode_attention_triton(q, h_k, h_v, weights, 0.2, mask, n_splits=n_splits, block_s=16)
+    ref = absorbed_decode_attention_ref(q, h_k, h_v, weights, 0.2, mask)
+    got = absorbed_decode_attention_triton(q, h_k, h_v, weights, 0.2, mask, n_splits=n_splits, block_s=16)
     assert relative_error(got, ref) < 1e-5
     assert torch.allclose(got[1, :8].float(), h_v[1, 0, :8].float(), atol=1e-6)  # one token: its values
 
@@ -114,7 +114,7 @@ def test_full_rank_is_the_original_attention():
         )
         h_v = v.flatten(2)  # every group's values whole: rank s·D
         weights = LatentDecodeWeights.layout([rank] * G, [s * D] * G, nq, "cpu")
-        out = rotated_decode_attention_ref(q_abs, h_k, h_v, weights, D**-0.5).view(B, G, nq, s, D)
+        out = absorbed_decode_attention_ref(q_abs, h_k, h_v, weights, D**-0.5).view(B, G, nq, s, D)
         return torch.stack([out[:, h // nq, h % nq, (h % nq) // n_rep] for h in range(G * nq)], dim=1)
 
     assert relative_error(rotated(s * D), original) < 1e-5
@@ -124,7 +124,7 @@ def test_full_rank_is_the_original_attention():
 @pytest.mark.skipif(DEVICE != "cuda", reason="half precision runs on the GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_half_precision_on_cuda(dtype):
-    args = rotated_layer(4, 3000, 9, (96,), (96,), dtype)
-    got = rotated_decode_attention(*args, scaling=0.125)
-    ref = rotated_decode_attention_ref(*args, scaling=0.125)
+    args = absorbed_layer(4, 3000, 9, (96,), (96,), dtype)
+    got = absorbed_decode_attention(*args, scaling=0.125)
+    ref = absorbed_decode_attention_ref(*args, scaling=0.125)
     assert got.dtype == dtype and relative_error(got, ref) < 2e-2

@@ -1,5 +1,5 @@
 """Triton kernel: a layer's decode attention over rotated-key latents
-(:func:`lrkv_kernels.latent_rope.rotated.rotated_decode_attention_ref`) in one flash-decoding launch: one
+(:func:`lrkv_kernels.latent_rope.absorbed.absorbed_decode_attention_ref`) in one flash-decoding launch: one
 program per batch row, latent group and split of the cached tokens; per tile of tokens the absorbed queries'
 scores against the key latents (one product: no key is rebuilt), the mask, an online softmax and the
 attention-weighted value latents; a second launch merges the splits (:mod:`.flash`'s). Dense latents or a
@@ -30,7 +30,7 @@ from .packed import PackedLatents
 
 
 @triton.jit(do_not_specialize=["k_qw", "v_qw"])
-def _rotated_decode_kernel(
+def _absorbed_decode_kernel(
     q_ptr, hk_ptr, hv_ptr, mask_ptr, rk_ptr, rv_ptr, koff_ptr, voff_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     acc_ptr, m_ptr, l_ptr,
@@ -93,7 +93,7 @@ def _rotated_decode_kernel(
     tl.store(acc_ptr + row[:, None] * RV_P + offs_rv[None, :], acc)
 
 
-def rotated_decode_attention_triton(
+def absorbed_decode_attention_triton(
     q: torch.Tensor,
     h_k: torch.Tensor | PackedLatents,
     h_v: torch.Tensor | PackedLatents,
@@ -106,7 +106,7 @@ def rotated_decode_attention_triton(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
-    """:func:`~lrkv_kernels.latent_rope.rotated.rotated_decode_attention_ref` in two launches (same
+    """:func:`~lrkv_kernels.latent_rope.absorbed.absorbed_decode_attention_ref` in two launches (same
     arguments and result). The launch's defaults can be overridden: ``n_splits``, ``block_s`` (tokens per
     tile, a power of two ≥ 16), ``num_warps``, ``num_stages``."""
     src_k, src_v = _Source.of(h_k), _Source.of(h_v)
@@ -135,7 +135,7 @@ def rotated_decode_attention_triton(
     l = torch.empty_like(m)  # noqa: E741
     if mask is not None:
         mask = mask.to(torch.float32)
-    _rotated_decode_kernel[(B * G, n_splits)](
+    _absorbed_decode_kernel[(B * G, n_splits)](
         q, src_k.dense, src_v.dense, q if mask is None else mask,
         weights.ranks_k, weights.ranks_v, weights.k_offsets, weights.v_offsets,
         src_k.codes, src_k.scale, src_k.zero, src_v.codes, src_v.scale, src_v.zero,

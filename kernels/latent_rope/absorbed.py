@@ -12,8 +12,8 @@ so the step turns each query head into ``q̃ = U_jᵀ rope(q)`` (r numbers) once
 cache is a plain multi-query attention with head dim r: ``r`` multiply-adds per cached token and query head,
 as cheap as reading the latents. At full rank ``U`` is orthogonal and the scores are the original's.
 
-:func:`rotated_decode_attention_ref` is the spec (per group: scores, mask, float32 softmax, the value
-latents); :mod:`lrkv_kernels.latent_rope.flash_rotated` computes it in one Triton launch per layer.
+:func:`absorbed_decode_attention_ref` is the spec (per group: scores, mask, float32 softmax, the value
+latents); :mod:`lrkv_kernels.latent_rope.flash_absorbed` computes it in one Triton launch per layer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .decode import LatentDecodeWeights
 from .packed import PackedLatents, dequantize_ref, weights_ranks
 
 
-def rotated_decode_attention_ref(
+def absorbed_decode_attention_ref(
     q: torch.Tensor,
     h_k: torch.Tensor | PackedLatents,
     h_v: torch.Tensor | PackedLatents,
