@@ -1,24 +1,30 @@
 """Low-rank keys before vs after RoPE: perplexity and reconstruction error at long windows.
 
-At the same rank r, how much worse is projecting the keys *after* RoPE (post-rotation keys) than *before*
-it (pre-rotation keys), and does a post-RoPE basis calibrated on short windows break at longer positions?
+At the same rank r, how much worse is projecting the keys *after* RoPE (what a cache of rotated-key
+latents, read by absorbed queries, needs) than *before* it (what lrkv's latents are today), and which bases
+of rotated keys keep their quality at positions past the calibration windows?
 
-Per layer, the 3 KV heads form one 192-dim group (a token's key is the 3 heads' keys concatenated in head
-order). Calibration (first half of the tokenized text) collects, per layer, the float64 Gram of
+Per layer, the KV heads form one group (SmolLM2-135M: 3 heads of 64, 192 dims; a token's key is the heads'
+keys concatenated in head order). Calibration (first half of the tokenized text) collects, per layer, the
+float64 Grams of
 
-* the pre-RoPE keys (k_proj output, before ``apply_rotary_pos_emb``) and the post-RoPE keys, from
-  ``--calib-windows`` consecutive windows of ``--calib-len`` tokens;
+* the pre-RoPE keys (k_proj output, before ``apply_rotary_pos_emb``), the post-RoPE keys, and the post-RoPE
+  queries (each KV head's block summing its query heads' ``q qᵀ``), from ``--calib-windows`` consecutive
+  windows of ``--calib-len`` tokens;
 * the post-RoPE keys of the *same* tokens cut into ``--short-len``-token windows (positions < short-len).
 
-U = top-r eigenvectors of a Gram. Evaluation (second half, disjoint) measures perplexity on
-``--eval-windows`` non-overlapping windows of ``--eval-len`` tokens with keys replaced per layer (values and
-queries untouched):
+Evaluation (second half, disjoint) measures perplexity on ``--eval-windows`` non-overlapping windows of
+``--eval-len`` tokens with keys replaced per layer by a rank-r map (values and queries untouched):
 
 * ``original``;
-* ``pre-rope``: k <- U U^T k on the pre-RoPE keys (U from the pre-RoPE Gram), then RoPE as usual;
-* ``post-rope``: k_rot <- U U^T k_rot after RoPE (U from the long-window
-  post-RoPE Gram);
-* ``post-rope@short``: the same with U from the short-window post-RoPE Gram.
+* ``pre-rope``: k <- U U^T k on the pre-RoPE keys (U: top-r eigenvectors of their Gram), then RoPE;
+* ``post-rope``: k_rot <- U U^T k_rot after RoPE (U from the long-window post-RoPE Gram);
+* ``post-rope@short``: the same with U from the short-window post-RoPE Gram;
+* ``post-q``: k_rot <- B A k_rot, the rank-r map minimising the scores' error weighted by the queries
+  (:func:`oblique`);
+* ``equiv`` / ``equiv-q``: a map that commutes with RoPE (:func:`equivariant`: per rotation frequency, one
+  complex map across the group's heads), unweighted or weighted by the queries; applied before RoPE, which
+  is the same as after.
 
 It also reports, per basis, the mean over layers of the relative key reconstruction error
 sum ||k - U U^T k||^2 / sum ||k||^2 (energy-weighted within a layer) on the *clean* evaluation keys (those of
@@ -31,14 +37,13 @@ at call time by ``LlamaAttention.forward``) and wrapping each layer's ``self_att
 the layer index. A check first runs every config with r = head-group width (U U^T ~ identity) and
 compares the loss with the original's.
 
-Optionally (``--long-windows`` > 0) repeats original / pre / post / post@short at ``--long-ranks`` on
-``--long-windows`` windows of ``--long-len`` tokens from the start of the evaluation half.
+Optionally (``--long-windows`` > 0) repeats every config at ``--long-ranks`` on ``--long-windows`` windows
+of ``--long-len`` tokens from the start of the evaluation half.
 
 One JSON line per result on stdout (and appended to ``--jsonl``), then a markdown table.
 
-    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/rotated_keys.py \\
-        --model ~/.cache/lrkv-assets/smollm2-135m --text ../shared/data/wikitext-2/valid.txt \\
-        --jsonl /tmp/rotated_keys.jsonl
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/rotated_keys.py --threads 2 \\
+        --model ~/.cache/lrkv-assets/smollm2-135m --text ../shared/data/wikitext-2/valid.txt
 """
 
 from __future__ import annotations
@@ -258,7 +263,8 @@ def top_basis(G: torch.Tensor, r: int) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.path.expanduser("~/.cache/lrkv-assets/smollm2-135m"))
-    ap.add_argument("--text", default="/work/shared/data/wikitext-2/valid.txt")
+    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")
+    ap.add_argument("--text", default=os.path.join(shared, "data", "wikitext-2", "valid.txt"))
     ap.add_argument("--ranks", type=int, nargs="+", default=[96, 144])
     ap.add_argument("--calib-windows", type=int, default=8)
     ap.add_argument("--calib-len", type=int, default=2048)

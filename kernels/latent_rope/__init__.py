@@ -126,6 +126,8 @@ def absorbed_decode_attention(
 __all__ = [
     "LatentDecodeWeights",
     "PackedLatents",
+    "absorbed_decode_attention",
+    "absorbed_decode_attention_ref",
     "additive_mask",
     "apply_rope",
     "dequantize_ref",
@@ -138,7 +140,5 @@ __all__ = [
     "reconstruct_rope_keys_ref",
     "rope_tables",
     "rotate_half",
-    "absorbed_decode_attention",
-    "absorbed_decode_attention_ref",
     "triton_runs_on",
 ]
