@@ -213,17 +213,26 @@ class Original:
 
 class Latent:
     """lrkv's decode path over a static latent cache H_k (B, S_max, R_k), H_v (B, S_max, R_v) per layer: the
-    same stack, each group's k/v projections cut to ``rank`` by a data-free SVD, B_v folded into o_proj.
+    same stack, each group's k/v projections cut to ``rank`` (keys to ``rank_k``, default ``rank``) by a
+    data-free SVD, B_v folded into o_proj.
 
     ``rotated``: the key latents project each group's keys *after* RoPE on the left singular vectors U of its
     k projection (``h_k = Uᵀ rope(k)``), and each query head is absorbed (``U_jᵀ rope(q)``), so attention
     rebuilds no key (:mod:`lrkv_kernels.latent_rope.absorbed`); exact at full rank like the default."""
 
     def __init__(
-        self, stack: Stack, rank: int, batch: int, capacity: int, bits: int = 0, rotated: bool = False
+        self,
+        stack: Stack,
+        rank: int,
+        batch: int,
+        capacity: int,
+        bits: int = 0,
+        rotated: bool = False,
+        rank_k: int | None = None,
     ) -> None:
         s, dev, dt = stack.shape, stack.device, stack.dtype
-        self.stack, self.rank, self.bits, self.rotated = stack, rank, bits, rotated
+        rank_k = rank_k or rank
+        self.stack, self.rank, self.rank_k, self.bits, self.rotated = stack, rank, rank_k, bits, rotated
         G, nq, n_rep = s.Hkv // s.group, s.H // (s.Hkv // s.group), s.H // s.Hkv
         self.layers = []
         for L in stack.layers:
@@ -232,15 +241,15 @@ class Latent:
                 rows = slice(g * s.group * s.D, (g + 1) * s.group * s.D)
                 uk, sk, vk = torch.linalg.svd(L["k"][rows].float(), full_matrices=False)
                 uv, sv, vv = torch.linalg.svd(L["v"][rows].float(), full_matrices=False)
-                k_down.append(vk[:rank])
-                ups.append((uk[:, :rank] * sk[:rank]).to(dt))  # B_k (s·D, r)
-                bases.append(uk[:, :rank])  # U (s·D, r), orthonormal: the rotated keys' basis
+                k_down.append(vk[:rank_k])
+                ups.append((uk[:, :rank_k] * sk[:rank_k]).to(dt))  # B_k (s·D, r_k)
+                bases.append(uk[:, :rank_k])  # U (s·D, r_k), orthonormal: the rotated keys' basis
                 v_down.append(vv[:rank])
                 b_v = uv[:, :rank] * sv[:rank]  # (s·D, r)
                 for h in range(g * nq, (g + 1) * nq):  # W_o,h B_v,g,h
                     j = (h - g * nq) // n_rep
                     o_blocks.append(L["o"][:, h * s.D : (h + 1) * s.D].float() @ b_v[j * s.D : (j + 1) * s.D])
-                    absorbed.append(uk[j * s.D : (j + 1) * s.D, :rank])  # U_j (D, r)
+                    absorbed.append(uk[j * s.D : (j + 1) * s.D, :rank_k])  # U_j (D, r_k)
             self.layers.append(
                 dict(
                     k_down=torch.cat(k_down).to(dt),
@@ -254,18 +263,21 @@ class Latent:
             self.layers[-1]["groups"] = self.layers[-1][
                 "weights"
             ].groups()  # read once: no sync when captured
-        R = G * rank
+        widths = (G * rank_k, G * rank)  # keys', values' latents per token
         if bits:  # the quantized storage's layout: packed codes, a float16 scale and zero per token and group
-            width = packing.packed_width(R, bits)
-            self.hk = [
-                torch.zeros(batch, capacity, width, device=dev, dtype=torch.uint8) for _ in range(s.layers)
-            ]
+            self.hk, self.hv = (
+                [torch.zeros(batch, capacity, packing.packed_width(R, bits), device=dev, dtype=torch.uint8)
+                 for _ in range(s.layers)]
+                for R in widths
+            )  # fmt: skip
             self.scales = [
                 torch.zeros(4, batch, capacity, G, device=dev, dtype=torch.float16) for _ in range(s.layers)
             ]  # k scale, k zero, v scale, v zero
         else:
-            self.hk = [torch.zeros(batch, capacity, R, device=dev, dtype=dt) for _ in range(s.layers)]
-        self.hv = [torch.zeros_like(h) for h in self.hk]
+            self.hk, self.hv = (
+                [torch.zeros(batch, capacity, R, device=dev, dtype=dt) for _ in range(s.layers)]
+                for R in widths
+            )
         self.positions = torch.arange(capacity, device=dev, dtype=torch.int32).expand(batch, -1)
         self.kernel = "dispatch"
         self.stats: dict = {}
@@ -316,7 +328,7 @@ class Latent:
         self.stats = {}
 
     def bytes_per_token(self) -> int:
-        return latent_bytes_per_token(self.stack, self.rank, self.bits)
+        return latent_bytes_per_token(self.stack, self.rank_k, self.rank, self.bits)
 
     def attention(self, i: int, h: torch.Tensor, pos: int, cos, sin) -> torch.Tensor:
         s, L, M = self.stack.shape, self.stack.layers[i], self.layers[i]
@@ -346,7 +358,7 @@ class Latent:
             outs, G = [], s.Hkv // s.group
             nq = s.H // G
             for g, (_, cols_v, up, _) in enumerate(M["groups"]):
-                cols_k = slice(g * self.rank, (g + 1) * self.rank)
+                cols_k = slice(g * self.rank_k, (g + 1) * self.rank_k)
                 scores = latent_rope_scores(
                     q[:, g * nq : (g + 1) * nq, None], hk[..., cols_k], up, None, positions,
                     self.stack.inv_freq, 1.0, s.D**-0.5,
@@ -390,14 +402,14 @@ class Latent:
         return self.stack.logits(x)
 
 
-def latent_bytes_per_token(stack: Stack, rank: int, bits: int) -> int:
+def latent_bytes_per_token(stack: Stack, rank_k: int, rank_v: int, bits: int) -> int:
     """Bytes of lrkv's cache per token (all layers, keys and values): latents in the model's dtype, or packed
     ``bits``-bit codes and a float16 scale and zero-point per group."""
     s = stack.shape
     G = s.Hkv // s.group
     if not bits:
-        return 2 * s.layers * G * rank * stack.embed.element_size()
-    return 2 * s.layers * (packing.packed_width(G * rank, bits) + 2 * G * 2)
+        return s.layers * G * (rank_k + rank_v) * stack.embed.element_size()
+    return s.layers * (sum(packing.packed_width(G * r, bits) for r in (rank_k, rank_v)) + 2 * 2 * G * 2)
 
 
 def check_full_rank(device: torch.device, rotated: bool = False) -> float:
@@ -468,6 +480,7 @@ def main() -> None:
     ap.add_argument("--context", default="16384,32768,65536")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ratio", type=float, default=0.5, help="lrkv's KV width over the original's")
+    ap.add_argument("--key-ratio", type=float, default=None, help="the keys' width, if not --ratio")
     ap.add_argument("--group", type=int, default=None, help="KV heads per latent group (default: lrkv's)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--bits", type=int, default=0, help="lrkv's latents quantized to 2, 3 or 4 bits (packed)")
@@ -515,6 +528,8 @@ def main() -> None:
         shape = replace(shape, group=args.group)
     meta["group"] = shape.group
     rank = int(args.ratio * shape.group * shape.D) // 8 * 8
+    rank_k = int((args.key_ratio or args.ratio) * shape.group * shape.D) // 8 * 8
+    meta["key_ratio"] = args.key_ratio or args.ratio
     contexts = [int(c) for c in args.context.split(",")]
     stack = Stack(shape, device, dtype)
     emit(out, dict(meta, part="device copy", gb_per_s=round(copy_bandwidth(device), 1)))
@@ -525,7 +540,7 @@ def main() -> None:
             cache = Original(stack, args.batch, max(contexts) + 1)
         else:
             rotated = kind == "lrkv-rotated"
-            cache = Latent(stack, rank, args.batch, max(contexts) + 1, args.bits, rotated)
+            cache = Latent(stack, rank, args.batch, max(contexts) + 1, args.bits, rotated, rank_k)
         cache.fill()
         x = stack.embed[torch.arange(args.batch, device=device)]
         for ctx in contexts:
@@ -619,11 +634,20 @@ def main() -> None:
         ctx = max(contexts)
         for kind in kinds:
             tiling = best.get((kind, ctx))
-            serving(stack, rank, ctx, best.get(("original", ctx), "flash"), tiling, args, meta, out, kind)
+            original = best.get(("original", ctx), "flash")
+            serving(stack, (rank_k, rank), ctx, original, tiling, args, meta, out, kind)
 
 
 def serving(
-    stack: Stack, rank: int, ctx: int, backend: str, tiling, args, meta: dict, out, kind: str = "lrkv"
+    stack: Stack,
+    ranks: tuple[int, int],
+    ctx: int,
+    backend: str,
+    tiling,
+    args,
+    meta: dict,
+    out,
+    kind: str = "lrkv",
 ) -> None:
     """Within the memory the original's cache takes at ``--batch`` × ``ctx`` tokens, lrkv holds a larger
     batch: tokens/s of each at its own largest batch (a decode step of every row)."""
@@ -637,9 +661,10 @@ def serving(
     del orig
     torch.cuda.empty_cache()
     s = stack.shape
-    latent_per_token = latent_bytes_per_token(stack, rank, args.bits)
+    rank_k, rank = ranks
+    latent_per_token = latent_bytes_per_token(stack, rank_k, rank, args.bits)
     batch_l = budget // (latent_per_token * (ctx + 1))
-    lat = Latent(stack, rank, batch_l, ctx + 1, args.bits, rotated=kind == "lrkv-rotated")
+    lat = Latent(stack, rank, batch_l, ctx + 1, args.bits, kind == "lrkv-rotated", rank_k)
     if tiling is not None:
         lat.choose(eval(tiling) if tiling.startswith("(") else tiling)  # noqa: S307 (our own repr)
     lat.fill()
