@@ -37,6 +37,7 @@ compared with its torch reference (float32 and bfloat16).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -95,7 +96,11 @@ SHAPES = {
 }
 
 
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 TILINGS = [
     (0, 4, 1),  # the kernel's defaults
     (64, 4, 1, 0, 1, 0),  # one KV head per product, scores in float32
@@ -323,7 +328,8 @@ class Latent:
     def choose(self, kernel) -> None:
         """The flash-decoding kernel's settings (a tuple of :data:`TILING_FIELDS`, or with ``rotated`` of
         :data:`ROTATED_FIELDS`), ``"dispatch"`` (its defaults through the dispatcher, any device),
-        ``"palu-scores"`` or, with ``rotated``, ``"sdpa"`` (torch's attention over the latents)."""
+        ``"palu-scores"`` or, with ``rotated``, ``"sdpa"`` (torch's attention over the latents, its own
+        choice of backend) or ``"sdpa-<backend>"`` (one of :data:`BACKENDS`)."""
         self.kernel = kernel
         self.stats = {}
 
@@ -377,13 +383,15 @@ class Latent:
         self.write(i, pos, torch.einsum("bgc,gcr->bgr", k, M["basis"]).flatten(1), h @ M["v_down"].T)
         q_abs = torch.einsum("bhd,hdr->bhr", q, M["absorb"])  # (B, H, r)
         hk, hv = self.latents(i, pos + 1)
-        if self.kernel == "sdpa":
+        if isinstance(self.kernel, str) and self.kernel.startswith("sdpa"):  # "sdpa" or "sdpa-<backend>"
             if self.bits:
                 raise ValueError("torch's attention reads dense latents only")
             keys, values = (x.unflatten(-1, (G, -1)).transpose(1, 2) for x in (hk, hv))  # (B, G, S, r)
-            out = F.scaled_dot_product_attention(
-                q_abs[:, :, None], keys, values, scale=s.D**-0.5, enable_gqa=G != s.H
-            )  # fmt: skip
+            backend = self.kernel.partition("-")[2]
+            with sdpa_kernel(BACKENDS[backend]) if backend else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(
+                    q_abs[:, :, None], keys, values, scale=s.D**-0.5, enable_gqa=G != s.H
+                )  # fmt: skip
             out = out.reshape(B, -1)
         elif isinstance(self.kernel, tuple):
             from lrkv_kernels.latent_rope.flash_absorbed import absorbed_decode_attention_triton
@@ -552,7 +560,8 @@ def main() -> None:
             if kind == "original":
                 options = [*BACKENDS, "default"]
             elif kind == "lrkv-rotated":
-                options = [*ROTATED_TILINGS] if args.bits else [*ROTATED_TILINGS, "sdpa"]
+                sdpa = ["sdpa", *(f"sdpa-{b}" for b in BACKENDS)]
+                options = [*ROTATED_TILINGS] if args.bits else [*ROTATED_TILINGS, *sdpa]
             else:
                 options = [*tilings] if args.bits else [*tilings, "palu-scores"]
             timed = {}
