@@ -10,7 +10,9 @@ cache holds ``h_k = Uᵀ rope(k)`` and a query head reading KV head j of the gro
 
 so the step turns each query head into ``q̃ = U_jᵀ rope(q)`` (r numbers) once, and the attention over the
 cache is a plain multi-query attention with head dim r: ``r`` multiply-adds per cached token and query head,
-as cheap as reading the latents. At full rank ``U`` is orthogonal and the scores are the original's.
+as cheap as reading the latents. At full rank ``U`` is orthogonal and the scores are the original's. Any
+pair of maps works the same way (the cache holds ``A rope(k)``, each query absorbs ``B_j``: an oblique basis
+weighted by the queries, or one that commutes with RoPE); the spec takes the absorbed queries as given.
 
 :func:`absorbed_decode_attention_ref` is the spec (per group: scores, mask, float32 softmax, the value
 latents); :mod:`lrkv_kernels.latent_rope.flash_absorbed` computes it in one Triton launch per layer.
