@@ -401,6 +401,59 @@ class _Source:
         return (*self.codes.stride()[:2], *self.scale.stride())
 
 
+def sources(h_k: torch.Tensor | PackedLatents, h_v: torch.Tensor | PackedLatents) -> tuple[_Source, _Source]:
+    """Keys' and values' latents as the kernels' arguments, checked to hold the same tokens."""
+    src_k, src_v = _Source.of(h_k), _Source.of(h_v)
+    if (src_k.packed_tokens, src_k.length) != (src_v.packed_tokens, src_v.length):
+        raise ValueError(
+            f"keys and values of different tokens: {src_k.packed_tokens} + "
+            f"{src_k.length - src_k.packed_tokens} and {src_v.packed_tokens} + "
+            f"{src_v.length - src_v.packed_tokens} (packed + as they are)"
+        )
+    return src_k, src_v
+
+
+@dataclass(frozen=True)
+class Splits:
+    """How a launch splits the sequence, and the partial sums its programs write: ``acc``
+    (rows·NQ_P·n_splits, RV_P), running maxima ``m`` and sums ``l``, for ``rows`` (batch rows × groups)."""
+
+    n_splits: int
+    split_len: int
+    acc: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741
+
+    @classmethod
+    def plan(
+        cls,
+        length: int,
+        block_s: int,
+        rows: int,
+        nq_p: int,
+        rv_p: int,
+        device: torch.device,
+        n_splits: int | None,
+    ) -> Splits:
+        """``n_splits`` (default :func:`splits_for`) of ``length`` tokens, in whole tiles of ``block_s``."""
+        tiles = triton.cdiv(length, block_s)
+        n_splits = n_splits or splits_for(rows, tiles, _multiprocessors(device))
+        split_len = triton.cdiv(tiles, n_splits) * block_s
+        n_splits = triton.cdiv(length, split_len)
+        m = torch.empty(rows * nq_p * n_splits, device=device, dtype=torch.float32)
+        acc = torch.empty(m.shape[0], rv_p, device=device, dtype=torch.float32)
+        return cls(n_splits, split_len, acc, m, torch.empty_like(m))
+
+    def combine(
+        self, weights: LatentDecodeWeights, out: torch.Tensor, G: int, nq: int, nq_p: int, rv_p: int
+    ) -> None:
+        """Merge the splits' partial sums into ``out`` (B, width), the row ``o_proj`` reads."""
+        _combine_kernel[(out.shape[0] * G * nq,)](
+            self.acc, self.m, self.l, weights.ranks_v, weights.out_offsets, out, out.stride(0), self.n_splits,
+            G=G, NQ=nq, NQ_P=nq_p, NSPLIT_P=_pow2(self.n_splits, 1), RV_P=rv_p,
+        )  # fmt: skip
+
+
 def latent_decode_attention_triton(
     q: torch.Tensor,
     h_k: torch.Tensor | PackedLatents,
@@ -435,13 +488,7 @@ def latent_decode_attention_triton(
     ``hoist`` (default :func:`hoists`) reads their ``B_k`` once per program instead of once per tile, which
     needs the whole group in one block. ``stats``, a dict, receives the launch's settings and, on a GPU,
     the compiled kernel's registers per thread, spilled registers and shared memory."""
-    src_k, src_v = _Source.of(h_k), _Source.of(h_v)
-    if (src_k.packed_tokens, src_k.length) != (src_v.packed_tokens, src_v.length):
-        raise ValueError(
-            f"keys and values of different tokens: {src_k.packed_tokens} + "
-            f"{src_k.length - src_k.packed_tokens} and {src_v.packed_tokens} + "
-            f"{src_v.length - src_v.packed_tokens} (packed + as they are)"
-        )
+    src_k, src_v = sources(h_k, h_v)
     B, H, D = q.shape
     S = src_k.length
     dtype = src_k.dtype
@@ -460,13 +507,7 @@ def latent_decode_attention_triton(
     rv_p = _pow2(weights.max_rank_v)
     block_s = block_s or (32 if src_k.bits or rv_p > 128 else 64)  # unpacking codes takes registers
     nq_p = _pow2(nq)
-    tiles = triton.cdiv(S, block_s)
-    n_splits = n_splits or splits_for(B * G, tiles, _multiprocessors(q.device))
-    split_len = triton.cdiv(tiles, n_splits) * block_s
-    n_splits = triton.cdiv(S, split_len)
-    acc = torch.empty(B * G * nq_p * n_splits, rv_p, device=q.device, dtype=torch.float32)
-    m = torch.empty(B * G * nq_p * n_splits, device=q.device, dtype=torch.float32)
-    l = torch.empty_like(m)  # noqa: E741
+    splits = Splits.plan(S, block_s, B * G, nq_p, rv_p, q.device, n_splits)
     if mask is not None:
         mask = mask.to(torch.float32)
     bias = weights.bias
@@ -482,14 +523,15 @@ def latent_decode_attention_triton(
     hoist = hoists(s, heads_p, rk_p, half_p, itemsize) if hoist is None else hoist
     if hoist and heads_p < s:
         raise ValueError(f"hoisting B_k needs the group's {s} KV heads in one block, got {heads_p}")
-    compiled = _flash_decode_kernel[(B * G, n_splits)](
+    compiled = _flash_decode_kernel[(B * G, splits.n_splits)](
         q, src_k.dense, src_v.dense, weights.up, weights.up if bias is None else bias,
         weights.up if weights.norm_weight is None else weights.norm_weight, positions,
         inv_freq.float().contiguous(), cos, sin, q if mask is None else mask,
         weights.ranks_k, weights.ranks_v, weights.k_offsets, weights.v_offsets,
         src_k.codes, src_k.scale, src_k.zero, src_v.codes, src_v.scale, src_v.zero,
-        acc, m, l,
-        S, src_k.packed_tokens, src_k.group_width, src_v.group_width, split_len, n_splits, cos.shape[0],
+        splits.acc, splits.m, splits.l,
+        S, src_k.packed_tokens, src_k.group_width, src_v.group_width, splits.split_len, splits.n_splits,
+        cos.shape[0],
         nq // s, float(scaling), float(attention_scaling), weights.norm_eps,
         *q.stride(), *src_k.strides(), *src_v.strides(), *weights.up.stride(),
         0 if bias is None else bias.stride(0),
@@ -505,14 +547,11 @@ def latent_decode_attention_triton(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if stats is not None:
-        stats.update(block_s=block_s, n_splits=n_splits, heads_per_block=heads_p, hoist=hoist)
+        stats.update(block_s=block_s, n_splits=splits.n_splits, heads_per_block=heads_p, hoist=hoist)
         for key in ("n_regs", "n_spills"):
             if hasattr(compiled, key):
                 stats[key] = getattr(compiled, key)
         if hasattr(compiled, "metadata"):
             stats["shared_bytes"] = getattr(compiled.metadata, "shared", None)
-    _combine_kernel[(B * G * nq,)](
-        acc, m, l, weights.ranks_v, weights.out_offsets, out, out.stride(0), n_splits,
-        G=G, NQ=nq, NQ_P=nq_p, NSPLIT_P=_pow2(n_splits, 1), RV_P=rv_p,
-    )  # fmt: skip
+    splits.combine(weights, out, G, nq, nq_p, rv_p)
     return out

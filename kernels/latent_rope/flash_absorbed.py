@@ -18,13 +18,11 @@ from .flash import (
     _TL_DTYPES,
     NUM_STAGES,
     NUM_WARPS,
-    _combine_kernel,
+    Splits,
     _latent_tile,
-    _multiprocessors,
     _online_softmax,
     _pow2,
-    _Source,
-    splits_for,
+    sources,
 )
 from .packed import PackedLatents
 
@@ -109,9 +107,7 @@ def absorbed_decode_attention_triton(
     """:func:`~lrkv_kernels.latent_rope.absorbed.absorbed_decode_attention_ref` in two launches (same
     arguments and result). The launch's defaults can be overridden: ``n_splits``, ``block_s`` (tokens per
     tile, a power of two ≥ 16), ``num_warps``, ``num_stages``."""
-    src_k, src_v = _Source.of(h_k), _Source.of(h_v)
-    if (src_k.packed_tokens, src_k.length) != (src_v.packed_tokens, src_v.length):
-        raise ValueError("keys and values of different tokens")
+    src_k, src_v = sources(h_k, h_v)
     B, H, R = q.shape
     G = weights.ranks_k.shape[0]
     if H % G or R < weights.up.shape[2]:
@@ -126,21 +122,16 @@ def absorbed_decode_attention_triton(
         return out.fill_(float("nan"))
     rv_p, rk_p, nq_p = _pow2(weights.max_rank_v), _pow2(weights.up.shape[2]), _pow2(nq)
     block_s = block_s or 64
-    tiles = triton.cdiv(S, block_s)
-    n_splits = n_splits or splits_for(B * G, tiles, _multiprocessors(q.device))
-    split_len = triton.cdiv(tiles, n_splits) * block_s
-    n_splits = triton.cdiv(S, split_len)
-    acc = torch.empty(B * G * nq_p * n_splits, rv_p, device=q.device, dtype=torch.float32)
-    m = torch.empty(B * G * nq_p * n_splits, device=q.device, dtype=torch.float32)
-    l = torch.empty_like(m)  # noqa: E741
+    splits = Splits.plan(S, block_s, B * G, nq_p, rv_p, q.device, n_splits)
     if mask is not None:
         mask = mask.to(torch.float32)
-    _absorbed_decode_kernel[(B * G, n_splits)](
+    _absorbed_decode_kernel[(B * G, splits.n_splits)](
         q, src_k.dense, src_v.dense, q if mask is None else mask,
         weights.ranks_k, weights.ranks_v, weights.k_offsets, weights.v_offsets,
         src_k.codes, src_k.scale, src_k.zero, src_v.codes, src_v.scale, src_v.zero,
-        acc, m, l,
-        S, src_k.packed_tokens, src_k.group_width, src_v.group_width, split_len, n_splits, float(scaling),
+        splits.acc, splits.m, splits.l,
+        S, src_k.packed_tokens, src_k.group_width, src_v.group_width, splits.split_len, splits.n_splits,
+        float(scaling),
         *q.stride(), *src_k.strides(), *src_v.strides(), *((0, 0) if mask is None else mask.stride()),
         *src_k.packed_strides(), *src_v.packed_strides(),
         G=G, NQ=nq, NQ_P=nq_p, RK_P=rk_p, RV_P=rv_p, HAS_MASK=mask is not None, BLOCK_S=block_s,
@@ -150,8 +141,5 @@ def absorbed_decode_attention_triton(
         V_RECENT=src_v.has_recent,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _combine_kernel[(B * G * nq,)](
-        acc, m, l, weights.ranks_v, weights.out_offsets, out, out.stride(0), n_splits,
-        G=G, NQ=nq, NQ_P=nq_p, NSPLIT_P=_pow2(n_splits, 1), RV_P=rv_p,
-    )  # fmt: skip
+    splits.combine(weights, out, G, nq, nq_p, rv_p)
     return out
