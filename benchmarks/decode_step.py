@@ -510,11 +510,17 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device here: --device cpu runs the full-rank check alone (the timings need a GPU)")
     parts = set(args.parts.split(","))
     out = args.out.open("a") if args.out else None
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     meta = dict(shape=args.shape, device=name, torch=torch.__version__, ratio=args.ratio, bits=args.bits)
-    kinds = ["lrkv" if keys == "rebuilt" else "lrkv-rotated" for keys in args.keys.split(",")]
+    key_kinds = {"rebuilt": "lrkv", "rotated": "lrkv-rotated"}
+    unknown = set(args.keys.split(",")) - set(key_kinds)
+    if unknown:
+        ap.error(f"--keys takes {' and/or '.join(key_kinds)}, got {', '.join(sorted(unknown))}")
+    kinds = [key_kinds[keys] for keys in args.keys.split(",")]
     if "check" in parts:
         for kind in kinds:
             error = check_full_rank(device, rotated=kind == "lrkv-rotated")

@@ -40,7 +40,7 @@ compares the loss with the original's.
 Optionally (``--long-windows`` > 0) repeats every config at ``--long-ranks`` on ``--long-windows`` windows
 of ``--long-len`` tokens from the start of the evaluation half.
 
-One JSON line per result on stdout (and appended to ``--jsonl``), then a markdown table.
+One JSON line per result on stdout (and in ``--jsonl``, rewritten), then a markdown table.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/rotated_keys.py --threads 2 \\
         --model ~/.cache/lrkv-assets/smollm2-135m --text ../shared/data/wikitext-2/valid.txt
@@ -281,6 +281,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--jsonl", default="/tmp/rotated_keys.jsonl")
     args = ap.parse_args()
+    if not os.path.isfile(args.text):
+        ap.error(f"--text {args.text}: no such file")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        ap.error(
+            f"--model {args.model}: not a model directory (no config.json; see ../shared/models/*/prepare.py)"
+        )
 
     torch.set_num_threads(args.threads)
     t_start = time.time()
