@@ -39,10 +39,15 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from lrkv_core import evaluate
-from lrkv_core.convert import CompressionConfig, collect_statistics, decompose_model, plan_conversion
-from lrkv_core.data import calibration_windows, eval_windows
-from lrkv_core.models import load_model
+from lrkv_core.conversion.convert import (
+    CompressionConfig,
+    collect_statistics,
+    decompose_model,
+    plan_conversion,
+)
+from lrkv_core.data.datasets import calibration_windows, eval_windows
+from lrkv_core.evaluation import metrics
+from lrkv_core.model.loading import load_model
 from lrkv_core.statistics import STATISTICS
 
 
@@ -56,10 +61,10 @@ class Setting:
     statistics: dict[str, dict] = field(default_factory=dict)
     rank_multiple: int = 8
     reference: str | None = None  # "fisher" / "uniform": the row others are compared with
-    refine_steps: int = 0  # refinement steps after the allocator (lrkv_core.refine)
+    refine_steps: int = 0  # refinement steps after the allocator (lrkv_core.conversion.refine)
     refine_rows: int = 32  # calibration rows the refinement measures on (lrkv's default)
     refine_radius: int = 4  # rank steps a refine step may move a group: the documented rows' (lrkv's default)
-    refine_objective: str = "kl"  # what the refinement lowers: the documented rows' (lrkv_core.refine)
+    refine_objective: str = "kl"  # what the refinement lowers: the documented rows' (conversion.refine)
     refine_accept_rows: int = 0  # rows after refine_rows that keep or reject each step (0: the same rows)
 
 
@@ -140,14 +145,14 @@ def settings(table: str, rows: int) -> list[Setting]:
 def window_nll(model, windows: torch.Tensor) -> torch.Tensor:
     """(N,) mean next-token NLL of each window, each in one forward pass through a fresh cache."""
     return torch.tensor(
-        [evaluate.prefill_perplexity(model, w[None])["nll"] for w in windows], dtype=torch.float64
+        [metrics.prefill_perplexity(model, w[None])["nll"] for w in windows], dtype=torch.float64
     )
 
 
 def window_kl(original, model, windows: torch.Tensor) -> torch.Tensor:
     """(N,) mean per-token KL(original ‖ model) of each window, each in one forward pass."""
     return torch.tensor(
-        [evaluate.kl_and_agreement(original, model, w[None])["kl"] for w in windows], dtype=torch.float64
+        [metrics.kl_and_agreement(original, model, w[None])["kl"] for w in windows], dtype=torch.float64
     )
 
 

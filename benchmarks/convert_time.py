@@ -20,9 +20,9 @@ import torch
 from fused_decode import SHAPES, sync  # benchmarks/, the script's own directory
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lrkv_core.convert import CompressionConfig, plan_conversion
-from lrkv_core.dtypes import parse_dtype
-from lrkv_core.models import parse_device
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+from lrkv_core.model.loading import parse_device
+from lrkv_core.system.dtypes import parse_dtype
 
 SETTINGS = {
     "uniform": dict(allocator="uniform"),  # the Gram and the decompositions: what every setting pays

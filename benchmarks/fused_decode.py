@@ -25,10 +25,10 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lrkv_core.attention import LatentAttention, set_fused_decode
 from lrkv_core.cache import cache_kwargs, cache_nbytes, output_cache
-from lrkv_core.convert import CompressionConfig, convert
-from lrkv_core.dtypes import parse_dtype
+from lrkv_core.conversion.convert import CompressionConfig, convert
+from lrkv_core.model.attention import LatentAttention, set_fused_decode
+from lrkv_core.system.dtypes import parse_dtype
 from lrkv_kernels.latent_rope import latent_rope_scores, latent_rope_scores_ref
 
 SHAPES = {

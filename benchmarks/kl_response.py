@@ -2,8 +2,9 @@
 
 1. Every group cut alone to ``--rank``: the KL divergence from the original measured by cutting it in the
    model (its weight set to the truncated ``B_r A_r``, whose outputs are the fused model's:
-   :class:`lrkv_core.refine.PlanWeights`) against the second-order estimate ``kl_response`` gives for it;
-   also the Fisher-weighted truncation error ``fisher-greedy`` reads, for comparison. Spearman ρ over groups.
+   :class:`lrkv_core.conversion.refine.PlanWeights`) against the second-order estimate ``kl_response`` gives
+   for it; also the Fisher-weighted truncation error ``fisher-greedy`` reads, for comparison. Spearman ρ over
+   groups.
 2. Every allocator's plan at each ratio, fused into a copy of the model: the sum of its groups' estimates
    (what ``kl`` minimises) against the KL measured through the compressed model.
 
@@ -27,11 +28,16 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from lrkv_core import evaluate
-from lrkv_core.convert import CompressionConfig, collect_statistics, decompose_model, plan_conversion
-from lrkv_core.data import calibration_windows
-from lrkv_core.models import load_model
-from lrkv_core.refine import PlanWeights, measured_kl, single_cut
+from lrkv_core.conversion.convert import (
+    CompressionConfig,
+    collect_statistics,
+    decompose_model,
+    plan_conversion,
+)
+from lrkv_core.conversion.refine import PlanWeights, measured_kl, single_cut
+from lrkv_core.data.datasets import calibration_windows
+from lrkv_core.evaluation import metrics
+from lrkv_core.model.loading import load_model
 from lrkv_core.statistics import STATISTICS
 
 ALLOCATORS = ["uniform", "fisher", "eigen", "fisher-greedy", {"name": "kl", "solver": "greedy"}, "kl"]
@@ -111,7 +117,7 @@ def main() -> None:
                 for g, r in enumerate(ranks)
             )
             compressed = planned.apply(copy.deepcopy(model))
-            measured = evaluate.kl_and_agreement(model, compressed, measure)["kl"]
+            measured = metrics.kl_and_agreement(model, compressed, measure)["kl"]
             plans.append(
                 {
                     "ratio": ratio,

@@ -19,9 +19,9 @@ from safetensors.torch import load_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from lrkv_core import load_compressed, save_compressed
-from lrkv_core.convert import CompressionConfig, convert
-from lrkv_core.fuse import build_latent_skeleton
-from lrkv_core.io import WEIGHTS
+from lrkv_core.conversion.convert import CompressionConfig, convert
+from lrkv_core.model.fuse import build_latent_skeleton
+from lrkv_core.model.io import WEIGHTS
 
 
 def load_with_random_init(path: Path) -> torch.nn.Module:

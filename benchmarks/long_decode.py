@@ -24,8 +24,8 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lrkv_core.cache import LatentLayer, cache_kwargs, cache_nbytes, output_cache
-from lrkv_core.convert import CompressionConfig, convert
-from lrkv_core.evaluate import kv_bytes_per_token
+from lrkv_core.conversion.convert import CompressionConfig, convert
+from lrkv_core.evaluation.metrics import kv_bytes_per_token
 
 
 def allocated_bytes(cache) -> int:

@@ -8,17 +8,18 @@
     python benchmarks/long_peer.py table --rows rows.jsonl
 
 ``tasks`` writes the evaluation windows and passkey prompts once, as token ids, with lrkv's own functions
-(:func:`~lrkv_core.longcontext.cut_windows` of the held-out stream, :func:`~lrkv_core.needles.make_samples`
-with the seed), so every method sees the same tokens. ``lrkv`` scores a model (original or lrkv-compressed)
-with the long suite's own functions: :func:`~lrkv_core.longcontext.continuation_nll` (context prefilled in one
-chunk, the continuation teacher-forced at its true positions) and
-:func:`~lrkv_core.needles.generate_answer` + :func:`~lrkv_core.needles.is_exact_match`; its KV bytes are
-measured after a prefill of the first window's context (:func:`~lrkv_core.evaluate.kv_bytes_per_token`:
-every tensor the cache holds, scales and positions included) over the original cache's. ``peer`` runs
-``benchmarks/peers/kvpress/run.py`` in the kvpress environment for each press at each ratio (default: one
-minus each lrkv row's measured bytes fraction, so each press holds as many bytes as an lrkv model) and scores
-its answers with the same exact-match rule. Rows (one per method × length × measure) are appended to a JSONL
-file; ``table`` prints method × KV bytes × continuation PPL × passkey accuracy per length.
+(:func:`~lrkv_core.evaluation.longcontext.cut_windows` of the held-out stream,
+:func:`~lrkv_core.evaluation.needles.make_samples` with the seed), so every method sees the same tokens.
+``lrkv`` scores a model (original or lrkv-compressed) with the long suite's own functions:
+:func:`~lrkv_core.evaluation.longcontext.continuation_nll` (context prefilled in one chunk, the continuation
+teacher-forced at its true positions) and :func:`~lrkv_core.evaluation.needles.generate_answer` +
+:func:`~lrkv_core.evaluation.needles.is_exact_match`; its KV bytes are measured after a prefill of the first
+window's context (:func:`~lrkv_core.evaluation.metrics.kv_bytes_per_token`: every tensor the cache holds,
+scales and positions included) over the original cache's. ``peer`` runs ``benchmarks/peers/kvpress/run.py`` in
+the kvpress environment for each press at each ratio (default: one minus each lrkv row's measured bytes
+fraction, so each press holds as many bytes as an lrkv model) and scores its answers with the same exact-match
+rule. Rows (one per method × length × measure) are appended to a JSONL file; ``table`` prints method × KV
+bytes × continuation PPL × passkey accuracy per length.
 """
 
 from __future__ import annotations
@@ -39,12 +40,18 @@ import torch
 import yaml
 from transformers import AutoConfig
 
-from lrkv_core import evaluate, needles
-from lrkv_core.data import token_sequences, window_prefix
-from lrkv_core.longcontext import ANSWER_RESERVE, cap_lengths, continuation_nll, cut_windows
-from lrkv_core.models import load_model, load_tokenizer
-from lrkv_core.needles import NeedleSample, answer_tokens, generate_answer, is_exact_match, make_samples
-from lrkv_core.pipeline import use_cache_storage
+from lrkv_core.conversion.pipeline import use_cache_storage
+from lrkv_core.data.datasets import token_sequences, window_prefix
+from lrkv_core.evaluation import metrics, needles
+from lrkv_core.evaluation.longcontext import ANSWER_RESERVE, cap_lengths, continuation_nll, cut_windows
+from lrkv_core.evaluation.needles import (
+    NeedleSample,
+    answer_tokens,
+    generate_answer,
+    is_exact_match,
+    make_samples,
+)
+from lrkv_core.model.loading import load_model, load_tokenizer
 
 PRESSES = ("knorm", "snapkv", "streamingllm", "expected_attention", "tova", "think")
 RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress" / "run.py"
@@ -162,12 +169,12 @@ def run_lrkv(
     else:  # a passkey-only tasks file: the bytes after its first prompt
         ids = torch.tensor(tasks["passkey"][0]["input_ids"])[None]
     first = {"context": ids.shape[1]}
-    kv = evaluate.kv_bytes_per_token(model, ids)
+    kv = metrics.kv_bytes_per_token(model, ids)
     fraction = kv["kv_bytes_per_token"] / kv["dense_kv_bytes_per_token"]
     # A quantized cache's bytes (packed codes, fp16 scales, int32 positions) do not follow the model's
     # dtype: its match is against the original's cache in float16, the dtype such a cache is deployed with.
     storage = (getattr(model.config, "lrkv", None) or {}).get("cache", {})
-    dense16 = evaluate.dense_kv_bytes(model.config, 1, first["context"], torch.float16) / first["context"]
+    dense16 = metrics.dense_kv_bytes(model.config, 1, first["context"], torch.float16) / first["context"]
     quantized = stores_codes(storage)
     method = {"method": name, "family": "lrkv", "model": str(model_dir), "cache": storage,
               "kv_fraction": fraction,

@@ -28,23 +28,23 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from lrkv_core import evaluate
-from lrkv_core.adapters import get_adapter
-from lrkv_core.convert import CompressionConfig, convert
-from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.conversion.convert import CompressionConfig, convert
+from lrkv_core.data.datasets import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.evaluation import metrics
 from lrkv_core.lora import RecoveryConfig, fit_lora, recover, training_data
-from lrkv_core.models import load_model
+from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.loading import load_model
 
 ORIGINAL_PROJECTION = {"k_down": "k", "k_up": "k", "v_down": "v", "q_proj": "q", "o_proj": "o"}
 COLUMNS = ("model", "ratio", "prefill PPL", "decode PPL", "KV bytes/token", "LoRA steps", "train s")
 
 
 def measure(model, windows: torch.Tensor, args) -> dict:
-    prefill = evaluate.prefill_perplexity(model, windows, batch_size=args.eval_batch)
-    decode = evaluate.decode_perplexity(
+    prefill = metrics.prefill_perplexity(model, windows, batch_size=args.eval_batch)
+    decode = metrics.decode_perplexity(
         model, windows[: args.decode_windows], prefix_len=args.decode_prefix, batch_size=args.eval_batch
     )
-    kv = evaluate.kv_bytes_per_token(model, windows)
+    kv = metrics.kv_bytes_per_token(model, windows)
     return {
         "prefill_ppl": prefill["ppl"],
         "decode_ppl": decode["ppl"],

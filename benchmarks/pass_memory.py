@@ -3,8 +3,8 @@ statistics run) and a gradient pass (what the Fisher statistics, the KL response
 with the rows' own next tokens and with targets drawn from the model's predictions.
 
 Each setting runs in a fresh process, so one setting's freed memory does not count for the next; printed:
-the RSS with the model loaded, each pass's peak (:mod:`lrkv_core.memory`) and the seconds of the gradient
-pass with the rows' own tokens. Random token ids: the memory depends on the shapes, not the values.
+the RSS with the model loaded, each pass's peak (:mod:`lrkv_core.system.memory`) and the seconds of the
+gradient pass with the rows' own tokens. Random token ids: the memory depends on the shapes, not the values.
 ``--heap`` keeps a long row's temporaries on the heap (``MAP_LONG_ROWS`` off), to see what mapping them
 saves and costs.
 
@@ -23,10 +23,10 @@ import time
 def measure(model_dir: str, rows: int, tokens: int, threads: int, heap: bool) -> dict:
     import torch
 
-    from lrkv_core.memory import current_rss, peak_rss
-    from lrkv_core.models import load_model
+    from lrkv_core.model.loading import load_model
     from lrkv_core.statistics import gradients
     from lrkv_core.statistics.gradients import kv_gradient_passes, row_seeded_targets
+    from lrkv_core.system.memory import current_rss, peak_rss
 
     gradients.MAP_LONG_ROWS = not heap
     torch.set_num_threads(threads)

@@ -1,8 +1,8 @@
 """Which objective orders rank plans as held-out perplexity does? Each plan of an allocation run, measured.
 
 For every plan (the ``ranks`` of each row of a ``benchmarks/allocation.py`` JSON-lines file, optionally only
-some ``--ratios``), the model is cut to it (:class:`lrkv_core.refine.PlanWeights`: the fused latent model's
-logits) and measured on calibration rows and on each ``--eval`` split:
+some ``--ratios``), the model is cut to it (:class:`lrkv_core.conversion.refine.PlanWeights`: the fused latent
+model's logits) and measured on calibration rows and on each ``--eval`` split:
 
 - ``kl``: mean per-token KL(original ‖ cut), nats, what ``kl`` and the refinement minimise;
 - ``rise``: prefill perplexity over the original's on the text's own next tokens.
@@ -31,10 +31,10 @@ import torch
 from kl_response import spearman  # benchmarks/, the script's own directory
 from transformers.utils import logging as hf_logging
 
-from lrkv_core.convert import CompressionConfig, decompose_model
-from lrkv_core.data import calibration_windows, eval_windows
-from lrkv_core.models import load_model
-from lrkv_core.refine import PlanWeights, measured_kl
+from lrkv_core.conversion.convert import CompressionConfig, decompose_model
+from lrkv_core.conversion.refine import PlanWeights, measured_kl
+from lrkv_core.data.datasets import calibration_windows, eval_windows
+from lrkv_core.model.loading import load_model
 
 
 @torch.no_grad()

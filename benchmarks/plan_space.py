@@ -3,8 +3,8 @@
 Enumerates every plan that uses the whole budget (each group's rank on the grid of ``--rank-multiple``,
 the kept width within one rank step below ``⌊ratio · full width⌋``, as every allocator fills it),
 optionally with each kind's ranks bounded (``--bounds k=8:32,v=16:64``), cuts the model to each
-(:class:`lrkv_core.refine.PlanWeights`: the fused latent model's logits) and measures the loss of the rows'
-own next tokens on ``--measure-rows`` calibration rows (what the refinement lowers) and the prefill
+(:class:`lrkv_core.conversion.refine.PlanWeights`: the fused latent model's logits) and measures the loss of
+the rows' own next tokens on ``--measure-rows`` calibration rows (what the refinement lowers) and the prefill
 perplexity rise on the first ``--first`` windows of each ``--eval`` split. Writes one CSV row per plan
 (ranks as ``K ranks/V ranks`` in rank steps, layer by layer) and prints the best plans by each measure and
 Spearman's ρ between them. Only for models with few groups: the plan count grows combinatorially
@@ -31,10 +31,10 @@ from plan_objectives import held_out, perplexity
 from transformers.utils import logging as hf_logging
 
 from lrkv_core.allocation.problem import KINDS, RankProblem
-from lrkv_core.convert import CompressionConfig, decompose_model
-from lrkv_core.data import calibration_windows
-from lrkv_core.models import load_model
-from lrkv_core.refine import PlanWeights, measured_nll
+from lrkv_core.conversion.convert import CompressionConfig, decompose_model
+from lrkv_core.conversion.refine import PlanWeights, measured_nll
+from lrkv_core.data.datasets import calibration_windows
+from lrkv_core.model.loading import load_model
 
 
 def every_plan(factors, ratio: float, multiple: int, bounds: dict[str, tuple[int, int]]) -> list[dict]:

@@ -40,14 +40,14 @@ from typing import Any
 import torch
 import yaml
 
-from lrkv_core import evaluate
 from lrkv_core.cache import cache_nbytes, output_cache
 from lrkv_core.cache.gear import GearStorage
-from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
-from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
-from lrkv_core.fuse import compress_model
-from lrkv_core.hf_quantized_cache import HfQuantizedCacheSpec
-from lrkv_core.models import load_model
+from lrkv_core.conversion.convert import CompressionConfig, collect_statistics, plan_conversion
+from lrkv_core.data.datasets import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.evaluation import metrics
+from lrkv_core.evaluation.hf_quantized_cache import HfQuantizedCacheSpec
+from lrkv_core.model.fuse import compress_model
+from lrkv_core.model.loading import load_model
 
 COLUMNS = ["model", "ratio", "rotation", "bits", "residual", "prefill PPL", "decode PPL", "KV bytes/token",
            "× fp32 cache", "× 16-bit cache", "KV bytes/token, end of decode"]  # fmt: skip
@@ -82,19 +82,19 @@ class _LastCache(torch.nn.Module):
 def measure(model, windows: torch.Tensor, args, cache_factory=None) -> dict[str, Any]:
     """Prefill PPL, decode PPL and bytes per token under the protocol (see the module docstring)."""
     start = time.perf_counter()
-    prefill = evaluate.prefill_perplexity(
+    prefill = metrics.prefill_perplexity(
         model, windows, batch_size=args.batch_size, cache_factory=cache_factory
     )
     traced = _LastCache(model)
-    decode = evaluate.decode_perplexity(
+    decode = metrics.decode_perplexity(
         traced,
         windows[: args.decode_windows],
         prefix_len=args.decode_prefix,
         batch_size=args.batch_size,
         cache_factory=cache_factory,
     )
-    kv = evaluate.kv_bytes_per_token(model, windows, cache_factory=cache_factory)
-    half = evaluate.dense_kv_bytes(model.config, 1, windows.shape[1], torch.bfloat16) / windows.shape[1]
+    kv = metrics.kv_bytes_per_token(model, windows, cache_factory=cache_factory)
+    half = metrics.dense_kv_bytes(model.config, 1, windows.shape[1], torch.bfloat16) / windows.shape[1]
     held = traced.rows * (windows.shape[1] - 1)  # the last decode batch's tokens, all but the last target
     decode_bytes = cache_nbytes(traced.cache) / held
     return {

@@ -38,7 +38,7 @@ import torch
 from quantized_cache import load_inputs, measure  # benchmarks/, the script's own directory
 
 from lrkv_core.cache import CACHE_STORAGES, TaleStorage, TaleStore
-from lrkv_core.convert import CompressionConfig, collect_statistics, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, collect_statistics, plan_conversion
 from lrkv_core.format import LrkvFormat
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from lrkv_core.paths import lrkv_home
+from lrkv_core.system.paths import lrkv_home
 from lrkv_demo.corpus import (  # noqa: F401  (re-exported: the build's corpus and tokenizer)
     BOS_TOKEN,
     DOC_SEPARATOR,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lrkv_core.refs import DatasetScheme, DatasetSpec
+from lrkv_core.data.refs import DatasetScheme, DatasetSpec
 
 from .builtin import BUILTIN_MODELS, ensure_builtin_model
 

@@ -14,10 +14,10 @@ it answers (its URL is in ``$LRKV_HOME/services.json``); else an owned server as
 ``python -m lrkv_flows.apiserver PORT`` it is that server.
 
 Servers of one home share its Prefect database. An owned server starts under the home's set-up lock
-(:func:`lrkv_core.paths.setup_lock`), so processes started together wait for each other's start-up instead
-of migrating one database at once; a database that does not exist yet is first migrated by a separate process
-(``python -m lrkv_flows.apiserver --migrate``) into a temporary file beside it and renamed into place when
-complete (:func:`prepare_database`), so an interrupted first start leaves no half-migrated database.
+(:func:`lrkv_core.system.paths.setup_lock`), so processes started together wait for each other's start-up
+instead of migrating one database at once; a database that does not exist yet is first migrated by a separate
+process (``python -m lrkv_flows.apiserver --migrate``) into a temporary file beside it and renamed into place
+when complete (:func:`prepare_database`), so an interrupted first start leaves no half-migrated database.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import unquote
 
-from lrkv_core.paths import lrkv_home, setup_lock, writable_home
+from lrkv_core.system.paths import lrkv_home, setup_lock, writable_home
 
 SERVICES = "services.json"  # written by `lrkv up`: {"prefect_api": ..., "mlflow": ..., "pids": [...]}
 

@@ -3,11 +3,11 @@
 For the original model, a data-free compressed version at each ratio (dense latents, and ``bits``-bit rotated
 latents when asked) and any compressed directories given, it measures on the flow's device
 (``LRKV_DEVICE``): decode-step latency at every context (one batch size), prefill throughput, the KV bytes
-the cache holds and peak memory (:mod:`lrkv_core.serving`); then the serving trade: within the memory the
-original's cache takes at the batch and the longest context, each compressed model runs the largest batch
-that fits, and its tokens/s are set against the original's; and one layer's decode attention alone at every
-context against its roofline (bytes and FLOPs of the step, a copy's bandwidth measured in the same task:
-:func:`~lrkv_core.serving.measure_kernels`). Results are logged to MLflow (tables, metrics,
+the cache holds and peak memory (:mod:`lrkv_core.evaluation.serving`); then the serving trade: within the
+memory the original's cache takes at the batch and the longest context, each compressed model runs the largest
+batch that fits, and its tokens/s are set against the original's; and one layer's decode attention alone at
+every context against its roofline (bytes and FLOPs of the step, a copy's bandwidth measured in the same task:
+:func:`~lrkv_core.evaluation.serving.measure_kernels`). Results are logged to MLflow (tables, metrics,
 the JSON) and attached to the flow run as a markdown artifact; every measurement is a cached task whose key
 names the device, so a re-run on the same machine is served from the store.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from lrkv_core.serving import batch_within_budget
+from lrkv_core.evaluation.serving import batch_within_budget
 from lrkv_tasks import bench as b
 from lrkv_tasks import convert as t
 from lrkv_tasks.device import task_device

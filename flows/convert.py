@@ -1,8 +1,8 @@
-"""The convert flow: calibration → the conversion's steps (:func:`lrkv_core.steps.conversion_steps`, each a
-cached task, all submitted at once so independent ones run together) → [LoRA recovery] → evaluate (and, with
-``eval.long``, the long-context suite) → log (with the model) → register → export. With ``lora:`` the
-recovered model is what is evaluated, logged, registered and exported, and the model before recovery is
-evaluated next to it.
+"""The convert flow: calibration → the conversion's steps
+(:func:`lrkv_core.conversion.steps.conversion_steps`, each a cached task, all submitted at once so independent
+ones run together) → [LoRA recovery] → evaluate (and, with ``eval.long``, the long-context suite) → log (with
+the model) → register → export. With ``lora:`` the recovered model is what is evaluated, logged, registered
+and exported, and the model before recovery is evaluated next to it.
 
 The flow's MLflow run is opened first, so an interrupted or failed conversion leaves a run marked KILLED or
 FAILED; a re-run whose every step came from the cache removes its empty run and returns the one that holds
@@ -19,8 +19,8 @@ from typing import Any
 from prefect import flow
 from prefect.exceptions import TerminationSignal
 
-from lrkv_core.heldout import overlap as data_overlap
-from lrkv_core.steps import conversion_steps
+from lrkv_core.conversion.steps import conversion_steps
+from lrkv_core.data.heldout import overlap as data_overlap
 from lrkv_tasks import convert as t
 from lrkv_tasks.device import waited_seconds
 from lrkv_tasks.lora import lora_recover

@@ -22,7 +22,7 @@ import os
 from prefect import flow
 from prefect.deployments.runner import EntrypointType
 
-from lrkv_core.models import parse_device
+from lrkv_core.model.loading import parse_device
 from lrkv_tasks.device import ENV as DEVICE_ENV
 from lrkv_tasks.recipe import ConvertRecipe, EvalRecipe
 from lrkv_tasks.search_recipe import SearchRecipe

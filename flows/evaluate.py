@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from lrkv_core.evaluate import EvalResult
+from lrkv_core.evaluation.metrics import EvalResult
 from lrkv_tasks import convert as t
 from lrkv_tasks.publish import long_context_outputs
 from lrkv_tasks.recipe import HELD_OUT, EvalRecipe, TrackingRecipe

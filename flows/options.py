@@ -130,7 +130,7 @@ def device_name_option(value: str) -> str:
 
 
 def _device(value: str, here: bool) -> str:
-    from lrkv_core.models import parse_device
+    from lrkv_core.model.loading import parse_device
 
     try:
         parse_device(value, here=here)

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from lrkv_core.evaluate import EvalResult
+    from lrkv_core.evaluation.metrics import EvalResult
     from lrkv_tasks.results import ConvertResult
 
 console = Console()

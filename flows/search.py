@@ -2,10 +2,11 @@
 
 Each candidate (an arm: cache storage × allocator, at a width ratio) is a convert subflow with the registry
 off and no export, so calibration, statistics, factors, plans and the original's evaluation are computed
-once and every candidate measured before comes from the cache; :func:`lrkv_core.search.search_smallest`
-picks which candidates to measure. The winner is then converted once more with the base recipe's registry
-and ``out`` (every step but logging, registration and export served from the cache): registered as
-``candidate``, and ``champion`` when the registry's quality gate passes.
+once and every candidate measured before comes from the cache;
+:func:`lrkv_core.conversion.search.search_smallest` picks which candidates to measure. The winner is then
+converted once more with the base recipe's registry and ``out`` (every step but logging, registration and
+export served from the cache): registered as ``candidate``, and ``champion`` when the registry's quality gate
+passes.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import time
 
 from prefect import flow
 
-from lrkv_core.heldout import overlap
-from lrkv_core.search import Point, grid_size, search_smallest
+from lrkv_core.conversion.search import Point, grid_size, search_smallest
+from lrkv_core.data.heldout import overlap
 from lrkv_tasks.preflight import prepare
 from lrkv_tasks.results import ConvertResult
 from lrkv_tasks.search import search_row, summarize_search, to_point

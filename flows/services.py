@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.request
 
-from lrkv_core.paths import lrkv_home, setup_lock, writable_home
+from lrkv_core.system.paths import lrkv_home, setup_lock, writable_home
 from lrkv_tasks.tracking import prepare_database as prepare_mlflow_database
 
 from .apiserver import SERVICES, database_url, healthy, prepare_database

@@ -8,14 +8,14 @@ Depends on torch / transformers / safetensors / datasets / pyarrow only (never p
     model = lrkv_core.load_compressed("out/")
 """
 
-from . import hf_quantizer  # noqa: F401  (registers the "lrkv" quant method with transformers)
 from .allocation import ALLOCATORS
 from .cache import LatentCache, cache_nbytes
-from .convert import CompressionConfig, Conversion, convert, decompose_model, plan_conversion
+from .conversion.convert import CompressionConfig, Conversion, convert, decompose_model, plan_conversion
 from .decompositions import DECOMPOSITIONS
 from .format import LrkvFormat
-from .io import load_compressed, save_compressed
-from .models import load_model
+from .model import hf_quantizer  # noqa: F401  (registers the "lrkv" quant method with transformers)
+from .model.io import load_compressed, save_compressed
+from .model.loading import load_model
 from .statistics import STATISTICS
 from .version import __version__
 

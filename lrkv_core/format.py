@@ -7,9 +7,9 @@ read through :func:`_migrate_v1`; format 2 (lrkv 0.2) had no ``rotation`` and re
 (:func:`_migrate_v2`); a section from a newer lrkv than this one is refused with a clear error.
 
 Format 3 added ``rotation`` and ``rotation_seed``: the orthogonal rotation of each group's rank dimension
-fused into the factors (:mod:`lrkv_core.rotation`). It is already in the weights, so loading needs nothing
-from it; it is recorded to describe the model (and a format-2 reader, which refuses unknown keys, is told
-to upgrade rather than that the section is broken).
+fused into the factors (:mod:`lrkv_core.quant.rotation`). It is already in the weights, so loading needs
+nothing from it; it is recorded to describe the model (and a format-2 reader, which refuses unknown keys, is
+told to upgrade rather than that the section is broken).
 
 Format 4 added ``weights_sha256``: the sha256 of ``model.safetensors``, written by
 :func:`lrkv_core.save_compressed` and checked by :func:`lrkv_core.load_compressed`, so a corrupt or modified
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
-from .rotation import ROTATIONS
+from .quant.rotation import ROTATIONS
 
 FORMAT_VERSION = 4
 ROPE_HANDLING = ("reconstruct-then-rope", "keys-fused-into-q")
@@ -40,7 +40,7 @@ class LrkvFormat:
     Ranks are per layer, per group of ``group_size`` KV heads: ``ranks_k[layer][g]``, ``ranks_v[layer][g]``.
     ``decomposition``, ``allocator`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) of the
     registered methods that made the model and of the cache storage it decodes with. ``rotation`` is the
-    policy (one of :data:`~lrkv_core.rotation.ROTATIONS`) whose rotations were fused into every group's
+    policy (one of :data:`~lrkv_core.quant.rotation.ROTATIONS`) whose rotations were fused into every group's
     factors, seeded by ``rotation_seed`` where it drew random orthogonal matrices. ``weights_sha256`` is the
     sha256 of the saved ``model.safetensors`` (None in memory before saving, and for models saved before it
     was recorded).

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from lrkv_core.fingerprint import hash_dir, hash_file
+from lrkv_core.system.fingerprint import hash_dir, hash_file
 
 RESULTS = "prefect-results"  # where a store keeps the tasks' result records
 STORE_FORMS = "a local directory or s3://bucket/prefix"

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from prefect import task
 
-from lrkv_core import pipeline, serving
-from lrkv_core.models import load_model, parse_device
+from lrkv_core.conversion import pipeline
+from lrkv_core.evaluation import serving
+from lrkv_core.model.loading import load_model, parse_device
 
 from .artifacts import ArtifactRef
 from .convert import CACHED, TASK_KEY, _local, _stored

@@ -20,10 +20,10 @@ from typing import Any
 from prefect import task
 from prefect.futures import PrefectFuture
 
-from lrkv_core import pipeline
-from lrkv_core.fingerprint import hash_dir
-from lrkv_core.models import model_fingerprint, resolve_model_dir
-from lrkv_core.steps import Step, statistic_inputs
+from lrkv_core.conversion import pipeline
+from lrkv_core.conversion.steps import Step, statistic_inputs
+from lrkv_core.model.loading import model_fingerprint, resolve_model_dir
+from lrkv_core.system.fingerprint import hash_dir
 
 from .artifacts import ArtifactRef
 from .device import model_pass, task_device
@@ -102,7 +102,7 @@ def resolve_model(ref: str, store: str | None = None) -> ArtifactRef:
     """Locate the model files and fingerprint them."""
     from transformers import AutoConfig
 
-    from lrkv_core.adapters import get_adapter
+    from lrkv_core.model.adapters import get_adapter
 
     model_dir = resolve_model_dir(ref)
     config = AutoConfig.from_pretrained(str(model_dir))
@@ -315,7 +315,7 @@ def refine_plan(
     store: str,
 ) -> ArtifactRef:
     """Refine the allocator's plan on its measured objective over calibration rows (Gauss–Newton steps; the
-    options of :class:`lrkv_core.refine.RefineConfig`)."""
+    options of :class:`lrkv_core.conversion.refine.RefineConfig`)."""
     with model_pass(), step("refine plan") as advance:
         refined = _stored(
             store,
@@ -397,8 +397,9 @@ def step_label(step: Step) -> str:
 
 
 def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> PrefectFuture:
-    """Submit ``step`` (of :func:`lrkv_core.steps.conversion_steps`) as its cached task; ``results`` maps the
-    names of the steps it reads to their futures (or references), so the task starts when they are done."""
+    """Submit ``step`` (of :func:`lrkv_core.conversion.steps.conversion_steps`) as its cached task;
+    ``results`` maps the names of the steps it reads to their futures (or references), so the task starts when
+    they are done."""
     p = step.params
     inputs = [results[name] for name in step.inputs]
     stats = {name: results[s] for name, s in statistic_inputs(step).items()}
@@ -443,10 +444,10 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
 def copy_model_dir(src: Path, dst: Path, sha256: str | None = None) -> Path:
     """Copy a model directory to ``dst`` atomically: into a uniquely named temporary sibling, checked against
     ``sha256`` (the content hash it must have) when given, then swapped in so that the old ``dst`` survives
-    any crash (:func:`lrkv_core.files.replace_dir`). An existing ``dst`` is replaced only if it is an lrkv
-    model directory (or empty)."""
-    from lrkv_core.files import replace_dir
-    from lrkv_core.io import is_compressed_dir
+    any crash (:func:`lrkv_core.system.files.replace_dir`). An existing ``dst`` is replaced only if it is an
+    lrkv model directory (or empty)."""
+    from lrkv_core.model.io import is_compressed_dir
+    from lrkv_core.system.files import replace_dir
 
     if dst.exists() and any(dst.iterdir()) and not is_compressed_dir(dst):
         raise FileExistsError(f"{dst} exists and is not an lrkv model directory; refusing to overwrite it")
@@ -517,7 +518,7 @@ def evaluate_long(
 ) -> dict[str, Any]:
     """The long-context suite (``eval.long``) of ``model`` on ``dataset``: continuation NLL per context length
     and the retrieval grid, through the cache it deploys, with ``base`` (the original) on the same windows
-    and prompts; :meth:`lrkv_core.longcontext.LongContextResult.to_dict`."""
+    and prompts; :meth:`lrkv_core.evaluation.longcontext.LongContextResult.to_dict`."""
     protocol = LongEvalRecipe(**long_cfg).protocol(dataset)
     with model_pass(), step(f"long-context suite {label}") as advance:
         result = pipeline.evaluate_long_dir(

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lrkv_core.memory import release_freed
-from lrkv_core.models import parse_device
+from lrkv_core.model.loading import parse_device
+from lrkv_core.system.memory import release_freed
 
 from .progress import current_task_run_id, run_logger
 

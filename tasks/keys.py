@@ -4,7 +4,7 @@ A task's key hashes its name, its parameters (artifact references carry content 
 re-run recomputes nothing and a killed run resumes from the last finished task) and its step code: the lrkv
 version plus the fingerprint of the code the task function can run (:func:`step_code`).
 
-The step code is computed, not listed: :class:`lrkv_core.code_fingerprint.CodeIndex` follows the task
+The step code is computed, not listed: :class:`lrkv_core.system.code_fingerprint.CodeIndex` follows the task
 function through the lrkv_core, lrkv_tasks and lrkv_kernels sources, one top-level statement at a time:
 
 - the task function, and everything each statement it reaches reads: names of its own module, imported
@@ -18,9 +18,9 @@ function through the lrkv_core, lrkv_tasks and lrkv_kernels sources, one top-lev
 
 So a change to any statement a step can run changes its key, and a change elsewhere (another step's
 pipeline function, evaluation code for a statistics pass) does not. Sources are compared after dropping
-docstrings, comments and formatting (:func:`lrkv_core.code_fingerprint.normalized_dump`). A task function
-outside these packages (a test's) gets the fingerprint of all of them. :func:`code_version`, the whole
-packages' hash, is provenance for MLflow only.
+docstrings, comments and formatting (:func:`lrkv_core.system.code_fingerprint.normalized_dump`). A task
+function outside these packages (a test's) gets the fingerprint of all of them. :func:`code_version`, the
+whole packages' hash, is provenance for MLflow only.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
 import lrkv_core
-from lrkv_core.code_fingerprint import CodeIndex
-from lrkv_core.data import parse_dataset_spec
-from lrkv_core.fingerprint import hash_bytes, hash_sources
-from lrkv_core.models import resolve_model_dir
+from lrkv_core.data.datasets import parse_dataset_spec
+from lrkv_core.model.loading import resolve_model_dir
+from lrkv_core.system.code_fingerprint import CodeIndex
+from lrkv_core.system.fingerprint import hash_bytes, hash_sources
 from lrkv_core.version import __version__
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect import task
 
 from lrkv_core.lora import recover_dir
-from lrkv_core.paths import lrkv_home
+from lrkv_core.system.paths import lrkv_home
 
 from .artifacts import ArtifactRef, is_s3
 from .convert import CACHED, _local, _stored

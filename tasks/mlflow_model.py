@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lrkv_core.io import load_compressed
+from lrkv_core.model.io import load_compressed
 
 PARAMS = {"max_new_tokens": 16}  # predict's params and their defaults
 

@@ -148,7 +148,7 @@ def _registration_lock(name: str):
     champion and then moves the alias, so two at once could both find no champion (or the same one) and
     skip comparing with each other. The lock lives in ``$LRKV_HOME`` (the temporary directory if that
     cannot be written); registrations from other machines to one MLflow server are not serialized."""
-    from lrkv_core.paths import HomeNotWritableError, setup_lock, writable_home
+    from lrkv_core.system.paths import HomeNotWritableError, setup_lock, writable_home
 
     try:
         directory = writable_home()

@@ -13,7 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lrkv_core.allocation import RankPlan
-from lrkv_core.longcontext import LongContextResult
+from lrkv_core.evaluation.longcontext import LongContextResult
 
 from .recipe import method_label
 

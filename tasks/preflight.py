@@ -17,13 +17,13 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from lrkv_core.adapters import get_adapter
-from lrkv_core.data import check_dataset, heldout, parse_dataset_spec
-from lrkv_core.heldout import overlap
-from lrkv_core.io import is_compressed_dir
+from lrkv_core.data.datasets import check_dataset, heldout, parse_dataset_spec
+from lrkv_core.data.heldout import overlap
+from lrkv_core.data.refs import absolute_dataset_spec, absolute_model_ref, absolute_path
 from lrkv_core.lora import check_targets, check_training_dataset
-from lrkv_core.models import TOKENIZER_FILES, missing_safetensors, resolve_model_dir
-from lrkv_core.refs import absolute_dataset_spec, absolute_model_ref, absolute_path
+from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.io import is_compressed_dir
+from lrkv_core.model.loading import TOKENIZER_FILES, missing_safetensors, resolve_model_dir
 
 from .artifacts import is_s3
 from .device import pass_limit

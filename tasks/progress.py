@@ -2,8 +2,8 @@
 
 A task wraps a long step in :func:`step`, which logs when it starts, at every quarter of its progress, when
 it finishes (with its duration and the process's peak resident memory while it ran, from
-:mod:`lrkv_core.memory`), and, while it reports nothing, every :data:`HEARTBEAT_S` seconds, so a step that
-is slow or has no progress to report is never silent. Each line goes to Prefect's logger of the current
+:mod:`lrkv_core.system.memory`), and, while it reports nothing, every :data:`HEARTBEAT_S` seconds, so a step
+that is slow or has no progress to report is never silent. Each line goes to Prefect's logger of the current
 task or flow run (the run's logs in the UI and on a worker's console) and to the ``lrkv`` Python logger
 (which the CLI prints when its output is not a terminal; anyone may attach a handler). A reporter installed
 with :func:`set_reporter` (the CLI's rich progress bars on a terminal) gets every update as well. A task's
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from lrkv_core.memory import gib, peak_rss
+from lrkv_core.system.memory import gib, peak_rss
 
 log = logging.getLogger("lrkv")
 

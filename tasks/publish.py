@@ -10,9 +10,9 @@ from typing import Any
 from prefect import task
 from prefect.context import TaskRunContext
 
-from lrkv_core.evaluate import EvalResult
-from lrkv_core.fingerprint import hash_json
-from lrkv_core.longcontext import LongContextResult
+from lrkv_core.evaluation.longcontext import LongContextResult
+from lrkv_core.evaluation.metrics import EvalResult
+from lrkv_core.system.fingerprint import hash_json
 
 from .artifacts import ArtifactRef
 from .convert import CACHED

@@ -24,15 +24,20 @@ from pydantic import (
 
 from lrkv_core.allocation import ALLOCATORS
 from lrkv_core.cache import CACHE_STORAGES
-from lrkv_core.convert import CompressionConfig
+from lrkv_core.conversion.convert import CompressionConfig
+from lrkv_core.conversion.refine import RefineConfig
 from lrkv_core.decompositions import DECOMPOSITIONS
-from lrkv_core.longcontext import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TASKS, LongContextProtocol
+from lrkv_core.evaluation.longcontext import (
+    DEFAULT_DEPTHS,
+    DEFAULT_LENGTHS,
+    DEFAULT_TASKS,
+    LongContextProtocol,
+)
+from lrkv_core.evaluation.needles import TASKS as NEEDLE_TASKS
 from lrkv_core.lora import RecoveryConfig
 from lrkv_core.lora.config import Role  # noqa: F401  (the recipe's roles, re-exported)
-from lrkv_core.needles import TASKS as NEEDLE_TASKS
-from lrkv_core.refine import RefineConfig
+from lrkv_core.quant.rotation import RotationConfig
 from lrkv_core.registry import Method
-from lrkv_core.rotation import RotationConfig
 from lrkv_core.statistics import STATISTICS
 
 from .artifacts import STORE_FORMS, is_s3, local_dir
@@ -51,9 +56,11 @@ class CalibrationRecipe(Strict):
         None, description="default: the model's own training text for builtin: models, else WikiText-2 train"
     )
     n_samples: int = Field(
-        256, ge=1, description="windows drawn; 256 (Palu's whitening size) measurably beats 64 at ratio 0.3"
+        256,
+        ge=1,
+        description="calibration windows drawn; 256 (Palu's whitening size) measurably beats 64 at ratio 0.3",
     )
-    seq_len: int = Field(256, ge=2)
+    seq_len: int = Field(256, ge=2, description="tokens per calibration window")
     seed: int = 0
     batch_size: int = Field(8, ge=1, description="calibration rows per forward/backward pass (at most)")
     batch_tokens: int = Field(
@@ -131,8 +138,8 @@ PaluRecipe = create_model(
     "PaluRecipe",
     __base__=_Compression,
     __doc__="""Palu's latent cache: low-rank factors per group of KV heads, latents cached, B_v folded into
-    o_proj; the fields of :class:`lrkv_core.convert.CompressionConfig` (defaults and descriptions taken from
-    it), methods named as the registries know them.""",
+    o_proj; the fields of :class:`lrkv_core.conversion.convert.CompressionConfig` (defaults and descriptions
+    taken from it), methods named as the registries know them.""",
     __module__=__name__,
     **config_fields(
         CompressionConfig,
@@ -150,7 +157,8 @@ PaluRecipe = create_model(
 
 
 class LongEvalRecipe(Strict):
-    """The long-context suite (:mod:`lrkv_core.longcontext`): continuation after long contexts, retrieval."""
+    """The long-context suite (:mod:`lrkv_core.evaluation.longcontext`): continuation after long contexts,
+    retrieval."""
 
     lengths: list[int] = Field(
         list(DEFAULT_LENGTHS), min_length=1, description="context / prompt lengths (capped by the model's)"
@@ -258,7 +266,8 @@ LoraRecipe = create_model(
 
 class TrackingRecipe(Strict):
     mlflow_uri: str | None = Field(
-        None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<LRKV_HOME>/mlflow.db"
+        None,
+        description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<LRKV_HOME>/mlflow.db",
     )
     experiment: str = "lrkv"
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from lrkv_core.fingerprint import hash_dir
-from lrkv_core.paths import lrkv_home, writable_home
+from lrkv_core.system.fingerprint import hash_dir
+from lrkv_core.system.paths import lrkv_home, writable_home
 
 from .model_registry import SHA_TAG, _alias_version
 from .tracking import client, tracking_uri

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lrkv_core.evaluate import EvalResult
+from lrkv_core.evaluation.metrics import EvalResult
 
 from .artifacts import ArtifactRef
 from .recipe import ConvertRecipe

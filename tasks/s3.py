@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from lrkv_core.fingerprint import hash_dir, hash_file, hash_json
-from lrkv_core.paths import lrkv_home
+from lrkv_core.system.fingerprint import hash_dir, hash_file, hash_json
+from lrkv_core.system.paths import lrkv_home
 
 from .artifacts import RESULTS, digest_of, staging_path
 from .integrity import StoreIntegrityError, intact

@@ -1,7 +1,7 @@
 """The search for the smallest KV cache within a quality budget: its rows and its summary (a table, the
 Pareto front's plot, an MLflow run and a Prefect markdown artifact). The search itself is
-:mod:`lrkv_core.search`, its recipe :mod:`lrkv_tasks.search_recipe`; the flow that converts its candidates
-is :mod:`lrkv_flows.search`."""
+:mod:`lrkv_core.conversion.search`, its recipe :mod:`lrkv_tasks.search_recipe`; the flow that converts its
+candidates is :mod:`lrkv_flows.search`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from prefect import task
 
-from lrkv_core.search import Budget, Point, SearchResult
+from lrkv_core.conversion.search import Budget, Point, SearchResult
 
 from .ablation import ablation_row, log_summary, summary_dir, table_csv
 from .results import ConvertResult

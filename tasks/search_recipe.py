@@ -11,8 +11,8 @@ from pydantic import Field, field_validator, model_validator
 
 from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
 from lrkv_core.cache import CACHE_STORAGES
-from lrkv_core.rotation import Policy
-from lrkv_core.search import Budget
+from lrkv_core.conversion.search import Budget
+from lrkv_core.quant.rotation import Policy
 
 from .recipe import ConvertRecipe, PaluRecipe, Strict, method_label
 from .registered import registered

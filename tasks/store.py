@@ -29,8 +29,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
-from lrkv_core.files import make_tree_readable
-from lrkv_core.paths import lrkv_home
+from lrkv_core.system.files import make_tree_readable
+from lrkv_core.system.paths import lrkv_home
 
 from .artifacts import RESULTS, STORE_FORMS, digest_of, is_s3, local_dir, staging_path
 from .integrity import StoreIntegrityError, intact, recorded_digest, verify_artifact

@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact
 
-from lrkv_core.longcontext import LongContextResult
+from lrkv_core.evaluation.longcontext import LongContextResult
 
 from .results import ConvertResult
 

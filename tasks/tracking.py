@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from urllib.parse import unquote
 
-from lrkv_core.paths import lrkv_home, setup_lock, writable_home
+from lrkv_core.system.paths import lrkv_home, setup_lock, writable_home
 
 from .keys import code_version
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import task
 
-from lrkv_core.models import load_model
+from lrkv_core.model.loading import load_model
 
 from .artifacts import ArtifactRef
 from .convert import CACHED, TASK_KEY

@@ -21,7 +21,7 @@ import pytest
 from transformers import PreTrainedModel
 
 from lrkv_core.allocation import RankPlan
-from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
 from tests.support.models import tiny_model
 
 

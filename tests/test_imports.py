@@ -21,7 +21,7 @@ def test_core_imports_no_prefect_mlflow_boto3():
     (transformers imports accelerate, which imports boto3 whenever boto3 is installed, as it is for lrkv's
     S3 store: that is measured as the baseline; lrkv_core's own code is checked by the AST test below.)
     """
-    core = "import lrkv_core, lrkv_core.pipeline, lrkv_kernels.latent_rope"
+    core = "import lrkv_core, lrkv_core.conversion.pipeline, lrkv_kernels.latent_rope"
     assert _loaded(core, {"prefect", "mlflow"}) == set()
     aws = {"boto3", "botocore"}
     baseline = _loaded("import torch, transformers.quantizers.auto, safetensors, datasets, pyarrow", aws)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 if TYPE_CHECKING:
-    from lrkv_core.evaluate import EvalResult
+    from lrkv_core.evaluation.metrics import EvalResult
 
 from ..options import (
     csv_list,
@@ -125,8 +125,9 @@ def eval_cmd(
 
 
 def _evaluate(model_dir: str, dataset: str, seq_len: int, decode_prefix: int | None, **options) -> EvalResult:
-    """:func:`lrkv_core.pipeline.evaluate_dir` with the CLI's progress (``options``: its keywords)."""
-    from lrkv_core.pipeline import evaluate_dir
+    """:func:`lrkv_core.conversion.pipeline.evaluate_dir` with the CLI's progress (``options``: its
+    keywords)."""
+    from lrkv_core.conversion.pipeline import evaluate_dir
 
     if decode_prefix is not None and not 0 < decode_prefix < seq_len:
         raise ValueError(f"--decode-prefix {decode_prefix} must be inside the window (1..{seq_len - 1})")
@@ -140,8 +141,9 @@ def _evaluate(model_dir: str, dataset: str, seq_len: int, decode_prefix: int | N
 def _eval_long(
     model_dir: str, dataset: str, suite: str, opts: dict, windows: int | None, json_out: Path | None, **kwargs
 ) -> None:
-    """``lrkv eval --suite long``: :func:`lrkv_core.pipeline.evaluate_long_dir`, printed as tables."""
-    from lrkv_core.pipeline import evaluate_long_dir
+    """``lrkv eval --suite long``: :func:`lrkv_core.conversion.pipeline.evaluate_long_dir`, printed as
+    tables."""
+    from lrkv_core.conversion.pipeline import evaluate_long_dir
     from lrkv_tasks.recipe import LongEvalRecipe
 
     if suite != "long":

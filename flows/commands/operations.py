@@ -35,7 +35,7 @@ def _first_line(err: BaseException) -> str:
 
 def require_home() -> None:
     """Fail with one line and the usage-error exit code (2) unless ``$LRKV_HOME`` can be written."""
-    from lrkv_core.paths import HomeNotWritableError, writable_home
+    from lrkv_core.system.paths import HomeNotWritableError, writable_home
 
     try:
         writable_home()

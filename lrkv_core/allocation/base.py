@@ -29,7 +29,8 @@ class Allocator(Method, ABC):
     """Chooses a rank per (layer, K/V, group) for a kept-width budget."""
 
     needs: ClassVar[frozenset[str]] = frozenset()  # features besides the spectra, e.g. {"fisher_sums"}
-    # Gauss–Newton steps a conversion refines this allocator's plan by unless told (lrkv_core.refine)
+    # Gauss–Newton steps a conversion refines this allocator's plan by unless told
+    # (lrkv_core.conversion.refine)
     refine_steps: ClassVar[int] = 0
 
     @abstractmethod

@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 
 from ..decompositions import KINDS, LayerFactors
-from ..files import save_tensors
 from ..linalg import GroupFactors
+from ..system.files import save_tensors
 
 # smallest σ_min/σ_max used for condition numbers: a rank-deficient matrix has κ = 1e12, not inf
 KAPPA_FLOOR = 1e-12

@@ -270,7 +270,7 @@ class CacheStorage(Method, ABC):
 
     def check_rotation(self, rotation: str) -> None:
         """Raise ``ValueError`` if this strategy cannot read latents whose factors carry the fused
-        ``rotation`` (a policy of :mod:`lrkv_core.rotation`); every rotation is fine unless a strategy
+        ``rotation`` (a policy of :mod:`lrkv_core.quant.rotation`); every rotation is fine unless a strategy
         says otherwise (one that cuts latents to a prefix needs them in spectral order, for instance)."""
 
 

@@ -62,7 +62,7 @@ from typing import ClassVar, Literal
 import torch
 
 from ..quant import INTEGER_BITS, QuantizedRows, dequantize, pack_codes, quantize, unpack_codes
-from ..rotation import rotation_matrix
+from ..quant.rotation import rotation_matrix
 from .storage import CACHE_STORAGES, CacheStorage, LatentStore, split_groups
 
 RULES = ("recency", "energy")
@@ -94,9 +94,9 @@ def join(
 @functools.cache
 def block_rotation(widths: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
     """Block-diagonal orthogonal matrix (Σ w × Σ w) float32 on ``device``: per block of width w, the
-    normalised Hadamard matrix of order w where :mod:`lrkv_core.rotation` builds one, else a random orthogonal
-    one seeded by w. A constant of the widths, like the code (so no cache holds or counts it); built once per
-    device, not copied at every step."""
+    normalised Hadamard matrix of order w where :mod:`lrkv_core.quant.rotation` builds one, else a random
+    orthogonal one seeded by w. A constant of the widths, like the code (so no cache holds or counts it);
+    built once per device, not copied at every step."""
     if torch.device(device).type != "cpu":
         return block_rotation(widths).to(device)
     return torch.block_diag(*(rotation_matrix(w, "auto", seed=w)[0] for w in widths)).float()

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 import torch
 from safetensors import safe_open
 
-from ..files import save_tensors
 from ..linalg import GroupFactors, group_slices
 from ..registry import Method, Registry
+from ..system.files import save_tensors
 
 KINDS = ("k", "v")
 

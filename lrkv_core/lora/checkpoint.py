@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..files import make_tree_readable
+from ..system.files import make_tree_readable
 
 PREFIX = "step-"
 

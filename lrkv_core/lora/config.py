@@ -3,8 +3,8 @@
 Compression at high ratios costs perplexity; Palu (Appendix, "LoRA fine-tuning") and Eigen Attention recover
 most of it with a short LoRA fine-tune of the compressed model. The defaults follow Palu where they fit:
 rank r′ = 32, α = 32, learning rate 2e-4 with a cosine schedule. The adapted projections are named by their
-role in the latent attention module (:meth:`lrkv_core.attention.LatentAttentionBase.projections`), never by
-a module-name pattern:
+role in the latent attention module (:meth:`lrkv_core.model.attention.LatentAttentionBase.projections`), never
+by a module-name pattern:
 
 - ``k_down``, ``v_down`` (default): the down-projections whose outputs the cache stores. Training them
   changes the latents, not their width: after the merge the cache holds as many bytes per token as before.

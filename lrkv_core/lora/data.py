@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..data import (
+from ..data.datasets import (
     check_dataset,
     consecutive_windows,
     load_token_rows,
@@ -34,7 +34,7 @@ from ..data import (
     text_prefix,
     token_sequences,
 )
-from ..refs import DatasetSpec
+from ..data.refs import DatasetSpec
 
 IGNORE = -100  # labels that are not scored (PyTorch's cross-entropy ignore_index)
 INSTRUCTION_COLUMNS = ("instruction", "output")

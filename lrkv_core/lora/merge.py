@@ -13,8 +13,8 @@ import copy
 
 from torch import nn
 
-from ..adapters import get_adapter
 from ..format import LrkvFormat
+from ..model.adapters import get_adapter
 
 
 def merge_lora(peft_model: nn.Module) -> nn.Module:

@@ -12,10 +12,10 @@ from typing import Any
 
 from torch import nn
 
-from ..fingerprint import hash_bytes, hash_dir, hash_json
 from ..format import LrkvFormat
-from ..io import save_compressed
-from ..models import load_model
+from ..model.io import save_compressed
+from ..model.loading import load_model
+from ..system.fingerprint import hash_bytes, hash_dir, hash_json
 from .config import RecoveryConfig
 from .data import TrainingData, training_data
 from .merge import merge_lora

@@ -1,7 +1,7 @@
 """Which modules of a compressed model get LoRA adapters: found through the model's structure.
 
-Layers come from the architecture adapter (:func:`lrkv_core.adapters.get_adapter`), and each layer's latent
-attention says which projection plays which role (:meth:`~lrkv_core.attention.LatentAttentionBase
+Layers come from the architecture adapter (:func:`lrkv_core.model.adapters.get_adapter`), and each layer's
+latent attention says which projection plays which role (:meth:`~lrkv_core.model.attention.LatentAttentionBase
 .projections`). The result is the exact module names PEFT is given, one per adapted projection; nothing is
 matched by a name pattern.
 """
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..adapters import get_adapter
-from ..attention import LatentAttentionBase
+from ..model.adapters import get_adapter
+from ..model.attention import LatentAttentionBase
 
 
 def target_modules(model: nn.Module, roles: Sequence[str]) -> dict[str, nn.Linear]:

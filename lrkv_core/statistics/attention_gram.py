@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..adapters import get_adapter
+from ..model.adapters import get_adapter
 from .base import STATISTICS, Counts, LayerValue, Progress, Statistic, forward_rows
 
 

@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..files import save_tensors
 from ..registry import Method, Registry
+from ..system.files import save_tensors
 
 Progress = Callable[[int, int], None] | None
 LayerValue = torch.Tensor | dict[str, torch.Tensor]

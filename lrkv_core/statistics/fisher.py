@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..adapters import get_adapter
+from ..model.adapters import get_adapter
 from .base import STATISTICS, Counts, LayerValue, Progress, Statistic
 from .gradients import kv_gradient_passes
 

@@ -14,9 +14,9 @@ to the first layer's k/v outputs, visiting each projection as the pass reaches i
 dropping its input and gradient there (from the last layer down); a micro-batch of more than
 :data:`CHECKPOINT_TOKENS` tokens recomputes each layer's activations during the backward pass instead of
 keeping them, and its large temporaries are mapped memory returned to the system when freed
-(:func:`lrkv_core.memory.mapped_allocations`). So one pass over a long row holds the model, each layer's input
-and one layer's activations, not every layer's activations and the whole row's full-vocabulary logits
-(``benchmarks/pass_memory.py`` measures it).
+(:func:`lrkv_core.system.memory.mapped_allocations`). So one pass over a long row holds the model, each
+layer's input and one layer's activations, not every layer's activations and the whole row's full-vocabulary
+logits (``benchmarks/pass_memory.py`` measures it).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..adapters import get_adapter
-from ..memory import mapped_allocations
+from ..model.adapters import get_adapter
+from ..system.memory import mapped_allocations
 
 Visit = Callable[[int, str, torch.Tensor, torch.Tensor], None]  # (layer, "k"|"v", x (B,T,d), g (B,T,out))
 # Given one micro-batch's rows (B, T), a function called for consecutive chunks of its scored positions, in
@@ -48,7 +48,8 @@ LOSS_CHUNK = 256
 # the layer in the backward pass (activation checkpointing): one long row costs about one layer's activations
 CHECKPOINT_TOKENS = 1024
 # such a micro-batch's large temporaries are mappings of their own, returned to the system when freed
-# (lrkv_core.memory.mapped_allocations): no holes between the blocks the pass keeps; its pages cost faults
+# (lrkv_core.system.memory.mapped_allocations): no holes between the blocks the pass keeps; its pages cost
+# faults
 MAP_LONG_ROWS = True
 
 

@@ -18,8 +18,8 @@ from lrkv_core.allocation import (
     relative_errors,
     statistics_for,
 )
-from lrkv_core.convert import CompressionConfig, decompose_model, plan_conversion
-from lrkv_core.evaluate import kv_bytes_per_token
+from lrkv_core.conversion.convert import CompressionConfig, decompose_model, plan_conversion
+from lrkv_core.evaluation.metrics import kv_bytes_per_token
 from lrkv_core.statistics import STATISTICS, collect_fisher, collect_gram
 from tests.support.spectra import (
     GROUP_SIZE,

@@ -13,10 +13,10 @@ import copy
 import pytest
 import torch
 
-from lrkv_core.adapters import UnsupportedModelError, get_adapter
 from lrkv_core.allocation import allocate_ranks
 from lrkv_core.cache import SlidingWindow, cache_kwargs
-from lrkv_core.fuse import compress_model
+from lrkv_core.model.adapters import UnsupportedModelError, get_adapter
+from lrkv_core.model.fuse import compress_model
 from tests.support.inputs import greedy, ids_for, max_diff
 from tests.support.models import SLIDING_WINDOW, tiny_config, tiny_model
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lrkv_core.adapters import get_adapter
 from lrkv_core.cache import (
     CACHE_STORAGES,
     CacheStorage,
@@ -28,8 +27,9 @@ from lrkv_core.cache import (
     pop_cache,
     split_groups,
 )
-from lrkv_core.evaluate import kv_bytes_per_token
-from lrkv_core.fuse import _latent_cache_pre_hook, enable_latent_cache
+from lrkv_core.evaluation.metrics import kv_bytes_per_token
+from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.fuse import _latent_cache_pre_hook, enable_latent_cache
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff, positions_for
 from tests.support.models import SLIDING_WINDOW, tiny_model
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core.attention import set_fused_decode
-from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+from lrkv_core.model.attention import set_fused_decode
 from tests.support.inputs import greedy, ids_for, left_padded
 from tests.support.latents import stepwise
 from tests.support.models import tiny_model
@@ -80,7 +80,7 @@ def test_generate_on_cuda_uses_the_fused_kernel(dtype, cache):
 def test_pipeline_steps_on_cuda_give_the_cpu_results(tmp_path):
     """What the flow's tasks run with ``--device cuda``: a statistic, the evaluation (with KL against the
     original) and LoRA recovery compute on the GPU and give the CPU's numbers."""
-    from lrkv_core import pipeline
+    from lrkv_core.conversion import pipeline
     from lrkv_core.lora import recover_dir
     from lrkv_core.statistics import load_statistic
     from tests.support.models import tiny_model_dir, token_parquet

@@ -14,8 +14,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lrkv_core import data, heldout
-from lrkv_core.data import (
+from lrkv_core.data import datasets, heldout
+from lrkv_core.data.datasets import (
     DatasetSpec,
     calibration_windows,
     check_dataset,
@@ -29,8 +29,8 @@ from lrkv_core.data import (
     token_sequences,
     window_prefix,
 )
-from lrkv_core.refs import DATASET_SCHEMES, DatasetScheme, register_dataset_scheme
-from lrkv_core.slices import PercentSlice
+from lrkv_core.data.refs import DATASET_SCHEMES, DatasetScheme, register_dataset_scheme
+from lrkv_core.data.slices import PercentSlice
 from tests.support.models import with_bos
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
@@ -149,14 +149,14 @@ def test_hub_rows_are_joined_as_they_are(monkeypatch: pytest.MonkeyPatch) -> Non
         calls.append((args, kwargs))
         return Dataset.from_dict({"text": [" = Title =\n", "\n", "Body line .\n"]})
 
-    monkeypatch.setattr(data, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert load_text("hf:wikitext:wikitext-2-raw-v1:test") == " = Title =\n\nBody line .\n"
     assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "test"})]
 
 
 def test_an_unreachable_hub_dataset_says_to_give_a_local_one(tmp_path: Path) -> None:
     """The Hub really unreachable (offline mode, an empty cache): the error names the local forms."""
-    code = "from lrkv_core.data import load_text; load_text('hf:wikitext:wikitext-2-raw-v1:train')"
+    code = "from lrkv_core.data.datasets import load_text; load_text('hf:wikitext:wikitext-2-raw-v1:train')"
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     last = res.stderr.strip().splitlines()[-1]
@@ -258,7 +258,7 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path: Path, monkeypatch: p
         real_write(table.slice(0, 1), where, **kwargs)  # a partial file, then the crash
         raise OSError("disk full")
 
-    monkeypatch.setattr(data.pq, "write_table", failing_write)
+    monkeypatch.setattr(datasets.pq, "write_table", failing_write)
     with pytest.raises(OSError, match="disk full"):
         extract_calibration(f"parquet:{src}", None, n_samples=2, seq_len=4, seed=0, out_path=out)
     assert sorted(p.name for p in out_dir.iterdir()) == ["calib.parquet"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lrkv_core.heldout import heldout, overlap
+from lrkv_core.data.heldout import heldout, overlap
 
 
 @pytest.mark.parametrize(

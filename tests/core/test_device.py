@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core.models import load_model, parse_device
+from lrkv_core.model.loading import load_model, parse_device
 from tests.support.models import tiny_model_dir
 
 

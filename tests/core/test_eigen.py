@@ -8,7 +8,7 @@ import torch
 
 from lrkv_core.allocation import allocate_ranks
 from lrkv_core.allocation.eigen import lowest_threshold
-from lrkv_core.convert import CompressionConfig, model_layer_weights, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, model_layer_weights, plan_conversion
 from lrkv_core.decompositions import decompose_layer
 from lrkv_core.statistics import collect_gram, collect_layer_output_error
 from lrkv_core.statistics.layer_error import energy_rank, threshold_grid

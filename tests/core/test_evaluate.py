@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from lrkv_core.data import eval_windows
-from lrkv_core.evaluate import (
+from lrkv_core.data.datasets import eval_windows
+from lrkv_core.evaluation.metrics import (
     EvalResult,
     decode_perplexity,
     kl_and_agreement,

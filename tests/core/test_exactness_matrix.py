@@ -18,12 +18,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lrkv_core.adapters import get_adapter
-from lrkv_core.attention import LatentAttention
-from lrkv_core.attention_norope import NoRopeLatentAttention
 from lrkv_core.cache import LatentCache, LatentLayer, cache_kwargs
-from lrkv_core.evaluate import kv_bytes_per_token
-from lrkv_core.io import load_compressed, save_compressed
+from lrkv_core.evaluation.metrics import kv_bytes_per_token
+from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.attention import LatentAttention
+from lrkv_core.model.attention_norope import NoRopeLatentAttention
+from lrkv_core.model.io import load_compressed, save_compressed
 from tests.support.inputs import decode_left_padded, greedy, ids_for, left_padded, max_diff, positions_for
 from tests.support.models import SLIDING_WINDOW, tiny_model
 

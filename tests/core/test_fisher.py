@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from lrkv_core.allocation import summarize_layer
 from lrkv_core.allocation.features import fisher_group_sums, weighted_error_curve
-from lrkv_core.convert import model_layer_weights
+from lrkv_core.conversion.convert import model_layer_weights
 from lrkv_core.decompositions import decompose_layer
 from lrkv_core.linalg import fit_group, truncation_error
 from lrkv_core.statistics import Fisher, collect_fisher, load_statistic, read_header, save_statistic

@@ -23,8 +23,8 @@ from lrkv_core.cache import (
     cache_nbytes,
 )
 from lrkv_core.cache.gear import low_rank, put_outliers, split_outliers
+from lrkv_core.conversion.pipeline import use_cache_storage
 from lrkv_core.format import LrkvFormat
-from lrkv_core.pipeline import use_cache_storage
 from lrkv_core.quant import packed_width
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
 from tests.support.latents import (

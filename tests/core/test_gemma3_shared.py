@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from lrkv_core import load_model, save_compressed
-from lrkv_core.adapters import get_adapter
-from lrkv_core.attention import LatentAttention
 from lrkv_core.cache import LatentCache, cache_kwargs, output_cache
-from lrkv_core.convert import CompressionConfig, plan_conversion
-from lrkv_core.data import parse_dataset_spec, token_sequences
-from lrkv_core.evaluate import kv_bytes_per_token, prefill_perplexity
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+from lrkv_core.data.datasets import parse_dataset_spec, token_sequences
+from lrkv_core.evaluation.metrics import kv_bytes_per_token, prefill_perplexity
+from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.attention import LatentAttention
 from tests.support.models import tiny_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")

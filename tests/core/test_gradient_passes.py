@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core.adapters import get_adapter
-from lrkv_core.memory import peak_rss, release_freed
+from lrkv_core.model.adapters import get_adapter
 from lrkv_core.statistics import gradients
 from lrkv_core.statistics.gradients import (
     given_probabilities,
@@ -17,6 +16,7 @@ from lrkv_core.statistics.gradients import (
     predicted_probabilities,
     row_seeded_targets,
 )
+from lrkv_core.system.memory import peak_rss, release_freed
 from tests.support.fresh import run_fresh
 from tests.support.models import ARCHS, UNSUPPORTED, tiny_model
 

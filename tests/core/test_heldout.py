@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lrkv_core.data import (
+from lrkv_core.data.datasets import (
     DatasetSpec,
     check_dataset,
     eval_windows,
@@ -19,8 +19,8 @@ from lrkv_core.data import (
     read_token_rows,
     token_sequences,
 )
-from lrkv_core.refs import DATASET_SCHEMES, DatasetScheme, register_dataset_scheme
-from lrkv_core.slices import PercentSlice
+from lrkv_core.data.refs import DATASET_SCHEMES, DatasetScheme, register_dataset_scheme
+from lrkv_core.data.slices import PercentSlice
 
 N_WORDS = 1000
 

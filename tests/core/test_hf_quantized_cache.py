@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lrkv_core.cache import cache_kwargs, cache_nbytes
-from lrkv_core.evaluate import decode_perplexity, kv_bytes_per_token, prefill_perplexity
-from lrkv_core.hf_quantized_cache import HfQuantizedCacheSpec
+from lrkv_core.evaluation.hf_quantized_cache import HfQuantizedCacheSpec
+from lrkv_core.evaluation.metrics import decode_perplexity, kv_bytes_per_token, prefill_perplexity
 from tests.support.inputs import ids_for
 from tests.support.models import tiny_model
 

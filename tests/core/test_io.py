@@ -14,14 +14,14 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import lrkv_core
-from lrkv_core import io as lrkv_io
 from lrkv_core import load_compressed, load_model, save_compressed
-from lrkv_core.adapters import get_adapter
-from lrkv_core.attention import LatentAttention
 from lrkv_core.cache import LatentCache
 from lrkv_core.format import FORMAT_VERSION, LrkvFormat
-from lrkv_core.hf_quantizer import LrkvConfig
-from lrkv_core.io import ModelFileError
+from lrkv_core.model import io as lrkv_io
+from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.attention import LatentAttention
+from lrkv_core.model.hf_quantizer import LrkvConfig
+from lrkv_core.model.io import ModelFileError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core.adapters import get_adapter
-from lrkv_core.convert import CompressionConfig, decompose_model, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, decompose_model, plan_conversion
+from lrkv_core.model.adapters import get_adapter
 from lrkv_core.statistics import STATISTICS, KLResponse, collect_kl_response
 
 

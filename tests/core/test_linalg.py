@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lrkv_core.convert import CompressionConfig, decompose_model
+from lrkv_core.conversion.convert import CompressionConfig, decompose_model
+from lrkv_core.conversion.pipeline import decompose_file
 from lrkv_core.decompositions import (
     DECOMPOSITIONS,
     LayerWeights,
@@ -23,7 +24,6 @@ from lrkv_core.linalg import (
     truncation_error,
     value_output_metrics,
 )
-from lrkv_core.pipeline import decompose_file
 from lrkv_core.statistics import Gram, collect_gram, save_statistic
 from tests.support.models import tiny_model_dir
 

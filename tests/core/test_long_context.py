@@ -15,8 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from lrkv_core.cache import LatentCache, output_cache
-from lrkv_core.evaluate import decode_perplexity
-from lrkv_core.longcontext import (
+from lrkv_core.conversion.pipeline import use_cache_storage
+from lrkv_core.evaluation.longcontext import (
     ANSWER_RESERVE,
     LongContextProtocol,
     cap_lengths,
@@ -24,7 +24,8 @@ from lrkv_core.longcontext import (
     cut_windows,
     evaluate_long_context,
 )
-from lrkv_core.needles import (
+from lrkv_core.evaluation.metrics import decode_perplexity
+from lrkv_core.evaluation.needles import (
     INTRO,
     SNAP,
     TASKS,
@@ -35,7 +36,6 @@ from lrkv_core.needles import (
     make_sample,
     make_samples,
 )
-from lrkv_core.pipeline import use_cache_storage
 from lrkv_demo.corpus import train_tokenizer
 from tests.support.models import tiny_model
 
@@ -289,10 +289,10 @@ def test_a_cache_factorys_cache_is_the_one_filled(tokenizer, haystack) -> None:
 def test_shakespeare_continuation_equals_prefill_scoring_of_the_same_windows() -> None:
     """On the real shared model: ``evaluate_long_dir``'s continuation NLL after 128 tokens is the NLL of the
     same targets in one forward of each window (the first non-overlapping 160-token windows of the text)."""
-    from lrkv_core.data import eval_windows
-    from lrkv_core.evaluate import prefill_perplexity
-    from lrkv_core.models import load_model
-    from lrkv_core.pipeline import evaluate_long_dir
+    from lrkv_core.conversion.pipeline import evaluate_long_dir
+    from lrkv_core.data.datasets import eval_windows
+    from lrkv_core.evaluation.metrics import prefill_perplexity
+    from lrkv_core.model.loading import load_model
     from tests.support.models import SHARED
 
     model_dir, text = SHARED / "models" / "shakespeare-llama", SHARED / "data" / "shakespeare" / "valid.txt"

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from lrkv_core.data import token_sequences, window_prefix
-from lrkv_core.longcontext import cut_windows
-from lrkv_core.needles import INTRO, TASKS, _content, make_sample
+from lrkv_core.data.datasets import token_sequences, window_prefix
+from lrkv_core.evaluation.longcontext import cut_windows
+from lrkv_core.evaluation.needles import INTRO, TASKS, _content, make_sample
 from lrkv_demo.corpus import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lrkv_core import load_compressed, save_compressed
-from lrkv_core.evaluate import kv_bytes_per_token
+from lrkv_core.evaluation.metrics import kv_bytes_per_token
 from lrkv_core.lora import (
     ROLES,
     RecoveryConfig,
@@ -143,7 +143,7 @@ def test_merged_model_saves_and_loads_as_a_compressed_model(make_tiny, compress,
 def test_a_quantized_cache_keeps_its_settings_through_merge_save_and_load(make_tiny, tmp_path):
     """A 4-bit latent cache with a fused rotation: the merged model saves and loads with the same cache
     storage (options included), the same bytes per token, and decodes as the merged model does."""
-    from lrkv_core.convert import CompressionConfig, convert
+    from lrkv_core.conversion.convert import CompressionConfig, convert
 
     cache = {"name": "quantized", "bits": 4, "quant_group_size": 4, "residual": 2}
     config = CompressionConfig(ratio=0.5, group_size=2, rank_multiple=4, cache=cache, rotation="hadamard")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lrkv_core.data import token_sequences
+from lrkv_core.data.datasets import token_sequences
 from lrkv_core.lora import TrainingData, check_training_dataset, training_data
 from lrkv_core.lora.data import IGNORE, instruction_prompt
 from tests.support.models import SHARED, token_parquet, with_bos

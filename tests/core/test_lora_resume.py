@@ -32,7 +32,7 @@ class Stop(Exception):
 
 def compressed_model():
     """The same compressed tiny Llama in every process (deterministic calibration and fusion)."""
-    from lrkv_core.convert import CompressionConfig, convert
+    from lrkv_core.conversion.convert import CompressionConfig, convert
 
     rows = ids_for(8, 24, seed=123)
     return convert(tiny_model("llama"), rows, CompressionConfig(ratio=0.5, group_size=2, rank_multiple=2))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core import evaluate
-from lrkv_core.convert import CompressionConfig, convert
-from lrkv_core.data import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.conversion.convert import CompressionConfig, convert
+from lrkv_core.data.datasets import eval_windows, extract_calibration, read_token_rows
+from lrkv_core.evaluation import metrics
 from lrkv_core.lora import RecoveryConfig, heldout_loss, merge_lora, train_lora, training_data
-from lrkv_core.models import load_model
+from lrkv_core.model.loading import load_model
 from tests.support.inputs import max_diff
 from tests.support.models import SHARED
 
@@ -36,7 +36,7 @@ def test_recovery_on_shakespeare_is_exact_to_merge_and_lowers_the_held_out_loss(
     data = training_data(f"text:{TRAIN}[:50%]", tokenizer, seq_len=128)
     valid = training_data(f"text:{VALID}", tokenizer, seq_len=128)
     windows = eval_windows(f"text:{VALID}", tokenizer, seq_len=128, max_windows=4)  # (4, 128)
-    kv_before = evaluate.kv_bytes_per_token(model, windows)["kv_bytes_per_token"]
+    kv_before = metrics.kv_bytes_per_token(model, windows)["kv_bytes_per_token"]
     config = RecoveryConfig(steps=40, lr=1e-3, batch_size=4, seq_len=128, eval_every=0)
     before = heldout_loss(model, valid, rows=16, batch_size=8)
     trained = train_lora(model, data, config)
@@ -46,6 +46,6 @@ def test_recovery_on_shakespeare_is_exact_to_merge_and_lowers_the_held_out_loss(
     with torch.no_grad():
         merged_logits = merged(windows).logits
     assert max_diff(merged_logits, peft_logits) <= 1e-4  # acceptance: merge exactness
-    assert evaluate.kv_bytes_per_token(merged, windows)["kv_bytes_per_token"] == kv_before
+    assert metrics.kv_bytes_per_token(merged, windows)["kv_bytes_per_token"] == kv_before
     after = heldout_loss(merged, valid, rows=16, batch_size=8)
     assert after < before - 0.005, (before, after)  # measured: 3.0861 → 3.0761

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lrkv_core.allocation import allocate_ranks, plan_from_summaries, summarize_layer
-from lrkv_core.convert import model_layer_weights
+from lrkv_core.conversion.convert import model_layer_weights
 from lrkv_core.decompositions import decompose_layer
 from lrkv_core.statistics import collect_attention_gram, collect_gram, collect_output_fisher
 from tests.support.spectra import (

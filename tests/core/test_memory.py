@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from lrkv_core import memory
+from lrkv_core.system import memory
 from tests.support.fresh import run_fresh
 
 SIZE = 256 * 2**20

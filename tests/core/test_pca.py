@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lrkv_core import load_compressed, save_compressed
-from lrkv_core.adapters import get_adapter
 from lrkv_core.cache import LatentCache, cache_kwargs
 from lrkv_core.decompositions import LayerWeights, decompose_layer, load_layer_factors, save_layer_factors
 from lrkv_core.linalg import GroupFactors, fit_shared_basis, group_slices, truncate, truncation_error
+from lrkv_core.model.adapters import get_adapter
 
 HKV, D, D_IN, N_TOKENS = 4, 4, 16, 600
 GROUP_SIZES = (1, 2, HKV)

@@ -4,11 +4,11 @@ import pytest
 import torch
 from transformers import OPTForCausalLM
 
-from lrkv_core.adapters import get_adapter
 from lrkv_core.allocation import allocate_ranks
+from lrkv_core.conversion.pipeline import decompose_file
 from lrkv_core.decompositions import load_layer_factors
-from lrkv_core.fuse import compress_model
-from lrkv_core.pipeline import decompose_file
+from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.fuse import compress_model
 from lrkv_core.statistics import Gram, collect_gram, save_statistic
 from tests.support.models import tiny_model
 

@@ -19,11 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lrkv_core import load_compressed, save_compressed
-from lrkv_core.adapters import get_adapter
 from lrkv_core.cache import QuantizedStorage, QuantizedStore, cache_kwargs, cache_nbytes
-from lrkv_core.convert import CompressionConfig, plan_conversion
-from lrkv_core.evaluate import kv_bytes_per_token
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+from lrkv_core.evaluation.metrics import kv_bytes_per_token
 from lrkv_core.format import LrkvFormat
+from lrkv_core.model.adapters import get_adapter
 from lrkv_core.quant import fake_quantize, group_widths, packed_width
 from tests.support.inputs import decode_left_padded, greedy, ids_for, left_padded, max_diff
 from tests.support.latents import replaced_latents, stepwise

@@ -1,5 +1,6 @@
-"""Plan refinement on the measured KL (lrkv_core.refine): the cut weights are the deployed model, the step's
-estimates predict measured moves, and refining a poor plan lowers the KL on its rows and on other rows."""
+"""Plan refinement on the measured KL (lrkv_core.conversion.refine): the cut weights are the deployed model,
+the step's estimates predict measured moves, and refining a poor plan lowers the KL on its rows and on other
+rows."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrkv_core.convert import CompressionConfig, plan_conversion
-from lrkv_core.data import calibration_windows
-from lrkv_core.models import load_model
-from lrkv_core.refine import (
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.refine import (
     REFINE_RADIUS,
     PlanWeights,
     RefineConfig,
@@ -21,6 +20,8 @@ from lrkv_core.refine import (
     refine_plan,
     step_costs,
 )
+from lrkv_core.data.datasets import calibration_windows
+from lrkv_core.model.loading import load_model
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 SHAKESPEARE = SHARED / "models" / "shakespeare-llama"

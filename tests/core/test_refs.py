@@ -8,9 +8,8 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from lrkv_core import refs
-from lrkv_core.models import resolve_model_dir as reexported
-from lrkv_core.refs import (
+from lrkv_core.data import refs
+from lrkv_core.data.refs import (
     DATASET_SCHEMES,
     MODEL_GROUP,
     MODEL_SCHEMES,
@@ -20,6 +19,7 @@ from lrkv_core.refs import (
     register_model_scheme,
     resolve_model_dir,
 )
+from lrkv_core.model.loading import resolve_model_dir as reexported
 
 
 def _model_dir(path: Path) -> Path:

@@ -1,4 +1,5 @@
-"""Rotations of the latent rank dimension (lrkv_core.rotation): the matrices, and fusing them into a model.
+"""Rotations of the latent rank dimension (lrkv_core.quant.rotation): the matrices, and fusing them into a
+model.
 
 Fused offline, a rotation leaves every product ``B A`` unchanged, so without quantization the compressed
 model's logits do not move (to float rounding) on every architecture kind (RoPE keys rebuilt; keys folded
@@ -10,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
 from lrkv_core.format import LrkvFormat
 from lrkv_core.quant import fake_quantize
-from lrkv_core.rotation import (
+from lrkv_core.quant.rotation import (
     check_rotation,
     hadamard,
     random_orthogonal,

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lrkv_core.search import Budget, Point, grid_size, pareto_front, search_smallest
+from lrkv_core.conversion.search import Budget, Point, grid_size, pareto_front, search_smallest
 
 RATIOS = [round(0.05 * k, 2) for k in range(1, 21)]
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from lrkv_core import serving
 from lrkv_core.cache import LatentView
+from lrkv_core.evaluation import serving
 from tests.support.latents import filled_store
 
 
@@ -67,7 +67,7 @@ def test_time_call_times_every_step() -> None:
 def test_attention_alone_counts_the_caches_it_reads(compress) -> None:
     """The original's SDPA reads its dense K/V; the compressed model's unfused CPU path (what its decode step
     takes here) reads its latents and key up-projections: fewer bytes at half rank; every figure measured."""
-    from lrkv_core.attention import LatentAttention
+    from lrkv_core.model.attention import LatentAttention
     from tests.support.latents import tiny_compressed
     from tests.support.models import tiny_model
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from lrkv_core import load_compressed, load_model, save_compressed
-from lrkv_core.adapters import get_adapter
-from lrkv_core.convert import CompressionConfig, collect_statistics
-from lrkv_core.data import eval_windows, parse_dataset_spec, read_token_rows, token_sequences
-from lrkv_core.evaluate import kv_bytes_per_token, prefill_perplexity
+from lrkv_core.conversion.convert import CompressionConfig, collect_statistics
+from lrkv_core.data.datasets import eval_windows, parse_dataset_spec, read_token_rows, token_sequences
+from lrkv_core.evaluation.metrics import kv_bytes_per_token, prefill_perplexity
+from lrkv_core.model.adapters import get_adapter
 from lrkv_core.statistics import STATISTICS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -231,8 +231,8 @@ def test_shakespeare_keys_weighed_by_the_loss_lose_less(shakespeare, shakespeare
     """Every layer's keys cut to 16 of 64 (values kept whole), factors from 64 calibration windows: keys
     weighed by the output Fisher (``keys="fisher"``) against Palu's whitened SVD, on 8 validation windows.
     Measured rises: −0.013 against +0.109."""
-    from lrkv_core.convert import decompose_model
-    from lrkv_core.refine import PlanWeights
+    from lrkv_core.conversion.convert import decompose_model
+    from lrkv_core.conversion.refine import PlanWeights
 
     model, rises = shakespeare.model, {}
     for keys in ("projection", "fisher"):
@@ -263,8 +263,8 @@ def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakesp
     """The second-order curves from one gradient pass against the KL measured by cutting one group in the
     real model (measured with 64 rows: within 10–25 % per point; here 8 rows, 4 label draws).
     Second order holds for small cuts: layer 0's values cut to 16 of 64 (measured KL 0.11) it puts at 0.06."""
-    from lrkv_core.convert import decompose_model
-    from lrkv_core.refine import PlanWeights, measured_kl, single_cut
+    from lrkv_core.conversion.convert import decompose_model
+    from lrkv_core.conversion.refine import PlanWeights, measured_kl, single_cut
     from lrkv_core.statistics import collect_kl_response
 
     model, rows = shakespeare.model, shakespeare.windows  # 8 × 256 tokens

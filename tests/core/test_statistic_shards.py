@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrkv_core import pipeline
-from lrkv_core.convert import CompressionConfig, decompose_model
+from lrkv_core.conversion import pipeline
+from lrkv_core.conversion.convert import CompressionConfig, decompose_model
 from lrkv_core.statistics import (
     STATISTICS,
     LayerValue,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrkv_core.convert import CompressionConfig, run_steps
-from lrkv_core.steps import StepGraph, conversion_steps, statistic_inputs
+from lrkv_core.conversion.convert import CompressionConfig, run_steps
+from lrkv_core.conversion.steps import StepGraph, conversion_steps, statistic_inputs
 from tests.support.models import tiny_config, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +122,8 @@ def test_a_sharded_graph_gives_the_plan_and_factors_of_one_pass(allocator) -> No
 
 
 def test_the_flow_runs_the_graph_without_naming_its_steps() -> None:
-    """The step order is written once (lrkv_core.steps): the flow submits whatever the graph holds."""
+    """The step order is written once (lrkv_core.conversion.steps): the flow submits whatever the graph
+    holds."""
     text = (ROOT / "flows" / "convert.py").read_text()
     for task in ("collect_statistic", "decompose_layer", "summarize_layer", "plan_ranks", "refine_plan"):
         assert task not in text, task
@@ -133,7 +134,7 @@ def test_a_conversion_fuses_as_its_config_says() -> None:
     same plan with another rotation or storage needs no new plan."""
     from dataclasses import replace
 
-    from lrkv_core.convert import plan_conversion
+    from lrkv_core.conversion.convert import plan_conversion
 
     model = tiny_model("llama", 2)
     rows = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))

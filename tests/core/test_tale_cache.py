@@ -15,9 +15,9 @@ import torch
 
 from lrkv_core.cache import TaleStorage, TaleStore, cache_nbytes
 from lrkv_core.cache.tale import block_rotation, cut, low_ranks
-from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.pipeline import use_cache_storage
 from lrkv_core.format import LrkvFormat
-from lrkv_core.pipeline import use_cache_storage
 from lrkv_core.quant import fake_quantize, packed_width
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
 from tests.support.latents import (

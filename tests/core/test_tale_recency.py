@@ -17,7 +17,7 @@ import torch
 from lrkv_core import load_compressed, save_compressed
 from lrkv_core.cache import CACHE_STORAGES, TaleStorage, cache_nbytes
 from lrkv_core.cache.tale import block_rotation, cut, low_ranks
-from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
 from lrkv_core.format import LrkvFormat
 from lrkv_core.quant import fake_quantize, packed_width
 from tests.support.inputs import ids_for, max_diff

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lrkv_core.data import check_dataset, heldout, parse_dataset_spec, resolve_spec
-from lrkv_core.refs import (
+from lrkv_core.data.datasets import check_dataset, heldout, parse_dataset_spec, resolve_spec
+from lrkv_core.data.refs import (
     DATASET_GROUP,
     DATASET_SCHEMES,
     MODEL_GROUP,
@@ -18,7 +18,7 @@ from lrkv_core.refs import (
     DatasetSpec,
     resolve_model_dir,
 )
-from lrkv_core.slices import PercentSlice
+from lrkv_core.data.slices import PercentSlice
 from lrkv_demo import builtin, refs
 from lrkv_demo.builtin import DEFAULT_BUILTIN
 

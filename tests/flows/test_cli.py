@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lrkv_core import load_compressed, load_model
-from lrkv_core.data import read_token_rows
+from lrkv_core.data.datasets import read_token_rows
 from tests.support.models import tiny_model_dir, token_parquet
 
 
@@ -177,7 +177,7 @@ def test_eval_reports_user_errors_in_one_line(tmp_path):
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=4, seq_len=32)}"
     compressed = tmp_path / "c"
     from lrkv_core import convert, save_compressed
-    from lrkv_core.convert import CompressionConfig
+    from lrkv_core.conversion.convert import CompressionConfig
 
     model, _ = load_model(model_dir)
     data_free = CompressionConfig(ratio=0.5, decomposition="plain", allocator="uniform")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lrkv_core import convert, load_model, save_compressed
-from lrkv_core.convert import CompressionConfig
+from lrkv_core.conversion.convert import CompressionConfig
 from tests.support.models import SHARED, tiny_model, tiny_model_dir, token_parquet
 
 SHAKESPEARE = SHARED / "models" / "shakespeare-llama"

@@ -6,9 +6,9 @@ from mlflow.tracking import MlflowClient
 
 from lrkv_core import load_compressed, load_model
 from lrkv_core.allocation import DEFAULT_ALLOCATOR, RankPlan
-from lrkv_core.convert import plan_conversion
-from lrkv_core.data import eval_windows, read_token_rows
-from lrkv_core.refine import RefineConfig
+from lrkv_core.conversion.convert import plan_conversion
+from lrkv_core.conversion.refine import RefineConfig
+from lrkv_core.data.datasets import eval_windows, read_token_rows
 from lrkv_flows.convert import convert_flow
 from lrkv_tasks.recipe import load_recipe
 from lrkv_tasks.store import local_path

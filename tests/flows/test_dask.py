@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from lrkv_core import load_compressed
 from lrkv_core.allocation.plan import RankPlan
-from lrkv_core.data import read_token_rows
+from lrkv_core.data.datasets import read_token_rows
 from lrkv_flows.cli import app
 from lrkv_flows.cluster import ENV, MAX_LOCAL_WORKERS, dask_cluster, parse_dask
 from lrkv_flows.convert import convert_flow

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lrkv_core import convert, load_compressed, save_compressed
-from lrkv_core.convert import CompressionConfig
-from lrkv_core.fingerprint import hash_dir
+from lrkv_core.conversion.convert import CompressionConfig
+from lrkv_core.system.fingerprint import hash_dir
 from lrkv_tasks.model_registry import log_model, register_version
 from lrkv_tasks.tracking import close_run, open_run
 from tests.support.models import tiny_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from lrkv_core.needles import INTRO
+from lrkv_core.evaluation.needles import INTRO
 
 
 def test_eval_suite_long_reports_continuation_and_retrieval_with_its_protocol(

@@ -6,8 +6,8 @@ import math
 import pytest
 from mlflow.tracking import MlflowClient
 
-from lrkv_core.longcontext import LongContextResult
-from lrkv_core.pipeline import evaluate_long_dir
+from lrkv_core.conversion.pipeline import evaluate_long_dir
+from lrkv_core.evaluation.longcontext import LongContextResult
 from lrkv_flows.convert import convert_flow
 from lrkv_flows.report import console, print_summary
 from lrkv_tasks.recipe import LongEvalRecipe, load_recipe

@@ -7,7 +7,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from lrkv_core import load_compressed
-from lrkv_core.evaluate import kv_bytes_per_token
+from lrkv_core.evaluation.metrics import kv_bytes_per_token
 from lrkv_flows.convert import convert_flow
 from lrkv_tasks import lora as lora_task
 from lrkv_tasks.lora import checkpoint_dir, lora_recover

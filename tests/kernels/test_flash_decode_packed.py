@@ -167,7 +167,7 @@ def test_comparison_detects_a_wrong_scale_or_bit_width(bits):
 def spy_on_decode(monkeypatch) -> tuple[list[type], list[str]]:
     """Records the type of the key latents the decode kernel is given, and each dequantization of a
     quantized store's parts (the kind), while a model runs."""
-    import lrkv_core.attention as attention
+    import lrkv_core.model.attention as attention
     from lrkv_core.cache import QuantizedStore
 
     kinds: list[type] = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lrkv_core.attention import LatentAttention, set_fused_decode
+from lrkv_core.model.attention import LatentAttention, set_fused_decode
 from lrkv_kernels.latent_rope import latent_rope_scores, latent_rope_scores_ref, triton_runs_on
 from tests.support.inputs import PAD, greedy, ids_for, left_padded
 from tests.support.latents import stepwise
@@ -98,7 +98,7 @@ def fused(model, value: bool | None):
 
 def calls_kernel(model, monkeypatch) -> list[int]:
     """Counts the fused decode kernel's calls (appended to the returned list) while ``model`` runs."""
-    import lrkv_core.attention as attention
+    import lrkv_core.model.attention as attention
 
     calls: list[int] = []
     kernel = attention.latent_decode_attention

@@ -15,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lrkv_core import load_compressed, save_compressed
-from lrkv_core.adapters import get_adapter
 from lrkv_core.cache import CACHE_STORAGES, cache_kwargs
-from lrkv_core.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
 from lrkv_core.format import LrkvFormat
+from lrkv_core.model.adapters import get_adapter
 from tests.support.inputs import greedy, ids_for
 from tests.support.models import tiny_model
 

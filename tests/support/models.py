@@ -49,8 +49,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from lrkv_core.adapters import get_adapter
-from lrkv_core.data import write_token_rows
+from lrkv_core.data.datasets import write_token_rows
+from lrkv_core.model.adapters import get_adapter
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 

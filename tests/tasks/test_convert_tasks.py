@@ -9,7 +9,7 @@ import torch
 
 import lrkv_core
 from lrkv_core import load_compressed, load_model
-from lrkv_core.fingerprint import hash_dir, hash_sources
+from lrkv_core.system.fingerprint import hash_dir, hash_sources
 from lrkv_tasks import convert as t
 from lrkv_tasks.artifacts import ArtifactRef
 from lrkv_tasks.keys import code_version

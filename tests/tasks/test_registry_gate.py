@@ -1,7 +1,7 @@
 """The quality gate that decides the ``champion`` alias, and the registered model's name."""
 
-from lrkv_core.evaluate import EvalResult
-from lrkv_core.heldout import overlap
+from lrkv_core.data.heldout import overlap
+from lrkv_core.evaluation.metrics import EvalResult
 from lrkv_tasks.model_registry import model_name, quality_gate
 from lrkv_tasks.publish import quality
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 import lrkv_core
-from lrkv_core.code_fingerprint import CodeIndex, normalized_dump
+from lrkv_core.system.code_fingerprint import CodeIndex, normalized_dump
 from lrkv_tasks import convert as t
 from lrkv_tasks.keys import code_index, step_code, task_key
 from tests.support.models import tiny_model_dir, token_parquet
@@ -156,14 +156,16 @@ def _reached(entry: str) -> set[str]:
 
 def test_real_steps_reach_their_own_code_only():
     gram = _reached("lrkv_tasks.convert.collect_statistic")
-    assert {"lrkv_core.statistics.gram", "lrkv_core.statistics.base", "lrkv_core.pipeline"} <= gram
-    assert not {m for m in gram if m.startswith("lrkv_core.allocation") or m == "lrkv_core.evaluate"}
-    assert "lrkv_core.lora.train" not in gram and "lrkv_core.refine" not in gram
+    assert {"lrkv_core.statistics.gram", "lrkv_core.statistics.base", "lrkv_core.conversion.pipeline"} <= gram
+    assert not {
+        m for m in gram if m.startswith("lrkv_core.allocation") or m == "lrkv_core.evaluation.metrics"
+    }
+    assert "lrkv_core.lora.train" not in gram and "lrkv_core.conversion.refine" not in gram
     assert "lrkv_core.decompositions.whitened" in _reached("lrkv_tasks.convert.decompose_layer")
     plan = _reached("lrkv_tasks.convert.plan_ranks")
     assert {"lrkv_core.allocation.lorc", "lrkv_core.allocation.uniform"} <= plan
     assert "lrkv_core.statistics.fisher" not in plan
-    assert "lrkv_core.evaluate" in _reached("lrkv_tasks.convert.evaluate")
+    assert "lrkv_core.evaluation.metrics" in _reached("lrkv_tasks.convert.evaluate")
     assert "lrkv_core.lora.train" in _reached("lrkv_tasks.lora.lora_recover")
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lrkv_core import load_model, save_compressed
-from lrkv_core.data import parse_dataset_spec, token_sequences
+from lrkv_core.data.datasets import parse_dataset_spec, token_sequences
 from lrkv_tasks.zeroshot import run_zeroshot
 from tests.support.models import SHARED
 

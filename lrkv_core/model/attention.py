@@ -15,7 +15,7 @@ they are kept); it never slices the concatenated latents itself.
 
 :class:`LatentAttentionBase` holds what every latent attention shares (down projections, the folded
 output projection, the cache and the attention interface); models without RoPE use
-:class:`lrkv_core.attention_norope.NoRopeLatentAttention`.
+:class:`lrkv_core.model.attention_norope.NoRopeLatentAttention`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from lrkv_kernels.latent_rope import (
     triton_runs_on,
 )
 
+from ..cache import LatentCache, LatentView, either_cache
 from .adapters import ArchAdapter, AttnShape
-from .cache import LatentCache, LatentView, either_cache
 
 
 @dataclass(frozen=True)

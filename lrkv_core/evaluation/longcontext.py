@@ -8,8 +8,8 @@ the context's last logits predict the first, one forward of the continuation aga
 back from its :class:`~lrkv_core.cache.LatentCache`, in whatever storage its config names (dense, quantized,
 GEAR, TALE); an original model runs through transformers' ``DynamicCache``.
 
-*Retrieval*: the tasks of :mod:`lrkv_core.needles` at every length × depth, answered by greedy ``generate()``
-through the same cache and scored by exact match: a depth × length accuracy grid per task.
+*Retrieval*: the tasks of :mod:`lrkv_core.evaluation.needles` at every length × depth, answered by greedy
+``generate()`` through the same cache and scored by exact match: a depth × length accuracy grid per task.
 
 Lengths ``C`` (and ``C + N``, or a prompt plus its answer) beyond the model's ``max_position_embeddings``
 are capped to it. :class:`LongContextResult` carries the :class:`LongContextProtocol` it was measured under;
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrkv_core.cache import cache_kwargs, output_cache
-from lrkv_core.data import consecutive_windows
-from lrkv_core.needles import TASKS, PromptTooShort, generate_answer, is_exact_match, make_samples
+from lrkv_core.data.datasets import consecutive_windows
+from lrkv_core.evaluation.needles import TASKS, PromptTooShort, generate_answer, is_exact_match, make_samples
 
 Progress = Callable[[int, int], None] | None
 CacheFactory = Callable[[], Any] | None
@@ -249,7 +249,7 @@ def cut_windows(
     seqs: Sequence[torch.Tensor], length: int, max_windows: int | None, prefix: Sequence[int] = ()
 ) -> torch.Tensor:
     """Non-overlapping (N, length) windows from the start of each sequence, the first ``max_windows``; with
-    ``prefix`` (a text stream's leading tokens, :func:`lrkv_core.data.window_prefix`), each window is
+    ``prefix`` (a text stream's leading tokens, :func:`lrkv_core.data.datasets.window_prefix`), each window is
     ``prefix`` then ``length - len(prefix)`` consecutive tokens."""
     parts = [consecutive_windows(s.reshape(-1), length, prefix) for s in seqs]
     out = torch.cat(parts) if parts else torch.empty(0, length, dtype=torch.long)

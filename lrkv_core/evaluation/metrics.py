@@ -1,8 +1,8 @@
 """Evaluation of the deployed cache: prefill and decode perplexity, KV bytes per token, KL to the base.
 
-Every function takes (N, T) windows of token ids (see :func:`lrkv_core.data.eval_windows`), runs under
-``torch.no_grad()`` with the model in eval mode, and returns a plain dict whose ``protocol`` sub-dict says
-what was measured (seq_len, prefix_len, windows, tokens scored, which targets), so numbers from different
+Every function takes (N, T) windows of token ids (see :func:`lrkv_core.data.datasets.eval_windows`), runs
+under ``torch.no_grad()`` with the model in eval mode, and returns a plain dict whose ``protocol`` sub-dict
+says what was measured (seq_len, prefix_len, windows, tokens scored, which targets), so numbers from different
 protocols are never compared by accident.
 
 Prefill scores each window in one forward pass through a fresh cache (``use_cache=True``), as a deployed
@@ -13,7 +13,7 @@ feeds the remaining tokens one by one through the returned cache (teacher forcin
 caches, and caches that keep a prompt in full precision (transformers' ``QuantizedCache``), only show their
 cost there. ``cache_factory`` (a callable returning an empty ``Cache``) evaluates a model with a cache of
 the caller's choosing, e.g. transformers' ``QuantizedCache`` for the original model
-(:mod:`lrkv_core.hf_quantized_cache`).
+(:mod:`lrkv_core.evaluation.hf_quantized_cache`).
 
 KV bytes are measured from the tensors the cache holds (:func:`lrkv_core.cache.cache_nbytes`: packed codes,
 scales, zero-points, positions, full-precision windows) next to those of the original model's
@@ -34,8 +34,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from lrkv_core.adapters import get_adapter
 from lrkv_core.cache import cache_kwargs, cache_nbytes, output_cache
+from lrkv_core.model.adapters import get_adapter
 
 Progress = Callable[[int, int], None] | None
 CacheFactory = Callable[[], Cache] | None
@@ -286,13 +286,14 @@ def kl_and_agreement(
 
 @dataclass(frozen=True)
 class EvalResult:
-    """One model's evaluation (:func:`lrkv_core.pipeline.evaluate_dir`), its measures read by name.
+    """One model's evaluation (:func:`lrkv_core.conversion.pipeline.evaluate_dir`), its measures read by name.
 
     Each part is the dict its function above returns, with its ``protocol``: ``prefill`` and ``decode``
     (:func:`prefill_perplexity`, :func:`decode_perplexity`), ``kv`` (:func:`kv_bytes_per_token`), ``kl``
     against the base model when one was given (:func:`kl_and_agreement`), ``zeroshot`` (lm-eval's results)
-    and ``long`` (:meth:`lrkv_core.longcontext.LongContextResult.to_dict`) when asked for. :meth:`to_dict`
-    is the JSON form a run logs (``eval.json``) and a cached task returns; :meth:`from_dict` reads it back.
+    and ``long`` (:meth:`lrkv_core.evaluation.longcontext.LongContextResult.to_dict`) when asked for.
+    :meth:`to_dict` is the JSON form a run logs (``eval.json``) and a cached task returns; :meth:`from_dict`
+    reads it back.
     """
 
     model: str

@@ -1,15 +1,15 @@
 """Datasets: token streams, calibration windows (Parquet) and evaluation windows.
 
-A dataset is named by a spec string, parsed and resolved by :mod:`lrkv_core.refs`:
+A dataset is named by a spec string, parsed and resolved by :mod:`lrkv_core.data.refs`:
 
 - ``hf:NAME[:CONFIG[:SPLIT]]``  a hub dataset with a ``text`` column (split "train" by default);
 - ``text:PATH``                 a local text file, read whole (newlines kept), tokenized as one stream;
 - ``parquet:PATH``              pre-tokenized rows: an ``input_ids`` list-of-int column (BOS-started samples);
 - ``SCHEME:REST``               a plugin scheme, e.g. ``builtin:NAME:SPLIT`` from lrkv_demo (a text source).
 
-Any of them may end in a percent slice, ``text:X[:90%]`` / ``text:X[90%:]`` (:mod:`lrkv_core.slices`): a
+Any of them may end in a percent slice, ``text:X[:90%]`` / ``text:X[90%:]`` (:mod:`lrkv_core.data.slices`): a
 text source is cut on its token stream (so two parts never share a token), a Parquet source on its rows in
-file order. Held-out evaluation data and early checks live in :mod:`lrkv_core.heldout`.
+file order. Held-out evaluation data and early checks live in :mod:`lrkv_core.data.heldout`.
 
 Text sources become one long token stream; Parquet sources stay one sequence per row, because such rows
 start at BOS and must be scored from position 0. A window cut from a text stream starts with the tokens
@@ -32,10 +32,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from lrkv_core.files import make_readable
-from lrkv_core.fingerprint import hash_bytes, hash_json
-from lrkv_core.heldout import check_dataset, heldout, utf8_problem
-from lrkv_core.refs import SPEC_FORMS, DatasetSpec, parse_dataset_spec, resolve_spec
+from lrkv_core.data.heldout import check_dataset, heldout, utf8_problem
+from lrkv_core.data.refs import SPEC_FORMS, DatasetSpec, parse_dataset_spec, resolve_spec
+from lrkv_core.system.files import make_readable
+from lrkv_core.system.fingerprint import hash_bytes, hash_json
 
 
 def load_dataset(*args: Any, **kwargs: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, QuantizedCache
 
-from .adapters import get_adapter
+from ..model.adapters import get_adapter
 
 BACKEND_BITS = {"quanto": (2, 4), "hqq": (2, 3, 4, 8)}
 PER_TOKEN_AXIS = {"quanto": 0, "hqq": 1}  # each backend's axis for groups along the channel dim

@@ -1,7 +1,7 @@
 """Load models and read their tensors without loading them.
 
 Model references (a local directory, a hub id, ``SCHEME:REST`` such as ``builtin:NAME``) resolve in
-:mod:`lrkv_core.refs`; ``resolve_model_dir`` is importable from here too.
+:mod:`lrkv_core.data.refs`; ``resolve_model_dir`` is importable from here too.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from ..data.refs import resolve_model_dir  # also imported from here by callers
+from ..system.dtypes import parse_dtype
+from ..system.fingerprint import hash_dir
 from .adapters import get_adapter
-from .dtypes import parse_dtype
-from .fingerprint import hash_dir
-from .refs import resolve_model_dir  # also imported from here by callers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DEVICE_FORMS = "cpu, cuda, cuda:N or auto (cuda where torch sees a GPU, else cpu)"

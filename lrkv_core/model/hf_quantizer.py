@@ -22,7 +22,7 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .format import forget_weights_checksum
+from ..format import forget_weights_checksum
 from .fuse import build_latent_skeleton
 
 QUANT_METHOD = "lrkv"

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..cache import LatentCache
 from .adapters import ArchAdapter
 from .attention import LatentAttentionBase, LatentLayout
-from .cache import LatentCache
 
 
 class NoRopeLatentAttention(LatentAttentionBase):

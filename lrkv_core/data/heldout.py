@@ -23,8 +23,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lrkv_core.refs import CORE_KINDS, DatasetSpec, dataset_scheme, parse_dataset_spec
-from lrkv_core.slices import PercentSlice
+from lrkv_core.data.refs import CORE_KINDS, DatasetSpec, dataset_scheme, parse_dataset_spec
+from lrkv_core.data.slices import PercentSlice
 
 logger = logging.getLogger(__name__)
 

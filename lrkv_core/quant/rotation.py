@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
-from .registry import Section
+from ..registry import Section
 
 Policy = Literal["none", "hadamard", "auto"]
 ROTATIONS: tuple[str, ...] = get_args(Policy)
@@ -40,9 +40,9 @@ ROTATIONS: tuple[str, ...] = get_args(Policy)
 @dataclasses.dataclass(frozen=True)
 class RotationConfig(Section):
     """The rotation a conversion fuses into every group's factors: the ``rotation`` section of
-    :class:`lrkv_core.convert.CompressionConfig` and of a recipe's ``compression``, the policy's ``name``
-    (as a registered method's) and its options (``rotation: {name: auto, seed: 1}``; ``rotation: auto`` for
-    short). A new option is a field here, read by :func:`lrkv_core.fuse.compress_model`."""
+    :class:`lrkv_core.conversion.convert.CompressionConfig` and of a recipe's ``compression``, the policy's
+    ``name`` (as a registered method's) and its options (``rotation: {name: auto, seed: 1}``; ``rotation:
+    auto`` for short). A new option is a field here, read by :func:`lrkv_core.model.fuse.compress_model`."""
 
     label: ClassVar[str] = "rotation"
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lrkv_core.cache import cache_kwargs
-from lrkv_core.data import text_prefix
+from lrkv_core.data.datasets import text_prefix
 
 TASKS = ("passkey", "needle", "multikey", "variables")
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"

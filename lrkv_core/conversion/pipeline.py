@@ -16,26 +16,25 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from . import evaluate
-from .adapters import get_adapter
-from .allocation import LayerSummary, RankPlan, plan_from_summaries, summarize_layer
-from .cache import CACHE_STORAGES, CacheStorage
-from .data import eval_windows, extract_calibration, read_token_rows, token_sequences, window_prefix
-from .decompositions import (
+from ..allocation import LayerSummary, RankPlan, plan_from_summaries, summarize_layer
+from ..cache import CACHE_STORAGES, CacheStorage
+from ..data.datasets import eval_windows, extract_calibration, read_token_rows, token_sequences, window_prefix
+from ..decompositions import (
     DECOMPOSITIONS,
     LayerWeights,
     decompose_layer,
     load_layer_factors,
     save_layer_factors,
 )
-from .format import LrkvFormat
-from .fuse import compress_model
-from .hf_quantized_cache import HfQuantizedCacheSpec
-from .io import model_card, save_compressed
-from .longcontext import LongContextProtocol, LongContextResult, evaluate_long_context
-from .models import load_model, load_tokenizer, read_tensors
-from .refine import RefineConfig, refine_plan
-from .statistics import (
+from ..evaluation import metrics
+from ..evaluation.hf_quantized_cache import HfQuantizedCacheSpec
+from ..evaluation.longcontext import LongContextProtocol, LongContextResult, evaluate_long_context
+from ..format import LrkvFormat
+from ..model.adapters import get_adapter
+from ..model.fuse import compress_model
+from ..model.io import model_card, save_compressed
+from ..model.loading import load_model, load_tokenizer, read_tensors
+from ..statistics import (
     STATISTICS,
     LayerValue,
     Statistic,
@@ -45,6 +44,7 @@ from .statistics import (
     save_statistic,
     shard_span,
 )
+from .refine import RefineConfig, refine_plan
 
 Progress = Callable[[int, int], None] | None
 StatPaths = Mapping[str, str]  # statistic name -> its file
@@ -53,7 +53,8 @@ StatPaths = Mapping[str, str]  # statistic name -> its file
 def calibrate(
     model_dir: str, dataset: str, *, n_samples: int, seq_len: int, seed: int, out_path: str
 ) -> dict:
-    """Draw calibration windows with the model's tokenizer (:func:`lrkv_core.data.extract_calibration`)."""
+    """Draw calibration windows with the model's tokenizer
+    (:func:`lrkv_core.data.datasets.extract_calibration`)."""
     return extract_calibration(
         dataset, load_tokenizer(model_dir), n_samples=n_samples, seq_len=seq_len, seed=seed, out_path=out_path
     )
@@ -240,8 +241,9 @@ def refine_file(
     batch_size: int = 8,
     progress: Progress = None,
 ) -> dict:
-    """Refine a plan as ``config`` says (:class:`lrkv_core.refine.RefineConfig`) on the calibration rows, the
-    model on ``device``; the summary lists the objective's value for each kept plan under its name."""
+    """Refine a plan as ``config`` says (:class:`lrkv_core.conversion.refine.RefineConfig`) on the calibration
+    rows, the model on ``device``; the summary lists the objective's value for each kept plan under its
+    name."""
     config = RefineConfig.create(config)
     objective = config.objective
     model, _ = load_model(model_dir, dtype=dtype, device=device)
@@ -332,15 +334,15 @@ def evaluate_dir(
     hf_quantized_cache: str | HfQuantizedCacheSpec | None = None,
     cache: str | Mapping[str, Any] | CacheStorage | None = None,
     progress: Progress = None,
-) -> evaluate.EvalResult:
+) -> metrics.EvalResult:
     """Prefill PPL, teacher-forced decode PPL and measured KV bytes/token of a (compressed or base) model.
 
     With ``base_dir``, also KL(base ‖ model) per token and top-1 agreement on the prefill windows. With
     ``hf_quantized_cache`` (a spec or ``BACKEND:BITS[:GROUP[:RESIDUAL]]``), an original model is evaluated
-    through transformers' ``QuantizedCache`` (:mod:`lrkv_core.hf_quantized_cache`), the anchor for lrkv's
-    quantized latent cache. With ``cache`` (a storage's name or recipe form), a compressed model is evaluated
-    with that cache storage instead of the one it was saved with (:func:`use_cache_storage`). The models run
-    on ``device``.
+    through transformers' ``QuantizedCache`` (:mod:`lrkv_core.evaluation.hf_quantized_cache`), the anchor for
+    lrkv's quantized latent cache. With ``cache`` (a storage's name or recipe form), a compressed model is
+    evaluated with that cache storage instead of the one it was saved with (:func:`use_cache_storage`). The
+    models run on ``device``.
     """
     model, tokenizer = load_model(model_dir, dtype=dtype, device=device)
     storage = None if cache is None else use_cache_storage(model, cache)
@@ -351,10 +353,10 @@ def evaluate_dir(
     if isinstance(spec, str):
         spec = HfQuantizedCacheSpec.parse(spec)
     factory = None if spec is None else functools.partial(spec.make, model.config)
-    prefill = evaluate.prefill_perplexity(
+    prefill = metrics.prefill_perplexity(
         model, windows, batch_size=batch_size, cache_factory=factory, progress=progress
     )
-    decode = evaluate.decode_perplexity(
+    decode = metrics.decode_perplexity(
         model,
         windows[:decode_windows],
         prefix_len=decode_prefix,
@@ -362,11 +364,11 @@ def evaluate_dir(
         cache_factory=factory,
         progress=progress,
     )
-    kv = evaluate.kv_bytes_per_token(model, windows, cache_factory=factory)
+    kv = metrics.kv_bytes_per_token(model, windows, cache_factory=factory)
     out = {"prefill": prefill, "decode": decode, "kv": kv}
     if base_dir is not None:
         base, _ = load_model(base_dir, dtype=dtype, device=device)
-        out["kl"] = evaluate.kl_and_agreement(base, model, windows, batch_size=batch_size, progress=progress)
+        out["kl"] = metrics.kl_and_agreement(base, model, windows, batch_size=batch_size, progress=progress)
     for result in out.values():
         result["protocol"]["dataset"] = dataset
         result["protocol"]["leading_tokens"] = window_prefix(dataset, tokenizer)
@@ -374,7 +376,7 @@ def evaluate_dir(
             result["protocol"]["hf_quantized_cache"] = spec.to_dict()
         if storage is not None:
             result["protocol"]["cache"] = storage.to_dict()
-    return evaluate.EvalResult(model=str(model_dir), **out)
+    return metrics.EvalResult(model=str(model_dir), **out)
 
 
 def evaluate_long_dir(
@@ -389,9 +391,10 @@ def evaluate_long_dir(
     cache: str | Mapping[str, Any] | CacheStorage | None = None,
     progress: Progress = None,
 ) -> LongContextResult:
-    """The long-context suite (:mod:`lrkv_core.longcontext`) of a model on ``dataset``'s token stream, through
-    the cache it deploys (``cache``: another storage; ``hf_quantized_cache``: transformers' QuantizedCache for
-    an original model); with ``base_dir``, the original model on the same windows and prompts."""
+    """The long-context suite (:mod:`lrkv_core.evaluation.longcontext`) of a model on ``dataset``'s token
+    stream, through the cache it deploys (``cache``: another storage; ``hf_quantized_cache``: transformers'
+    QuantizedCache for an original model); with ``base_dir``, the original model on the same windows and
+    prompts."""
     model, tokenizer = load_model(model_dir, dtype=dtype, device=device)
     if tokenizer is None:
         raise ValueError(f"{model_dir} has no tokenizer: the long-context suite builds prompts from text")

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from .adapters import get_adapter
-from .allocation import RankPlan
-from .allocation.knapsack import minimize_separable
-from .allocation.problem import KINDS, RankProblem, Ranks
-from .registry import Section
-from .statistics.gradients import (
+from ..allocation import RankPlan
+from ..allocation.knapsack import minimize_separable
+from ..allocation.problem import KINDS, RankProblem, Ranks
+from ..model.adapters import get_adapter
+from ..registry import Section
+from ..statistics.gradients import (
     kv_gradient_passes,
     last_hidden,
     next_token_log_probs,
@@ -53,10 +53,10 @@ from .statistics.gradients import (
     row_seed,
     row_seeded_targets,
 )
-from .statistics.response import LatentProducts
+from ..statistics.response import LatentProducts
 
 if TYPE_CHECKING:
-    from .decompositions import LayerFactors
+    from ..decompositions import LayerFactors
 
 Key = tuple[int, str]  # (layer, "k"|"v")
 REFINE_ROWS = 128  # calibration rows the loss is measured on (docs/decomposition.md: every plan at 0.5)
@@ -67,8 +67,8 @@ REFINE_OBJECTIVE = "nll"  # what the refinement lowers on its rows, "nll" or "kl
 @dataclasses.dataclass(frozen=True)
 class RefineConfig(Section):
     """How a conversion refines the allocator's plan (the module doc): the ``refine`` section of
-    :class:`lrkv_core.convert.CompressionConfig` and of a recipe's ``compression`` (one definition: a recipe
-    validates this class itself). A new option is a field here, read by :func:`refine_plan`."""
+    :class:`lrkv_core.conversion.convert.CompressionConfig` and of a recipe's ``compression`` (one definition:
+    a recipe validates this class itself). A new option is a field here, read by :func:`refine_plan`."""
 
     label: ClassVar[str] = "refine"
 

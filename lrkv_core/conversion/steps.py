@@ -1,14 +1,14 @@
 """The conversion as a graph of steps: the one definition of what a conversion computes, from what.
 
-:func:`conversion_steps` derives the graph from a :class:`~lrkv_core.convert.CompressionConfig` and the
-model's layer count: the calibration statistics the chosen methods ``need`` → each layer's full-spectrum
+:func:`conversion_steps` derives the graph from a :class:`~lrkv_core.conversion.convert.CompressionConfig` and
+the model's layer count: the calibration statistics the chosen methods ``need`` → each layer's full-spectrum
 factors → the statistics that read the factors → each layer's summary (spectra and the allocator's
 features) → the rank plan → its refinement, when the config refines → the compressed model. Each
 :class:`Step` names the steps it reads and carries the part of the config it depends on, as plain JSON.
 
-Two executors run the same graph: :func:`lrkv_core.convert.plan_conversion` in memory, and the convert flow,
-which submits each step as a cached Prefect task (a step's inputs are the futures of the steps it reads,
-so independent steps run at once). Neither lists the steps itself.
+Two executors run the same graph: :func:`lrkv_core.conversion.convert.plan_conversion` in memory, and the
+convert flow, which submits each step as a cached Prefect task (a step's inputs are the futures of the steps
+it reads, so independent steps run at once). Neither lists the steps itself.
 
 A statistic whose collection can be split (:attr:`~lrkv_core.statistics.Statistic.shardable`) becomes
 ``shards`` steps over disjoint slices of the calibration rows plus one step that merges them, so several
@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .allocation import statistics_for
+from ..allocation import statistics_for
 
 KINDS = (
     "statistic",
@@ -124,8 +124,9 @@ def _statistic_steps(
 
 
 def build_params(config: Any) -> dict[str, Any]:
-    """How the build step fuses the factors, from a resolved :class:`~lrkv_core.convert.CompressionConfig`:
-    the decomposition and cache storage it records, and the rotation it fuses."""
+    """How the build step fuses the factors, from a resolved
+    :class:`~lrkv_core.conversion.convert.CompressionConfig`: the decomposition and cache storage it records,
+    and the rotation it fuses."""
     return {
         "decomposition": config.decomposition.to_dict(),
         "cache": config.cache.to_dict(),
@@ -142,8 +143,8 @@ def conversion_steps(
     batch_size: int = 8,
     given: Sequence[str] = (),
 ) -> StepGraph:
-    """The conversion ``config`` (a :class:`~lrkv_core.convert.CompressionConfig` resolved for the model by
-    its ``for_model``) describes, for a model of ``n_layers`` layers.
+    """The conversion ``config`` (a :class:`~lrkv_core.conversion.convert.CompressionConfig` resolved for the
+    model by its ``for_model``) describes, for a model of ``n_layers`` layers.
 
     Parameters
     ----------

@@ -10,7 +10,8 @@ A model reference (:func:`resolve_model_dir`) is
 
 A dataset spec (:func:`parse_dataset_spec`, :func:`resolve_spec`) is ``hf:NAME[:CONFIG[:SPLIT]]``,
 ``text:PATH``, ``parquet:PATH`` or ``SCHEME:REST`` from a plugin (lrkv_demo registers
-``builtin:NAME:SPLIT``), each optionally followed by a percent slice ``[A%:B%]`` (:mod:`lrkv_core.slices`).
+``builtin:NAME:SPLIT``), each optionally followed by a percent slice ``[A%:B%]``
+(:mod:`lrkv_core.data.slices`).
 
 Schemes are pluggable: :func:`register_model_scheme` / :func:`register_dataset_scheme`, or an entry point
 in the group ``lrkv.model_refs`` / ``lrkv.dataset_refs`` named after the scheme, loaded the first time that
@@ -92,7 +93,7 @@ class DatasetScheme:
         ``check(rest)``: a cheap syntax check that raises ValueError; runs whenever a spec is parsed.
     heldout : callable, optional
         ``heldout(rest) -> (eval_rest, description) | None``: the held-out evaluation data of calibration
-        data ``rest`` (see :func:`lrkv_core.heldout.heldout`); None falls back to slicing the source.
+        data ``rest`` (see :func:`lrkv_core.data.heldout.heldout`); None falls back to slicing the source.
     """
 
     form: str

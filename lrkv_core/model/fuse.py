@@ -9,9 +9,10 @@ picks the attention kind (:data:`ATTENTION_KINDS`): its module class and how its
 - Non-RoPE models: ``B_k`` is folded into ``q_proj`` (rows ``B_k,g,jᵀ W_q,h``, bias ``B_k,g,jᵀ b_q,h``);
   the k bias only adds ``q·b_k``, constant per query row, and is dropped (softmax cancels it).
 - All models: ``W_o,h B_v,g,j`` per query head h becomes ``o_proj``; ``W_o,h b_v,j`` joins its bias.
-- Rotation (``--rotation``, :mod:`lrkv_core.rotation`): each group's truncated factors become ``(Rᵀ A, B R)``
-  before any of the above, so ``k_down``/``v_down`` emit rotated latents and ``k_up``, the keys folded into
-  ``q_proj`` and the values folded into ``o_proj`` all undo it: the product, and the model, are unchanged.
+- Rotation (``--rotation``, :mod:`lrkv_core.quant.rotation`): each group's truncated factors become ``(Rᵀ A, B
+  R)`` before any of the above, so ``k_down``/``v_down`` emit rotated latents and ``k_up``, the keys folded
+  into ``q_proj`` and the values folded into ``o_proj`` all undo it: the product, and the model, are
+  unchanged.
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..allocation import RankPlan
+from ..cache import CACHE_ARG, CACHE_STORAGES, LatentCache, pop_cache
+from ..decompositions import LayerFactors
+from ..format import LrkvFormat
+from ..linalg import GroupFactors, truncate
+from ..quant.rotation import RotationConfig, check_rotation, group_seed, rotate_factors, rotation_matrix
+from ..version import __version__
 from .adapters import ArchAdapter, AttnShape, get_adapter
-from .allocation import RankPlan
 from .attention import LatentAttention, LatentAttentionBase, LatentLayout
 from .attention_norope import NoRopeLatentAttention
-from .cache import CACHE_ARG, CACHE_STORAGES, LatentCache, pop_cache
-from .decompositions import LayerFactors
-from .format import LrkvFormat
-from .linalg import GroupFactors, truncate
-from .rotation import RotationConfig, check_rotation, group_seed, rotate_factors, rotation_matrix
-from .version import __version__
 
 
 def layouts(fmt: LrkvFormat) -> list[LatentLayout]:
@@ -108,7 +109,8 @@ def rotated_parts(
     groups: list[GroupFactors], ranks: tuple[int, ...], rotation: RotationConfig, layer: int, kind: str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each group's rank-r factors ``(A (r, d), B (s·D, r))`` in float64 on the CPU, rotated to
-    ``(Rᵀ A, B R)`` by the policy's matrix for that group (:func:`lrkv_core.rotation.rotation_matrix`)."""
+    ``(Rᵀ A, B R)`` by the policy's matrix for that group
+    (:func:`lrkv_core.quant.rotation.rotation_matrix`)."""
     parts = []
     for g, (f, r) in enumerate(zip(groups, ranks)):
         a, b = (t.to(torch.float64).cpu() for t in truncate(f, r))
@@ -173,9 +175,9 @@ def compress_model(
 
     ``decomposition`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) recorded in the
     model-format section (``config.lrkv``); the cache storage is what the model's latent cache will use.
-    ``rotation`` (a :class:`~lrkv_core.rotation.RotationConfig`, its mapping form or a policy's name; None:
-    no rotation) is fused into every group's factors. Whether the storage can hold the plan's ranks and the
-    policy can rotate them is checked before the model is touched.
+    ``rotation`` (a :class:`~lrkv_core.quant.rotation.RotationConfig`, its mapping form or a policy's name;
+    None: no rotation) is fused into every group's factors. Whether the storage can hold the plan's ranks and
+    the policy can rotate them is checked before the model is touched.
     """
     config = model.config
     adapter = get_adapter(config)

@@ -3,7 +3,7 @@
 One conversion is: collect the calibration statistics the chosen methods need → decompose every layer
 (full spectrum) → summarise each layer (spectra + the allocator's features) → plan ranks for the budget →
 fuse the truncated factors into the model. :func:`convert` runs them in memory; the Prefect flow runs the
-same steps as cached tasks through :mod:`lrkv_core.pipeline`, and tests and benchmarks call these
+same steps as cached tasks through :mod:`lrkv_core.conversion.pipeline`, and tests and benchmarks call these
 functions directly.
 
     model = lrkv_core.convert(model, rows, CompressionConfig(ratio=0.5, allocator="eigen"))
@@ -19,8 +19,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .adapters import get_adapter
-from .allocation import (
+from ..allocation import (
     ALLOCATORS,
     DEFAULT_ALLOCATOR,
     FEATURES,
@@ -30,14 +29,15 @@ from .allocation import (
     plan_from_summaries,
     summarize_layer,
 )
-from .allocation.problem import budget_width, check_one_step_fits
-from .cache import CACHE_STORAGES, CacheStorage
-from .decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
-from .fuse import compress_model
-from .linalg import group_slices
+from ..allocation.problem import budget_width, check_one_step_fits
+from ..cache import CACHE_STORAGES, CacheStorage
+from ..decompositions import DECOMPOSITIONS, Decomposition, LayerFactors, LayerWeights, decompose_layer
+from ..linalg import group_slices
+from ..model.adapters import get_adapter
+from ..model.fuse import compress_model
+from ..quant.rotation import RotationConfig
+from ..statistics import STATISTICS, LayerValue, Statistic
 from .refine import RefineConfig, refine_plan
-from .rotation import RotationConfig
-from .statistics import STATISTICS, LayerValue, Statistic
 from .steps import (
     Step,
     StepGraph,
@@ -70,14 +70,14 @@ class CompressionConfig:
     cache : the cache storage the compressed model uses (a registered strategy: name, recipe form or
         instance, e.g. ``{"name": "quantized", "bits": 3}``); recorded in the model-format section, so
         loading rebuilds the same cache.
-    rotation : the orthogonal rotation fused into each group's factors (:mod:`lrkv_core.rotation`) to spread
-        latents before quantization, a :class:`~lrkv_core.rotation.RotationConfig`, its mapping form or its
-        policy's name (``none``, ``hadamard`` or ``auto``; its ``seed`` seeds the random orthogonal matrices
-        ``auto`` uses where no Hadamard matrix of the rank exists).
+    rotation : the orthogonal rotation fused into each group's factors (:mod:`lrkv_core.quant.rotation`) to
+        spread latents before quantization, a :class:`~lrkv_core.quant.rotation.RotationConfig`, its mapping
+        form or its policy's name (``none``, ``hadamard`` or ``auto``; its ``seed`` seeds the random
+        orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists).
     refine : how the allocator's plan is refined on calibration rows, a
-        :class:`~lrkv_core.refine.RefineConfig` or its mapping form (``{"steps": 0}`` keeps the allocator's
-        plan); its ``steps`` of None (the default) resolves to the allocator's own default (``kl``: 3, the
-        others: 0).
+        :class:`~lrkv_core.conversion.refine.RefineConfig` or its mapping form (``{"steps": 0}`` keeps the
+        allocator's plan); its ``steps`` of None (the default) resolves to the allocator's own default
+        (``kl``: 3, the others: 0).
     """
 
     # A recipe's ``compression`` section is built from these fields (defaults, and ``help`` as descriptions;
@@ -241,7 +241,8 @@ class Conversion:
     graph: StepGraph
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Fuse the planned factors into ``model`` in place (see :func:`lrkv_core.fuse.compress_model`)."""
+        """Fuse the planned factors into ``model`` in place (see
+        :func:`lrkv_core.model.fuse.compress_model`)."""
         return compress_model(model, self.factors, self.plan, **build_params(self.config))
 
 
@@ -254,8 +255,8 @@ def run_steps(
     batch_size: int = 8,
     progress: Progress = None,
 ) -> dict[str, Any]:
-    """Run ``steps`` (of a :func:`~lrkv_core.steps.conversion_steps` graph, in its order) in memory and
-    return every step's result by name, ``results`` (those already at hand) included. A ``build`` step is
+    """Run ``steps`` (of a :func:`~lrkv_core.conversion.steps.conversion_steps` graph, in its order) in memory
+    and return every step's result by name, ``results`` (those already at hand) included. A ``build`` step is
     not run here: :meth:`Conversion.apply` fuses."""
     results = dict(results or {})
     adapter = get_adapter(model.config)
@@ -348,7 +349,7 @@ def plan_conversion(
     progress: Progress = None,
 ) -> Conversion:
     """Statistics, factors, summaries and the rank plan of ``model``, without changing it: the steps of
-    :func:`~lrkv_core.steps.conversion_steps` but the last, run in memory.
+    :func:`~lrkv_core.conversion.steps.conversion_steps` but the last, run in memory.
 
     Parameters
     ----------

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import LatentAttention, LatentAttentionBase
-from .cache import LatentView, cache_kwargs, cache_nbytes, output_cache
+from ..cache import LatentView, cache_kwargs, cache_nbytes, output_cache
+from ..model.attention import LatentAttention, LatentAttentionBase
 
 Progress = Callable[[int, int], None] | None
 
@@ -303,8 +303,8 @@ def measure_attention(
 ) -> KernelPoint:
     """The first layer's decode attention alone, after a prefill of ``batch`` × ``context`` random tokens:
     torch SDPA over the original's dense K/V cache, or a compressed model's latent path as its decode step
-    takes it on this device (:meth:`~lrkv_core.attention.LatentAttention.attend_latents`: the flash kernel
-    on CUDA, else the unfused torch path), with random queries; the median of ``steps`` calls."""
+    takes it on this device (:meth:`~lrkv_core.model.attention.LatentAttention.attend_latents`: the flash
+    kernel on CUDA, else the unfused torch path), with random queries; the median of ``steps`` calls."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(model.config.vocab_size, (batch, context), generator=gen).to(device)

@@ -5,8 +5,9 @@
 storage, versions) and ``quantization_config: {"quant_method": "lrkv"}``; ``model.safetensors`` holds the
 new tensors; README.md is the model card. No pickle, no trust_remote_code: :func:`load_compressed`
 rebuilds the module shapes from the ``lrkv`` section, and so does plain ``AutoModelForCausalLM
-.from_pretrained`` once ``lrkv_core`` is imported (:mod:`lrkv_core.hf_quantizer`). The section records the
-sha256 of ``model.safetensors`` (``weights_sha256``), which :func:`load_compressed` checks before using it.
+.from_pretrained`` once ``lrkv_core`` is imported (:mod:`lrkv_core.model.hf_quantizer`). The section records
+the sha256 of ``model.safetensors`` (``weights_sha256``), which :func:`load_compressed` checks before using
+it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.initialization import no_init_weights
 
-from .dtypes import parse_dtype
-from .files import make_readable, replace_dir
-from .fingerprint import hash_file
-from .format import FORMAT_VERSION, FormatError, LrkvFormat, forget_weights_checksum
+from ..data.refs import resolve_model_dir
+from ..format import FORMAT_VERSION, FormatError, LrkvFormat, forget_weights_checksum
+from ..system.dtypes import parse_dtype
+from ..system.files import make_readable, replace_dir
+from ..system.fingerprint import hash_file
 from .fuse import build_latent_skeleton
 from .hf_quantizer import LrkvConfig
-from .refs import resolve_model_dir
 
 _REMOTE = re.compile(r"[a-z][a-z0-9+.-]*:/")  # SCHEME:/... (models:/, s3://, runs:/): never a local path
 
@@ -50,7 +51,7 @@ def save_compressed(
     card: str | None = None,
 ) -> Path:
     """Write the model directory atomically (a temp sibling renamed into place when complete, see
-    :func:`lrkv_core.files.replace_dir`); config.json's ``lrkv`` section records the weights' sha256.
+    :func:`lrkv_core.system.files.replace_dir`); config.json's ``lrkv`` section records the weights' sha256.
 
     An existing ``out_dir`` is replaced only if it is empty or itself an lrkv model directory.
     """
@@ -102,7 +103,7 @@ def load_compressed(
     """A ready HF model (eval mode, latent cache on) from a directory written by :func:`save_compressed`.
 
     ``path`` may also be a remote reference that a scheme plugin resolves (lrkv_tasks registers
-    ``models:/NAME@ALIAS`` and ``s3://...``; see :mod:`lrkv_core.refs`). ``model.safetensors`` is checked
+    ``models:/NAME@ALIAS`` and ``s3://...``; see :mod:`lrkv_core.data.refs`). ``model.safetensors`` is checked
     against the sha256 that config.json records (models written before lrkv recorded it are loaded
     unchecked); ``verify=False`` skips the check, to save reading the file twice.
 
