@@ -9,8 +9,7 @@ import typer
 import yaml
 from rich.markup import escape
 
-from lrkv_core.allocation import ALLOCATORS, DEFAULT_ALLOCATOR
-from lrkv_core.decompositions import DECOMPOSITIONS
+from lrkv_tasks.recipe import ConvertRecipe
 
 from ..options import (
     flag_overrides,
@@ -20,6 +19,7 @@ from ..options import (
     quantized_cache,
     store_root,
 )
+from ..recipe_flags import RecipeFlag, recipe_flags
 from ..report import console, fail, print_summary, recipe_error, rich_progress
 from .common import (
     DaskOption,
@@ -29,7 +29,6 @@ from .common import (
     ModelOption,
     VerboseOption,
     cache_option,
-    choices,
     dask_block,
     prefect_api,
     set_option,
@@ -38,7 +37,22 @@ from .common import (
     user_errors,
 )
 
+# the recipe keys offered as flags (name, type, help and default from the recipe's schema)
+CONVERT_FLAGS = (
+    RecipeFlag("compression.ratio"),
+    RecipeFlag("compression.group_size", parse=parse_group_size, metavar="N|auto"),
+    RecipeFlag("compression.decomposition"),
+    RecipeFlag("compression.allocator"),
+    RecipeFlag("compression.rank_multiple"),
+    RecipeFlag("compression.refine.steps", name="refine-steps"),
+    RecipeFlag("compression.rotation.name", name="rotation"),
+    RecipeFlag("calibration.n_samples"),
+    RecipeFlag("calibration.seq_len", also=("eval.seq_len",)),
+    RecipeFlag("tracking.mlflow_uri"),
+)
 
+
+@recipe_flags(ConvertRecipe, CONVERT_FLAGS, after="eval_dataset")
 def convert(
     recipe: Annotated[
         Optional[Path], path_option("--recipe", "YAML recipe (strict: unknown keys fail)", "FILE")
@@ -46,29 +60,6 @@ def convert(
     model: ModelOption = None,
     dataset: DatasetOption = None,
     eval_dataset: EvalDatasetOption = None,
-    ratio: Annotated[
-        Optional[float], typer.Option(help="compressed KV width / original (0.5 halves the cache)")
-    ] = None,
-    group_size: Annotated[
-        Optional[str], typer.Option(help="KV heads per group: 1 = M-LRD, Hkv = J-LRD, auto = min(Hkv, 4)")
-    ] = None,
-    decomposition: Annotated[
-        Optional[str], typer.Option(help=f"{choices(DECOMPOSITIONS)}. {DECOMPOSITIONS.help()}")
-    ] = None,
-    allocator: Annotated[
-        Optional[str],
-        typer.Option(help=f"{choices(ALLOCATORS)} (default {DEFAULT_ALLOCATOR}). {ALLOCATORS.help()}"),
-    ] = None,
-    rank_multiple: Annotated[
-        Optional[int], typer.Option(help="round ranks down to a multiple of this")
-    ] = None,
-    refine_steps: Annotated[
-        Optional[int],
-        typer.Option(
-            help="Gauss–Newton steps refining the plan on its measured objective (0: the allocator's plan; "
-            "default: kl 3, the others 0)"
-        ),
-    ] = None,
     bits: Annotated[
         Optional[int],
         typer.Option(
@@ -84,15 +75,6 @@ def convert(
         Optional[int], typer.Option(help="newest tokens kept in full precision (KIVI's residual); default 0")
     ] = None,
     cache: cache_option("the compressed model's cache storage (instead of --bits)", "dense latents") = None,
-    rotation: Annotated[
-        Optional[str],
-        typer.Option(
-            help="none | hadamard | auto: orthogonal rotation of each group's latents fused into the weights "
-            "(spreads outliers before quantization; auto: Hadamard where the rank allows, else seeded random)"
-        ),
-    ] = None,
-    n_samples: Annotated[Optional[int], typer.Option(help="calibration windows (default 256)")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
     out: Annotated[
         Optional[Path], path_option("--out", "write the compressed model directory here", "DIR")
     ] = None,
@@ -103,9 +85,6 @@ def convert(
             parser=store_root,
             metavar="DIR|s3://BUCKET/PREFIX",
         ),
-    ] = None,
-    mlflow_uri: Annotated[
-        Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
     ] = None,
     lora: Annotated[
         Optional[bool],
@@ -120,6 +99,7 @@ def convert(
     device: DeviceOption = None,
     dask: DaskOption = None,
     verbose: VerboseOption = False,
+    recipe_flags: dict | None = None,
 ) -> None:
     """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
     from lrkv_tasks.recipe import load_recipe, read_yaml, recipe_yaml
@@ -127,25 +107,14 @@ def convert(
     flags = {
         "model": model,
         "calibration.dataset": dataset,
-        "compression.ratio": ratio,
-        "compression.group_size": parse_group_size(group_size),
-        "compression.decomposition": decomposition,
-        "compression.allocator": allocator,
-        "compression.rank_multiple": rank_multiple,
-        "compression.refine.steps": refine_steps,
         "compression.cache": quantized_cache(bits, quant_group_size, residual_length, cache),
-        "compression.rotation.name": rotation,
-        "calibration.n_samples": n_samples,
-        "calibration.seq_len": seq_len,
-        "eval.seq_len": seq_len,
         "out": str(out) if out else None,
         "store": store,
-        "tracking.mlflow_uri": mlflow_uri,
         "eval.dataset": eval_dataset,
     }
-    overrides = flag_overrides(flags, "eval.dataset")
-    if seq_len is not None:
-        overrides.setdefault("eval.decode_prefix", seq_len // 2)
+    overrides = flag_overrides(flags, "eval.dataset") | (recipe_flags or {})
+    if "eval.seq_len" in overrides:
+        overrides.setdefault("eval.decode_prefix", overrides["eval.seq_len"] // 2)
     overrides.update(parse_set(set_ or []))
     try:
         overrides = lora_overrides(lora, lora_steps, read_yaml(recipe)) | overrides

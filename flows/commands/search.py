@@ -9,6 +9,7 @@ import typer
 import yaml
 
 from lrkv_core.allocation import ALLOCATORS
+from lrkv_tasks.search_recipe import SearchRecipe
 
 from ..options import (
     csv_list,
@@ -17,6 +18,7 @@ from ..options import (
     path_option,
     store_root,
 )
+from ..recipe_flags import RecipeFlag, recipe_flags
 from ..report import console, fail, print_summary, recipe_error, rich_progress
 from .common import (
     DaskOption,
@@ -35,7 +37,15 @@ from .common import (
     user_errors,
 )
 
+# the base recipe's keys offered as flags (name, type, help and default from the recipe's schema)
+SEARCH_FLAGS = (
+    RecipeFlag("calibration.n_samples"),
+    RecipeFlag("calibration.seq_len", also=("eval.seq_len",)),
+    RecipeFlag("tracking.mlflow_uri"),
+)
 
+
+@recipe_flags(SearchRecipe, SEARCH_FLAGS, prefix="base.", after="allocators")
 def search(
     recipe: Annotated[
         Optional[Path], path_option("--recipe", "YAML search recipe: base (convert recipe) + search", "FILE")
@@ -58,8 +68,6 @@ def search(
         ),
     ] = None,
     allocators: Annotated[Optional[str], typer.Option(help=f"comma list of {choices(ALLOCATORS)}")] = None,
-    n_samples: Annotated[Optional[int], typer.Option(help="calibration windows (default 256)")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="calibration and evaluation window length")] = None,
     out: Annotated[Optional[Path], path_option("--out", "export the model found here", "DIR")] = None,
     out_dir: Annotated[
         Optional[Path], path_option("--out-dir", "write search.csv/.md and the Pareto plot here", "DIR")
@@ -68,18 +76,15 @@ def search(
         Optional[str],
         typer.Option(help="artifact store root", parser=store_root, metavar="DIR|s3://BUCKET/PREFIX"),
     ] = None,
-    mlflow_uri: Annotated[
-        Optional[str], typer.Option(help="MLflow tracking URI (default local SQLite)")
-    ] = None,
     set_: set_option("base.eval.max_windows=8") = None,
     device: DeviceOption = None,
     dask: DaskOption = None,
     verbose: VerboseOption = False,
+    recipe_flags: dict | None = None,
 ) -> None:
     """Find the smallest KV cache within a quality budget (bisection on the width ratio per cache storage and
     allocator), then convert, export and register it; logs the Pareto front to MLflow."""
     from lrkv_tasks.recipe import apply_overrides, read_yaml
-    from lrkv_tasks.search_recipe import SearchRecipe
 
     try:
         rise = None if max_ppl_rise is None else fraction(max_ppl_rise)
@@ -93,20 +98,18 @@ def search(
         "base.model": model,
         "base.calibration.dataset": dataset,
         "base.eval.dataset": eval_dataset,
-        "base.calibration.n_samples": n_samples,
-        "base.calibration.seq_len": seq_len,
-        "base.eval.seq_len": seq_len,
-        "base.eval.decode_prefix": seq_len // 2 if seq_len else None,
         "base.out": str(out) if out else None,
         "base.store": store,
-        "base.tracking.mlflow_uri": mlflow_uri,
         "search.max_ppl_rise": rise,
         "search.max_kl": max_kl,
         "search.ratios": csv_list(ratios, float),
         "search.caches": caches,
         "search.allocators": csv_list(allocators),
     }
-    overrides = flag_overrides(flags, "base.eval.dataset") | parse_set(set_ or [])
+    overrides = flag_overrides(flags, "base.eval.dataset") | (recipe_flags or {})
+    if "base.eval.seq_len" in overrides:
+        overrides["base.eval.decode_prefix"] = overrides["base.eval.seq_len"] // 2
+    overrides |= parse_set(set_ or [])
     try:
         rec = SearchRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
     except (ValueError, OSError, yaml.YAMLError) as e:
