@@ -42,7 +42,7 @@ def main() -> None:
     server = connect()  # before Prefect is imported: this process's own API unless one is configured
     try:
         from lrkv_flows.convert import convert_flow
-        from lrkv_tasks.recipe import load_recipe
+        from lrkv_tasks.recipes.convert_recipe import load_recipe
 
         rows = []
         for runner in ["threads", *args.dask.split(",")]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import flow
 
 from lrkv_tasks.ablation import ablation_row, summarize_ablation
-from lrkv_tasks.recipe import AblateRecipe
-from lrkv_tasks.store import open_store
+from lrkv_tasks.recipes.convert_recipe import AblateRecipe
+from lrkv_tasks.store.artifact_store import open_store
 
 from .convert import convert_flow
 from .runner import ConfiguredTaskRunner

@@ -23,9 +23,9 @@ from lrkv_core.evaluation.serving import batch_within_budget
 from lrkv_tasks import bench as b
 from lrkv_tasks import convert as t
 from lrkv_tasks.device import task_device
-from lrkv_tasks.recipe import TrackingRecipe
-from lrkv_tasks.store import open_store
-from lrkv_tasks.tracking import close_run, log_results, open_run
+from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
+from lrkv_tasks.store.artifact_store import open_store
+from lrkv_tasks.tracking.mlflow_runs import close_run, log_results, open_run
 
 from .convert import _record
 from .runner import ConfiguredTaskRunner

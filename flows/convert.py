@@ -24,14 +24,14 @@ from lrkv_core.data.heldout import overlap as data_overlap
 from lrkv_tasks import convert as t
 from lrkv_tasks.device import waited_seconds
 from lrkv_tasks.lora import lora_recover
-from lrkv_tasks.preflight import prepare
 from lrkv_tasks.progress import run_peak_rss
 from lrkv_tasks.publish import log_run, register_model
-from lrkv_tasks.recipe import ConvertRecipe
+from lrkv_tasks.recipes.convert_recipe import ConvertRecipe
+from lrkv_tasks.recipes.preflight import prepare
 from lrkv_tasks.results import ConvertResult, Evaluations, eval_result
-from lrkv_tasks.store import open_store
+from lrkv_tasks.store.artifact_store import open_store
 from lrkv_tasks.summary import publish_summary
-from lrkv_tasks.tracking import OPEN_RUNS, close_run, discard_run, open_run
+from lrkv_tasks.tracking.mlflow_runs import OPEN_RUNS, close_run, discard_run, open_run
 from lrkv_tasks.zeroshot import zeroshot
 
 from .interrupt import FLOW_RUNS, require_api

@@ -24,8 +24,8 @@ from prefect.deployments.runner import EntrypointType
 
 from lrkv_core.model.loading import parse_device
 from lrkv_tasks.device import ENV as DEVICE_ENV
-from lrkv_tasks.recipe import ConvertRecipe, EvalRecipe
-from lrkv_tasks.search_recipe import SearchRecipe
+from lrkv_tasks.recipes.convert_recipe import ConvertRecipe, EvalRecipe
+from lrkv_tasks.recipes.search_recipe import SearchRecipe
 
 from .cluster import ENV as DASK_ENV
 from .cluster import parse_dask

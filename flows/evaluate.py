@@ -11,9 +11,9 @@ from prefect import flow
 from lrkv_core.evaluation.metrics import EvalResult
 from lrkv_tasks import convert as t
 from lrkv_tasks.publish import long_context_outputs
-from lrkv_tasks.recipe import HELD_OUT, EvalRecipe, TrackingRecipe
-from lrkv_tasks.store import open_store
-from lrkv_tasks.tracking import log_conversion
+from lrkv_tasks.recipes.convert_recipe import HELD_OUT, EvalRecipe, TrackingRecipe
+from lrkv_tasks.store.artifact_store import open_store
+from lrkv_tasks.tracking.mlflow_runs import log_conversion
 
 from .runner import ConfiguredTaskRunner
 

@@ -40,7 +40,7 @@ def _cancel_flow_runs(reason: str) -> None:
 
 
 def _clean_up(server: OwnedServer | None, status: str, reason: str, say: Callable[[str], None]) -> None:
-    from lrkv_tasks.tracking import close_open_runs
+    from lrkv_tasks.tracking.mlflow_runs import close_open_runs
 
     _short_http_timeouts()
     steps = [("MLflow", lambda: close_open_runs(status)), ("Prefect", lambda: _cancel_flow_runs(reason))]

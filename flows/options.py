@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 import yaml
 
-from lrkv_tasks.artifacts import STORE_FORMS, is_s3, local_dir
+from lrkv_tasks.store.artifacts import STORE_FORMS, is_s3, local_dir
 
 
 def local_path(flag: str, accepts: str = "a local path") -> Callable[[str], Path]:
@@ -97,7 +97,7 @@ def cache_storage(value: str) -> str | dict:
     checked as a recipe's ``cache`` field is, option types included (a usage error names the storages and
     their options)."""
     from lrkv_core.cache import CACHE_STORAGES
-    from lrkv_tasks.registered import RegisteredMethod
+    from lrkv_tasks.recipes.registered import RegisteredMethod
 
     spec = yaml_value("--cache", value)
     try:

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import BaseModel
 
-from lrkv_tasks.registered import RegisteredMethod
+from lrkv_tasks.recipes.registered import RegisteredMethod
 
 _SCALARS = (bool, int, float)
 

@@ -17,10 +17,10 @@ from prefect import flow
 
 from lrkv_core.conversion.search import Point, grid_size, search_smallest
 from lrkv_core.data.heldout import overlap
-from lrkv_tasks.preflight import prepare
+from lrkv_tasks.recipes.preflight import prepare
+from lrkv_tasks.recipes.search_recipe import SearchRecipe
 from lrkv_tasks.results import ConvertResult
 from lrkv_tasks.search import search_row, summarize_search, to_point
-from lrkv_tasks.search_recipe import SearchRecipe
 
 from .convert import convert_flow
 from .runner import ConfiguredTaskRunner

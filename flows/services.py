@@ -22,7 +22,7 @@ import time
 import urllib.request
 
 from lrkv_core.system.paths import lrkv_home, setup_lock, writable_home
-from lrkv_tasks.tracking import prepare_database as prepare_mlflow_database
+from lrkv_tasks.tracking.mlflow_runs import prepare_database as prepare_mlflow_database
 
 from .apiserver import SERVICES, database_url, healthy, prepare_database
 from .deploy import work_pool

@@ -138,7 +138,7 @@ class Registry(Generic[M]):
         """A method from its name, its recipe form ``{"name": ..., **options}``, or an instance (returned).
 
         Unknown option names fail; values are checked by the method's own ``__post_init__``. Recipes
-        additionally validate option types (pydantic, in ``lrkv_tasks.recipe``).
+        additionally validate option types (pydantic, in ``lrkv_tasks.recipes.convert_recipe``).
         """
         if isinstance(spec, self.base):
             return spec

@@ -9,9 +9,9 @@ from typing import Any
 
 from prefect import task
 
-from .recipe import method_label
+from .recipes.convert_recipe import method_label
 from .results import ConvertResult
-from .store import LocalStore, is_s3
+from .store.artifact_store import LocalStore, is_s3
 
 COLUMNS = [
     "decomposition",
@@ -128,9 +128,9 @@ def summary_dir(store: str | None, out_dir: str | None, default: str) -> Path:
 def log_summary(recipe: dict, run_name: str, kind: str, **logged) -> dict:
     """One complete MLflow run of a summary over conversions of ``recipe["base"]["model"]``: the recipe as
     params with lrkv's versions, tagged ``lrkv.kind``; ``logged``: the metrics, artifacts, tables and figures
-    of :func:`lrkv_tasks.tracking.log_conversion`."""
-    from .recipe import flatten
-    from .tracking import log_conversion, versions
+    of :func:`lrkv_tasks.tracking.mlflow_runs.log_conversion`."""
+    from .recipes.convert_recipe import flatten
+    from .tracking.mlflow_runs import log_conversion, versions
 
     tracking, model = recipe["base"]["tracking"], recipe["base"]["model"]
     return log_conversion(

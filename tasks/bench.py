@@ -18,10 +18,10 @@ from lrkv_core.conversion import pipeline
 from lrkv_core.evaluation import serving
 from lrkv_core.model.loading import load_model, parse_device
 
-from .artifacts import ArtifactRef
 from .convert import CACHED, TASK_KEY, _local, _stored
 from .device import model_pass, task_device
 from .progress import step
+from .store.artifacts import ArtifactRef
 
 
 def device_identity(device: str) -> str:

@@ -1,8 +1,8 @@
 """Prefect tasks of the convert flow: resolve refs, one lrkv_core call, persist, return refs + metrics.
 
-Every task returns an :class:`~lrkv_tasks.artifacts.ArtifactRef` (or a small dict of metrics) and is cached on
-content fingerprints (:mod:`lrkv_tasks.keys`). Each task's parameters are only what its step reads, so, for
-example, another allocator reuses the statistics and factors of an earlier run.
+Every task returns an :class:`~lrkv_tasks.store.artifacts.ArtifactRef` (or a small dict of metrics) and is
+cached on content fingerprints (:mod:`lrkv_tasks.keys`). Each task's parameters are only what its step reads,
+so, for example, another allocator reuses the statistics and factors of an earlier run.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from lrkv_core.conversion.steps import Step, statistic_inputs
 from lrkv_core.model.loading import model_fingerprint, resolve_model_dir
 from lrkv_core.system.fingerprint import hash_dir
 
-from .artifacts import ArtifactRef
 from .device import model_pass, task_device
 from .keys import calibration_key, resolve_key, task_key
 from .progress import step
-from .recipe import LongEvalRecipe
+from .recipes.convert_recipe import LongEvalRecipe
 from .records import checked
-from .store import StoreIntegrityError, local_path, open_store
+from .store.artifact_store import StoreIntegrityError, local_path, open_store
+from .store.artifacts import ArtifactRef
 
 _RUN_SECONDS: dict[uuid.UUID, float] = {}
 _RUN_SECONDS_LOCK = threading.Lock()
@@ -293,7 +293,7 @@ def _with_heatmap(plan: ArtifactRef, store: str) -> ArtifactRef:
     """The plan's reference with its rank heatmap (a PNG in the store) in its metadata."""
     from lrkv_core.allocation import RankPlan
 
-    from .plots import plot_rank_heatmap
+    from .tracking.plots import plot_rank_heatmap
 
     def draw(out: str) -> dict:
         plot_rank_heatmap(RankPlan.load(_local(plan)), out)

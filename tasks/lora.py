@@ -18,13 +18,13 @@ from prefect import task
 from lrkv_core.lora import recover_dir
 from lrkv_core.system.paths import lrkv_home
 
-from .artifacts import ArtifactRef, is_s3
 from .convert import CACHED, _local, _stored
 from .device import model_pass, task_device
 from .keys import lora_key, lora_run_id
-from .plots import plot_loss_curve
 from .progress import run_logger, step
 from .records import checked
+from .store.artifacts import ArtifactRef, is_s3
+from .tracking.plots import plot_loss_curve
 
 CHECKPOINTS = "lora-checkpoints"
 
@@ -40,7 +40,8 @@ def checkpoint_dir(store: str, run_id: str) -> Path:
 def lora_recover(built: ArtifactRef, lora: dict, dtype: str, store: str) -> ArtifactRef:
     """Recover a compressed model with LoRA (resuming from a checkpoint) and store the merged model.
 
-    ``lora`` is the recipe's ``lora`` section with its datasets resolved (:mod:`lrkv_tasks.preflight`).
+    ``lora`` is the recipe's ``lora`` section with its datasets resolved
+    (:mod:`lrkv_tasks.recipes.preflight`).
     """
     ckpt = checkpoint_dir(store, lora_run_id({"built": built, "lora": lora, "dtype": dtype, "store": store}))
     dataset, eval_dataset = lora["dataset"], lora["eval_dataset"]

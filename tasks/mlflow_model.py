@@ -6,7 +6,7 @@ logged with :func:`signature`, whose params schema lets ``predict(rows, params={
 :meth:`LrkvPyfunc.predict` (MLflow drops, with a warning, params a model's signature does not declare).
 
 MLflow resolves ``models:/`` through its own global registry URI, which is ``./mlflow.db`` when nothing is
-configured: :func:`lrkv_tasks.remote_refs.load_pyfunc` resolves the name in the registry lrkv logs to
+configured: :func:`lrkv_tasks.tracking.remote_refs.load_pyfunc` resolves the name in the registry lrkv logs to
 instead (the local SQLite under ``$LRKV_HOME`` by default) and loads the downloaded model.
 """
 

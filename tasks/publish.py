@@ -14,16 +14,16 @@ from lrkv_core.evaluation.longcontext import LongContextResult
 from lrkv_core.evaluation.metrics import EvalResult
 from lrkv_core.system.fingerprint import hash_json
 
-from .artifacts import ArtifactRef
 from .convert import CACHED
 from .keys import task_key
-from .model_registry import log_model, model_name, register_version
-from .plots import plot_long_context
-from .recipe import flatten, method_label
+from .recipes.convert_recipe import flatten, method_label
 from .records import checked
 from .results import Evaluations, eval_result
-from .store import local_path
-from .tracking import close_run, log_metric_history, log_results, versions
+from .store.artifact_store import local_path
+from .store.artifacts import ArtifactRef
+from .tracking.mlflow_runs import close_run, log_metric_history, log_results, versions
+from .tracking.model_registry import log_model, model_name, register_version
+from .tracking.plots import plot_long_context
 
 
 def conversion_metrics(

@@ -1,11 +1,11 @@
 """Cached task results that hold no executable data and never point at deleted artifacts.
 
 Task results are persisted as JSON (Prefect's ``json`` serializer): dicts of numbers and strings, and
-:class:`~lrkv_tasks.artifacts.ArtifactRef` objects, which Prefect's JSON encoder writes as
-``{"__class__": "lrkv_tasks.artifacts.ArtifactRef", "data": {...}}``. Prefect reads a record with whatever
-serializer the record itself names, so a writable shared store could otherwise hand it a pickle. Before
-Prefect looks a key up, :func:`checked` reads the record itself (as plain JSON, never unpickling or importing
-anything) and accepts it only if
+:class:`~lrkv_tasks.store.artifacts.ArtifactRef` objects, which Prefect's JSON encoder writes as
+``{"__class__": "lrkv_tasks.store.artifacts.ArtifactRef", "data": {...}}``. Prefect reads a record with
+whatever serializer the record itself names, so a writable shared store could otherwise hand it a pickle.
+Before Prefect looks a key up, :func:`checked` reads the record itself (as plain JSON, never unpickling or
+importing anything) and accepts it only if
 
 - it names the ``json`` serializer and every ``__class__`` in it is one of :data:`ALLOWED_CLASSES`;
 - every artifact it references still exists and, in a local store, still hashes to the sha256 its name
@@ -23,9 +23,9 @@ from typing import Any
 
 from prefect.context import TaskRunContext
 
-from .artifacts import ArtifactRef
 from .progress import run_logger
-from .store import ArtifactStore, artifact_problem, open_store
+from .store.artifact_store import ArtifactStore, artifact_problem, open_store
+from .store.artifacts import ArtifactRef
 
 REF_CLASS = f"{ArtifactRef.__module__}.{ArtifactRef.__qualname__}"
 ALLOWED_CLASSES = frozenset({REF_CLASS})

@@ -13,8 +13,8 @@ from typing import Any
 
 from lrkv_core.evaluation.metrics import EvalResult
 
-from .artifacts import ArtifactRef
-from .recipe import ConvertRecipe
+from .recipes.convert_recipe import ConvertRecipe
+from .store.artifacts import ArtifactRef
 
 
 def eval_result(record: Mapping[str, Any] | None) -> EvalResult | None:

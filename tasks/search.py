@@ -1,7 +1,7 @@
 """The search for the smallest KV cache within a quality budget: its rows and its summary (a table, the
 Pareto front's plot, an MLflow run and a Prefect markdown artifact). The search itself is
-:mod:`lrkv_core.conversion.search`, its recipe :mod:`lrkv_tasks.search_recipe`; the flow that converts its
-candidates is :mod:`lrkv_flows.search`."""
+:mod:`lrkv_core.conversion.search`, its recipe :mod:`lrkv_tasks.recipes.search_recipe`; the flow that converts
+its candidates is :mod:`lrkv_flows.search`."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def summarize_search(
     markdown as the flow run's Prefect artifact."""
     from prefect.artifacts import create_markdown_artifact
 
-    from .plots import plot_pareto_front
+    from .tracking.plots import plot_pareto_front
 
     front = {(p.arm, p.ratio) for p in result.front}
     rows = [

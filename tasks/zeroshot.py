@@ -13,10 +13,10 @@ from prefect import task
 
 from lrkv_core.model.loading import load_model
 
-from .artifacts import ArtifactRef
 from .convert import CACHED, TASK_KEY
 from .device import model_pass, task_device
-from .store import local_path
+from .store.artifact_store import local_path
+from .store.artifacts import ArtifactRef
 
 
 def run_zeroshot(

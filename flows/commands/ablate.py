@@ -58,7 +58,7 @@ def ablate(
     verbose: VerboseOption = False,
 ) -> None:
     """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
-    from lrkv_tasks.recipe import AblateRecipe, apply_overrides, read_yaml
+    from lrkv_tasks.recipes.convert_recipe import AblateRecipe, apply_overrides, read_yaml
 
     flags = {
         "base.model": model,

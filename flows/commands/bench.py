@@ -50,7 +50,7 @@ def bench(
     """Measure serving speed (decode-step latency by context, prefill throughput, KV bytes, peak memory, and
     tokens/s at the original's cache budget) of a model and its compressed versions, as cached Prefect
     tasks logged to MLflow."""
-    from lrkv_tasks.recipe import TrackingRecipe
+    from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
 
     try:
         ratio_list, context_list = csv_list(ratios, float), csv_list(contexts, int)

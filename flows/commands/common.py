@@ -96,7 +96,7 @@ def set_option(example: str):
 
 def configure_prefect(store: str | None, verbose: bool) -> None:
     """Settings Prefect reads at start-up; set before it is imported, and only where the user has not."""
-    from lrkv_tasks.store import RESULTS, LocalStore, is_s3
+    from lrkv_tasks.store.artifact_store import RESULTS, LocalStore, is_s3
 
     local = LocalStore(None if is_s3(store) else store).path  # tasks keep their results in the store itself
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(local / RESULTS))
@@ -144,7 +144,7 @@ def prefect_api():
 @contextmanager
 def dask_block(value: str | None, store: str | None):
     """``--dask``: the flow's tasks on a Dask cluster for the block (:mod:`lrkv_flows.cluster`)."""
-    from lrkv_tasks.store import default_store_root, is_s3
+    from lrkv_tasks.store.artifact_store import default_store_root, is_s3
 
     from ..apiserver import running_services
     from ..cluster import dask_cluster, parse_dask

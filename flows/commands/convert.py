@@ -9,7 +9,7 @@ import typer
 import yaml
 from rich.markup import escape
 
-from lrkv_tasks.recipe import ConvertRecipe
+from lrkv_tasks.recipes.convert_recipe import ConvertRecipe
 
 from ..options import (
     flag_overrides,
@@ -102,7 +102,7 @@ def convert(
     recipe_flags: dict | None = None,
 ) -> None:
     """Convert a model to a latent KV cache, evaluate it and log the run to MLflow."""
-    from lrkv_tasks.recipe import load_recipe, read_yaml, recipe_yaml
+    from lrkv_tasks.recipes.convert_recipe import load_recipe, read_yaml, recipe_yaml
 
     flags = {
         "model": model,
@@ -123,7 +123,7 @@ def convert(
         raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
     start_command(rec.store, verbose, rec.model)
     with user_errors():
-        from lrkv_tasks.preflight import prepare
+        from lrkv_tasks.recipes.preflight import prepare
 
         prepared = prepare(rec)  # everything cheap is checked before Prefect starts
     console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)

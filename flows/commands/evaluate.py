@@ -144,7 +144,7 @@ def _eval_long(
     """``lrkv eval --suite long``: :func:`lrkv_core.conversion.pipeline.evaluate_long_dir`, printed as
     tables."""
     from lrkv_core.conversion.pipeline import evaluate_long_dir
-    from lrkv_tasks.recipe import LongEvalRecipe
+    from lrkv_tasks.recipes.convert_recipe import LongEvalRecipe
 
     if suite != "long":
         raise fail(f"--suite must be standard or long, got {suite!r}")

@@ -58,7 +58,7 @@ def pull(
 ) -> None:
     """Download a registered lrkv model from the MLflow registry; it loads with lrkv_core.load_compressed."""
     from lrkv_tasks.convert import copy_model_dir
-    from lrkv_tasks.remote_refs import registered_version, resolve_registered_model
+    from lrkv_tasks.tracking.remote_refs import registered_version, resolve_registered_model
 
     if mlflow_uri:
         os.environ["MLFLOW_TRACKING_URI"] = mlflow_uri
@@ -112,8 +112,8 @@ def deploy(
 ) -> None:
     """Register the convert, evaluate and nightly deployments on the Prefect server (the one `lrkv up`
     started, or $PREFECT_API_URL)."""
-    from lrkv_tasks.recipe import load_recipe, read_yaml
-    from lrkv_tasks.search_recipe import SearchRecipe
+    from lrkv_tasks.recipes.convert_recipe import load_recipe, read_yaml
+    from lrkv_tasks.recipes.search_recipe import SearchRecipe
 
     from ..apiserver import running_services
 
@@ -180,7 +180,7 @@ def runs_list(
     experiment: ExperimentOption = "lrkv", mlflow_uri: MlflowUriOption = None, limit: int = 20
 ) -> None:
     """The newest runs: id, status, model and summary metrics."""
-    from lrkv_tasks.runs import SUMMARY_METRICS, list_runs
+    from lrkv_tasks.tracking.run_history import SUMMARY_METRICS, list_runs
 
     _require_home_for(mlflow_uri)
     try:
@@ -212,7 +212,7 @@ def runs_show(
     json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
 ) -> None:
     """One run: metrics, params and its artifact tree."""
-    from lrkv_tasks.runs import show_run
+    from lrkv_tasks.tracking.run_history import show_run
 
     _require_home_for(mlflow_uri)
     try:
@@ -242,7 +242,7 @@ def runs_compare(
     mlflow_uri: MlflowUriOption = None,
 ) -> None:
     """Two runs side by side: every metric (with b − a) and the params that differ."""
-    from lrkv_tasks.runs import compare_runs
+    from lrkv_tasks.tracking.run_history import compare_runs
 
     _require_home_for(mlflow_uri)
     try:

@@ -9,7 +9,7 @@ import typer
 import yaml
 
 from lrkv_core.allocation import ALLOCATORS
-from lrkv_tasks.search_recipe import SearchRecipe
+from lrkv_tasks.recipes.search_recipe import SearchRecipe
 
 from ..options import (
     csv_list,
@@ -84,7 +84,7 @@ def search(
 ) -> None:
     """Find the smallest KV cache within a quality budget (bisection on the width ratio per cache storage and
     allocator), then convert, export and register it; logs the Pareto front to MLflow."""
-    from lrkv_tasks.recipe import apply_overrides, read_yaml
+    from lrkv_tasks.recipes.convert_recipe import apply_overrides, read_yaml
 
     try:
         rise = None if max_ppl_rise is None else fraction(max_ppl_rise)

@@ -81,7 +81,7 @@ class CompressionConfig:
     """
 
     # A recipe's ``compression`` section is built from these fields (defaults, and ``help`` as descriptions;
-    # lrkv_tasks.recipe gives the method fields their recipe types), so they are defined once.
+    # lrkv_tasks.recipes.convert_recipe gives the method fields their recipe types), so they are defined once.
     ratio: float = field(
         default=0.5, metadata={"help": "compressed KV width / original; 0.5 halves the cache"}
     )

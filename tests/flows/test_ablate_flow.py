@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from lrkv_core import load_model
 from lrkv_core.data.datasets import eval_windows
 from lrkv_flows.ablate import ablate_flow
-from lrkv_tasks.recipe import AblateRecipe
+from lrkv_tasks.recipes.convert_recipe import AblateRecipe
 from tests.support.inputs import full_rank_kl_bound
 from tests.support.models import tiny_model_dir, token_parquet
 

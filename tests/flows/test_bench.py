@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from lrkv_core.evaluation import serving
 from lrkv_flows.bench import bench_flow
-from lrkv_tasks.recipe import TrackingRecipe
+from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
 from tests.support.models import tiny_model_dir
 
 

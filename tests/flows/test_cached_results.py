@@ -12,7 +12,7 @@ from prefect.results import ResultRecord, ResultRecordMetadata
 from prefect.serializers import PickleSerializer
 
 from lrkv_flows.convert import convert_flow
-from lrkv_tasks.recipe import load_recipe
+from lrkv_tasks.recipes.convert_recipe import load_recipe
 from lrkv_tasks.records import ALLOWED_CLASSES
 from tests.support.models import tiny_model_dir, token_parquet
 

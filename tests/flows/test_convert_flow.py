@@ -10,8 +10,8 @@ from lrkv_core.conversion.convert import plan_conversion
 from lrkv_core.conversion.refine import RefineConfig
 from lrkv_core.data.datasets import eval_windows, read_token_rows
 from lrkv_flows.convert import convert_flow
-from lrkv_tasks.recipe import load_recipe
-from lrkv_tasks.store import local_path
+from lrkv_tasks.recipes.convert_recipe import load_recipe
+from lrkv_tasks.store.artifact_store import local_path
 from tests.support.inputs import full_rank_kl_bound, max_diff
 from tests.support.models import SHARED, tiny_model_dir, token_parquet
 

@@ -18,7 +18,7 @@ from lrkv_flows.cli import app
 from lrkv_flows.cluster import ENV, MAX_LOCAL_WORKERS, dask_cluster, parse_dask
 from lrkv_flows.convert import convert_flow
 from lrkv_flows.runner import configured_task_runner
-from lrkv_tasks.store import local_path
+from lrkv_tasks.store.artifact_store import local_path
 from tests.flows.test_convert_flow import _recipe
 from tests.support.models import tiny_model_dir, token_parquet
 

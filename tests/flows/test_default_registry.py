@@ -13,8 +13,8 @@ import torch
 from lrkv_core import convert, load_compressed, save_compressed
 from lrkv_core.conversion.convert import CompressionConfig
 from lrkv_core.system.fingerprint import hash_dir
-from lrkv_tasks.model_registry import log_model, register_version
-from lrkv_tasks.tracking import close_run, open_run
+from lrkv_tasks.tracking.mlflow_runs import close_run, open_run
+from lrkv_tasks.tracking.model_registry import log_model, register_version
 from tests.support.models import tiny_model
 
 NAME = "lrkv-tiny-llama"
@@ -23,7 +23,7 @@ LOAD = """
 import json, sys, torch
 torch.set_num_threads(1)
 from lrkv_core import load_compressed
-from lrkv_tasks.remote_refs import load_pyfunc
+from lrkv_tasks.tracking.remote_refs import load_pyfunc
 ids = json.loads(sys.argv[1])
 with torch.no_grad():
     logits = load_compressed(sys.argv[2])(torch.tensor(ids)).logits

@@ -13,7 +13,7 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL
 
 from lrkv_flows.deploy import deploy, nightly_flow
-from lrkv_tasks.recipe import ConvertRecipe, load_recipe
+from lrkv_tasks.recipes.convert_recipe import ConvertRecipe, load_recipe
 from tests.support.models import tiny_model_dir, token_parquet
 
 
@@ -104,7 +104,7 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
 
 def test_the_evaluate_flow_logs_a_run(prefect_api, tmp_path):
     from lrkv_flows.evaluate import evaluate_flow
-    from lrkv_tasks.recipe import EvalRecipe, TrackingRecipe
+    from lrkv_tasks.recipes.convert_recipe import EvalRecipe, TrackingRecipe
 
     model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=8, seq_len=32)}"

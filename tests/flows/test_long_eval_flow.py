@@ -10,7 +10,7 @@ from lrkv_core.conversion.pipeline import evaluate_long_dir
 from lrkv_core.evaluation.longcontext import LongContextResult
 from lrkv_flows.convert import convert_flow
 from lrkv_flows.report import console, print_summary
-from lrkv_tasks.recipe import LongEvalRecipe, load_recipe
+from lrkv_tasks.recipes.convert_recipe import LongEvalRecipe, load_recipe
 from lrkv_tasks.summary import summary_markdown
 from tests.support.models import SHARED
 
@@ -118,7 +118,7 @@ def test_a_bad_long_section_is_refused_before_any_work(tmp_path):
 
 def test_the_evaluate_flow_runs_the_long_suite_and_logs_it(prefect_api, tmp_path):
     from lrkv_flows.evaluate import evaluate_flow
-    from lrkv_tasks.recipe import EvalRecipe, TrackingRecipe
+    from lrkv_tasks.recipes.convert_recipe import EvalRecipe, TrackingRecipe
 
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     dataset = f"text:{DATA / 'valid.txt'}"

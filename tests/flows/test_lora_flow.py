@@ -11,7 +11,7 @@ from lrkv_core.evaluation.metrics import kv_bytes_per_token
 from lrkv_flows.convert import convert_flow
 from lrkv_tasks import lora as lora_task
 from lrkv_tasks.lora import checkpoint_dir, lora_recover
-from lrkv_tasks.recipe import load_recipe
+from lrkv_tasks.recipes.convert_recipe import load_recipe
 from tests.support.inputs import ids_for, max_diff
 from tests.support.models import tiny_model_dir, token_parquet
 

@@ -3,7 +3,7 @@
 from mlflow.tracking import MlflowClient
 
 from lrkv_flows.convert import convert_flow
-from lrkv_tasks.recipe import load_recipe
+from lrkv_tasks.recipes.convert_recipe import load_recipe
 from tests.support.models import tiny_model_dir, token_parquet
 
 

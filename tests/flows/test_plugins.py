@@ -18,7 +18,7 @@ from lrkv_core import load_compressed
 from lrkv_core.allocation import ALLOCATORS, Allocation, Allocator, RankProblem, fit_to_budget
 from lrkv_core.cache import CACHE_STORAGES, CacheStorage, LatentStore, split_groups
 from lrkv_flows.convert import convert_flow
-from lrkv_tasks.recipe import load_recipe
+from lrkv_tasks.recipes.convert_recipe import load_recipe
 from tests.support.models import tiny_model_dir, token_parquet
 
 

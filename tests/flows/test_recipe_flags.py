@@ -15,8 +15,8 @@ from lrkv_flows.commands.convert import CONVERT_FLAGS
 from lrkv_flows.commands.search import SEARCH_FLAGS
 from lrkv_flows.options import parse_group_size
 from lrkv_flows.recipe_flags import RecipeFlag, flag_help, recipe_flags, schema_field
-from lrkv_tasks.recipe import ConvertRecipe
-from lrkv_tasks.search_recipe import SearchRecipe
+from lrkv_tasks.recipes.convert_recipe import ConvertRecipe
+from lrkv_tasks.recipes.search_recipe import SearchRecipe
 
 
 class _Inner(BaseModel):
@@ -57,7 +57,9 @@ FLAGS = (
 def test_given_flags_become_overrides_by_recipe_key_and_the_rest_are_absent():
     seen: list = []
     app = _app(FLAGS, seen)
-    res = CliRunner(env=WIDE).invoke(app, ["cmd", "--model", "m", "--ratio", "0.25", "--seq-len", "32", "--verbose"])
+    res = CliRunner(env=WIDE).invoke(
+        app, ["cmd", "--model", "m", "--ratio", "0.25", "--seq-len", "32", "--verbose"]
+    )
     assert res.exit_code == 0, res.output
     assert seen == [("m", True, {"ratio": 0.25, "inner.seq_len": 32, "other.seq_len": 32})]
     res = CliRunner(env=WIDE).invoke(app, ["cmd", "--group-size", "auto"])

@@ -15,9 +15,9 @@ from mlflow.tracking import MlflowClient
 
 from lrkv_core import load_compressed
 from lrkv_flows.convert import convert_flow
-from lrkv_tasks.recipe import load_recipe
-from lrkv_tasks.s3 import StoreUnreachableError
-from lrkv_tasks.store import local_path
+from lrkv_tasks.recipes.convert_recipe import load_recipe
+from lrkv_tasks.store.artifact_store import local_path
+from lrkv_tasks.store.s3 import StoreUnreachableError
 from tests.support.models import tiny_model_dir, token_parquet
 from tests.support.servers import free_port, s3_env
 

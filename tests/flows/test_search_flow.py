@@ -7,8 +7,8 @@ from mlflow.tracking import MlflowClient
 from lrkv_flows.ablate import ablate_flow
 from lrkv_flows.deploy import deploy, nightly_search_flow
 from lrkv_flows.search import search_flow
-from lrkv_tasks.recipe import AblateRecipe
-from lrkv_tasks.search_recipe import SearchRecipe
+from lrkv_tasks.recipes.convert_recipe import AblateRecipe
+from lrkv_tasks.recipes.search_recipe import SearchRecipe
 from tests.support.models import SHARED
 
 MODEL = SHARED / "models" / "shakespeare-llama"

@@ -11,9 +11,9 @@ import lrkv_core
 from lrkv_core import load_compressed, load_model
 from lrkv_core.system.fingerprint import hash_dir, hash_sources
 from lrkv_tasks import convert as t
-from lrkv_tasks.artifacts import ArtifactRef
 from lrkv_tasks.keys import code_version
-from lrkv_tasks.s3 import StoreIntegrityError
+from lrkv_tasks.store.artifacts import ArtifactRef
+from lrkv_tasks.store.s3 import StoreIntegrityError
 from tests.support.models import tiny_model_dir, token_parquet
 
 

@@ -11,9 +11,9 @@ from pydantic import ValidationError
 
 from lrkv_core.lora import ROLES, RecoveryConfig
 from lrkv_flows.commands.convert import lora_overrides
-from lrkv_tasks.plots import plot_loss_curve
-from lrkv_tasks.preflight import prepare
-from lrkv_tasks.recipe import LoraRecipe, Role, load_recipe
+from lrkv_tasks.recipes.convert_recipe import LoraRecipe, Role, load_recipe
+from lrkv_tasks.recipes.preflight import prepare
+from lrkv_tasks.tracking.plots import plot_loss_curve
 from tests.support.models import tiny_model_dir, token_parquet
 
 

@@ -3,7 +3,7 @@ import threading
 import pytest
 
 from lrkv_tasks import device
-from lrkv_tasks.recipe import CalibrationRecipe
+from lrkv_tasks.recipes.convert_recipe import CalibrationRecipe
 
 
 @pytest.fixture
@@ -98,8 +98,8 @@ def test_the_wait_for_a_slot_is_noted_for_the_task_run_that_waited(slots, monkey
 
 
 def test_a_bad_limit_stops_a_conversion_before_any_work(slots, tmp_path):
-    from lrkv_tasks.preflight import prepare
-    from lrkv_tasks.recipe import ConvertRecipe
+    from lrkv_tasks.recipes.convert_recipe import ConvertRecipe
+    from lrkv_tasks.recipes.preflight import prepare
     from tests.support.models import tiny_model_dir
 
     slots("none")

@@ -6,7 +6,7 @@ import matplotlib.image
 import numpy as np
 
 from lrkv_core.allocation import RankPlan
-from lrkv_tasks.plots import plot_rank_heatmap, rank_matrix
+from lrkv_tasks.tracking.plots import plot_rank_heatmap, rank_matrix
 
 
 def _plan(n_layers: int, n_groups: int, width: int = 32) -> RankPlan:

@@ -7,8 +7,8 @@ import pytest
 
 from lrkv_core import convert, load_model, save_compressed
 from lrkv_core.conversion.convert import CompressionConfig
-from lrkv_tasks.preflight import prepare
-from lrkv_tasks.recipe import load_recipe
+from lrkv_tasks.recipes.convert_recipe import load_recipe
+from lrkv_tasks.recipes.preflight import prepare
 from tests.support.models import tiny_model, tiny_model_dir, token_parquet
 
 

@@ -8,7 +8,13 @@ from lrkv_core.allocation import DEFAULT_ALLOCATOR, Allocator
 from lrkv_core.conversion.convert import CompressionConfig
 from lrkv_core.decompositions import Decomposition
 from lrkv_core.quant.rotation import RotationConfig
-from lrkv_tasks.recipe import ConvertRecipe, apply_overrides, flatten, load_recipe, method_label
+from lrkv_tasks.recipes.convert_recipe import (
+    ConvertRecipe,
+    apply_overrides,
+    flatten,
+    load_recipe,
+    method_label,
+)
 from tests.support.models import tiny_config
 
 

@@ -7,7 +7,7 @@ import uuid
 import pytest
 from mlflow.tracking import MlflowClient
 
-from lrkv_tasks.model_registry import (
+from lrkv_tasks.tracking.model_registry import (
     CANDIDATE,
     CHAMPION,
     COMPLETE_TAG,
@@ -108,7 +108,7 @@ def test_registrations_of_one_model_at_once_take_turns_through_the_gate(mlflow_s
     the first champion; with them exactly one does and the other is compared with it."""
     import threading
 
-    from lrkv_tasks import model_registry as registry
+    from lrkv_tasks.tracking import model_registry as registry
 
     monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
     name = f"lrkv-together-{uuid.uuid4().hex[:8]}"

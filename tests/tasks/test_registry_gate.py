@@ -2,8 +2,8 @@
 
 from lrkv_core.data.heldout import overlap
 from lrkv_core.evaluation.metrics import EvalResult
-from lrkv_tasks.model_registry import model_name, quality_gate
 from lrkv_tasks.publish import quality
+from lrkv_tasks.tracking.model_registry import model_name, quality_gate
 
 Q = {"ppl": 10.4, "base_ppl": 10.0, "protocol": "p1"}
 

@@ -7,9 +7,9 @@ import pytest
 from prefect.results import ResultRecord, ResultRecordMetadata
 from prefect.serializers import JSONSerializer, PickleSerializer
 
-from lrkv_tasks.artifacts import ArtifactRef
 from lrkv_tasks.records import EXPIRED, UnsafeRecord, parse_record, stale_reason
-from lrkv_tasks.store import LocalStore
+from lrkv_tasks.store.artifact_store import LocalStore
+from lrkv_tasks.store.artifacts import ArtifactRef
 
 
 def _record(result, serializer=None) -> bytes:

@@ -7,8 +7,8 @@ import boto3
 import pytest
 
 from lrkv_core.system.fingerprint import hash_file
-from lrkv_tasks.s3 import S3Store, StoreIntegrityError, StoreUnreachableError
-from lrkv_tasks.store import artifact_exists, local_path, open_store
+from lrkv_tasks.store.artifact_store import artifact_exists, local_path, open_store
+from lrkv_tasks.store.s3 import S3Store, StoreIntegrityError, StoreUnreachableError
 from tests.support.servers import free_port
 
 

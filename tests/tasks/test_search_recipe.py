@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lrkv_tasks.search_recipe import SearchRecipe
+from lrkv_tasks.recipes.search_recipe import SearchRecipe
 
 
 def test_arms_are_caches_times_allocators_and_candidates_carry_the_rotation():
@@ -49,6 +49,6 @@ def test_invalid_recipes_fail(bad, message):
 
 def test_the_recipe_does_not_import_prefect():
     """The CLI validates it before pointing Prefect at its API; importing Prefect first would fix the API."""
-    code = "import sys, lrkv_tasks.search_recipe; print('prefect' in sys.modules)"
+    code = "import sys, lrkv_tasks.recipes.search_recipe; print('prefect' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from lrkv_tasks.s3 import S3Store, StoreIntegrityError
-from lrkv_tasks.store import LocalStore, local_path, open_store
+from lrkv_tasks.store.artifact_store import LocalStore, local_path, open_store
+from lrkv_tasks.store.s3 import S3Store, StoreIntegrityError
 
 
 def test_put_is_content_addressed_and_atomic(tmp_path):

@@ -2,7 +2,7 @@ import json
 
 from mlflow.tracking import MlflowClient
 
-from lrkv_tasks.tracking import log_conversion
+from lrkv_tasks.tracking.mlflow_runs import log_conversion
 
 
 def _log(uri):

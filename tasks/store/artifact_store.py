@@ -1,8 +1,8 @@
 """The artifact store: content-addressed artifacts under one root, a local directory or ``s3://bucket/prefix``.
 
 One interface (:class:`ArtifactStore`), two implementations: :class:`LocalStore` here and
-:class:`lrkv_tasks.s3.S3Store`. :func:`open_store` picks one from the root. Every artifact is staged in a
-local temporary path first and published at ``<root>/<kind>/<sha256>[suffix]`` only when complete (a rename
+:class:`lrkv_tasks.store.s3.S3Store`. :func:`open_store` picks one from the root. Every artifact is staged in
+a local temporary path first and published at ``<root>/<kind>/<sha256>[suffix]`` only when complete (a rename
 on a local disk; a completed upload, and for a directory a manifest written last, on S3), so a killed run
 never leaves a half-written artifact, and equal content is stored once. Tasks read artifacts through
 :meth:`ArtifactStore.local`, which for S3 downloads into a content-addressed local cache and verifies the
@@ -56,7 +56,7 @@ def default_store_root() -> Path:
 
 
 class ArtifactStore(Protocol):
-    """What tasks need from a store; ``uri`` strings are what :class:`~lrkv_tasks.artifacts.ArtifactRef`
+    """What tasks need from a store; ``uri`` strings are what :class:`~lrkv_tasks.store.artifacts.ArtifactRef`
     holds."""
 
     root: str

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tracking import client
+from .mlflow_runs import client
 
 SUMMARY_METRICS = ("achieved_ratio", "base_prefill_ppl", "compressed_prefill_ppl", "kv_bytes_ratio")
 

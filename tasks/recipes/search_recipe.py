@@ -1,6 +1,7 @@
 """The search's recipe: a ``base`` convert recipe and the ``search`` section (what varies, the budget).
 
-Prefect-free, like :mod:`lrkv_tasks.recipe`, so the CLI can validate a recipe before Prefect starts."""
+Prefect-free, like :mod:`lrkv_tasks.recipes.convert_recipe`, so the CLI can validate a recipe before Prefect
+starts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lrkv_core.cache import CACHE_STORAGES
 from lrkv_core.conversion.search import Budget
 from lrkv_core.quant.rotation import Policy
 
-from .recipe import ConvertRecipe, PaluRecipe, Strict, method_label
+from .convert_recipe import ConvertRecipe, PaluRecipe, Strict, method_label
 from .registered import registered
 
 DEFAULT_RATIOS = [round(0.05 * k, 2) for k in range(1, 21)]

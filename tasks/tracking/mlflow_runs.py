@@ -27,7 +27,7 @@ from urllib.parse import unquote
 
 from lrkv_core.system.paths import lrkv_home, setup_lock, writable_home
 
-from .keys import code_version
+from ..keys import code_version
 
 OPEN_RUNS: dict[str, str] = {}  # run id -> tracking URI, for runs this process opened and has not closed
 _OPEN_LOCK = threading.Lock()

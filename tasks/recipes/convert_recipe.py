@@ -1,7 +1,7 @@
 """Recipes: strict pydantic models (unknown keys fail), loadable from YAML, used as the flow parameter.
 
 The methods a recipe may name (decomposition, allocator, statistics) come from lrkv_core's registries
-(:mod:`lrkv_tasks.registered`): nothing here lists them.
+(:mod:`lrkv_tasks.recipes.registered`): nothing here lists them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from lrkv_core.quant.rotation import RotationConfig
 from lrkv_core.registry import Method
 from lrkv_core.statistics import STATISTICS
 
-from .artifacts import STORE_FORMS, is_s3, local_dir
+from ..store.artifacts import STORE_FORMS, is_s3, local_dir
 from .registered import registered
 
 DEFAULT_MODEL = "builtin:pydoc-llama"

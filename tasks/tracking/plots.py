@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from lrkv_core.allocation import RankPlan
 from lrkv_core.evaluation.longcontext import LongContextResult
 
-from .recipe import method_label
+from ..recipes.convert_recipe import method_label
 
 
 def rank_matrix(plan: RankPlan) -> tuple[np.ndarray, list[str]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lrkv_core.version import __version__
 
-from .tracking import client
+from .mlflow_runs import client
 
 LOADER = "lrkv_tasks.mlflow_model"
 DATA_NAME = "lrkv-model"
@@ -45,7 +45,7 @@ def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
     import mlflow.pyfunc
     from mlflow.entities import LoggedModelOutput
 
-    from .mlflow_model import signature
+    from ..mlflow_model import signature
 
     mc = client(run["tracking_uri"])
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,9 +25,9 @@ from lrkv_core.model.adapters import get_adapter
 from lrkv_core.model.io import is_compressed_dir
 from lrkv_core.model.loading import TOKENIZER_FILES, missing_safetensors, resolve_model_dir
 
-from .artifacts import is_s3
-from .device import pass_limit
-from .recipe import HELD_OUT, ConvertRecipe, LoraRecipe
+from ..device import pass_limit
+from ..store.artifacts import is_s3
+from .convert_recipe import HELD_OUT, ConvertRecipe, LoraRecipe
 
 DEFAULT_CALIBRATION = "hf:wikitext:wikitext-2-raw-v1:train"  # Palu's and SVD-LLM's calibration text
 

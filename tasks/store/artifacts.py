@@ -50,9 +50,9 @@ class ArtifactRef(BaseModel):
     """One stored artifact: where it is, what it is, its content fingerprint and a few small facts.
 
     ``uri`` is a local path (a local store's artifact, a model directory, an export) or ``s3://...`` (an S3
-    store's artifact; tasks read it through :func:`lrkv_tasks.store.local_path`); ``sha256`` is the
-    content fingerprint cache keys are built from; ``meta`` holds small JSON facts (a layer index, a model's
-    attention shape, a plan's achieved ratio), never tensors.
+    store's artifact; tasks read it through :func:`lrkv_tasks.store.artifact_store.local_path`); ``sha256`` is
+    the content fingerprint cache keys are built from; ``meta`` holds small JSON facts (a layer index, a
+    model's attention shape, a plan's achieved ratio), never tensors.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

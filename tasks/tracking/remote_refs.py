@@ -26,8 +26,8 @@ import yaml
 from lrkv_core.system.fingerprint import hash_dir
 from lrkv_core.system.paths import lrkv_home, writable_home
 
+from .mlflow_runs import client, tracking_uri
 from .model_registry import SHA_TAG, _alias_version
-from .tracking import client, tracking_uri
 
 _MODELS_REF = re.compile(r"/?(?P<name>[^/@]+)(?:@(?P<alias>[\w-]+)|/(?P<version>\d+))")
 
@@ -116,7 +116,7 @@ def _download_version(ref: str, folder: str, whole: bool) -> Path:
 
 def resolve_s3_model(rest: str) -> Path:
     """Local directory of a model directory artifact in an S3 store (``s3://bucket/.../models/<sha256>``)."""
-    from .s3 import S3Store
+    from ..store.s3 import S3Store
 
     uri = f"s3:{rest}"
     return S3Store.for_uri(uri).local(uri)
