@@ -24,7 +24,8 @@ row, so the micro-batch size does not change the draws). Both are latent prefix 
 within the budget and no narrower than P (the exact knapsack), each group moving at most ``radius`` rank
 steps; it is kept only if its measured J is lower (on the same rows, or with ``accept_rows`` on the
 calibration rows after them, which the step was not priced on), otherwise the radius halves. Cost per step:
-two gradient passes and two to four forward passes over the rows (the KL also needs the original's). J is
+two gradient passes and one forward pass over the rows; the KL also needs the original's predictions, whose
+hidden states are computed once per row and kept (:class:`OriginalHidden`, up to a memory budget). J is
 that of the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not
 see.
 """
@@ -62,6 +63,7 @@ Key = tuple[int, str]  # (layer, "k"|"v")
 REFINE_ROWS = 128  # calibration rows the loss is measured on (docs/decomposition.md: every plan at 0.5)
 REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md: radius)
 REFINE_OBJECTIVE = "nll"  # what the refinement lowers on its rows, "nll" or "kl" (docs/allocation.md)
+ORIGINAL_BYTES = 128 * 2**20  # the most memory the original's kept hidden states take (the rest recomputed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,50 @@ class PlanWeights:
             p.weight.copy_(self.original[key])
 
 
+class OriginalHidden:
+    """The original model's last hidden states (B, T, d) of each micro-batch of ``rows`` (N, T): computed
+    once (weights restored first) and kept while they fit in ``budget`` bytes, the rest computed again at
+    each use, so the KL objective's passes run the original's decoder stack once per row for a whole
+    refinement instead of twice per step. The same values either way (the same forward of the same batch).
+    """
+
+    def __init__(
+        self, model: nn.Module, weights: PlanWeights, rows: torch.Tensor, batch_size: int, budget: int
+    ):
+        self.model, self.weights, self.rows, self.batch_size = model, weights, rows, batch_size
+        self.budget, self.used = budget, 0
+        self.kept: dict[int, torch.Tensor] = {}
+        self.computed = 0  # forwards run, for the tests' count
+
+    def __call__(self, start: int) -> torch.Tensor:
+        """The hidden states of the micro-batch starting at row ``start`` (the weights may be left
+        restored)."""
+        if start in self.kept:
+            return self.kept[start]
+        device = next(self.model.parameters()).device
+        self.weights.restore()
+        with torch.no_grad():
+            hidden = last_hidden(self.model, self.rows[start : start + self.batch_size].to(device))
+        self.computed += 1
+        size = hidden.numel() * hidden.element_size()
+        if self.used + size <= self.budget:
+            self.kept[start], self.used = hidden, self.used + size
+        return hidden
+
+
+def _original(
+    model: nn.Module,
+    weights: PlanWeights,
+    rows: torch.Tensor,
+    batch_size: int,
+    original: OriginalHidden | None,
+) -> OriginalHidden:
+    """``original`` if it holds ``rows`` in micro-batches of ``batch_size``, else a fresh one keeping none."""
+    if original is not None and original.rows is rows and original.batch_size == batch_size:
+        return original
+    return OriginalHidden(model, weights, rows, batch_size, budget=0)
+
+
 def single_cut(factors: Sequence[LayerFactors], layer: int, kind: str, group: int, rank: int) -> Ranks:
     """The plan that keeps every group at full rank but one, cut to ``rank``."""
     ranks = {k: [[g.max_rank for g in f.groups[k]] for f in factors] for k in KINDS}
@@ -159,10 +205,16 @@ def single_cut(factors: Sequence[LayerFactors], layer: int, kind: str, group: in
 
 
 def measured_nll(
-    model: nn.Module, weights: PlanWeights, ranks: Ranks, rows: torch.Tensor, batch_size: int
+    model: nn.Module,
+    weights: PlanWeights,
+    ranks: Ranks,
+    rows: torch.Tensor,
+    batch_size: int,
+    original: OriginalHidden | None = None,
 ) -> float:
     """Mean per-token negative log-likelihood of ``rows``' own next tokens, the model cut to ranks, nats
-    (the full-vocabulary log-probabilities of a few hundred positions at a time)."""
+    (the full-vocabulary log-probabilities of a few hundred positions at a time). ``original`` is not read
+    (the signature of every objective)."""
     total, n = 0.0, 0
     device = next(model.parameters()).device
     weights.cut(ranks)
@@ -176,17 +228,23 @@ def measured_nll(
 
 
 def measured_kl(
-    model: nn.Module, weights: PlanWeights, ranks: Ranks, rows: torch.Tensor, batch_size: int
+    model: nn.Module,
+    weights: PlanWeights,
+    ranks: Ranks,
+    rows: torch.Tensor,
+    batch_size: int,
+    original: OriginalHidden | None = None,
 ) -> float:
     """Mean per-token ``KL(original ‖ cut to ranks)`` over ``rows`` (N, T), nats (each model's last hidden
-    states, then both distributions a few hundred positions at a time)."""
+    states, the original's from ``original`` where it holds these rows, then both distributions a few
+    hundred positions at a time)."""
     total, n = 0.0, 0
     device = next(model.parameters()).device
+    states = _original(model, weights, rows, batch_size, original)
     with torch.no_grad():
         for start in range(0, rows.shape[0], batch_size):
             batch = rows[start : start + batch_size].to(device)
-            weights.restore()
-            original = last_hidden(model, batch)
+            original = states(start)
             weights.cut(ranks)
             cut = last_hidden(model, batch)
             for (_, p), (_, q) in zip(
@@ -206,11 +264,13 @@ def step_costs(
     batch_size: int,
     seed: int,
     objective: str = "kl",
+    original: OriginalHidden | None = None,
 ) -> dict[Key, torch.Tensor]:
     """Per (layer, kind): (G, m + 1) float64, the estimated change of J when that group alone goes from its
     rank in ``ranks`` to each rank r (0 at its own rank), every other group staying cut. J is the KL to the
-    original (``objective="kl"``) or the rows' own next-token loss (``"nll"``). ``seed`` seeds the curvature
-    pass's draws, per row (:func:`~lrkv_core.statistics.gradients.row_seeded_targets`)."""
+    original (``objective="kl"``; its hidden states from ``original`` where it holds these rows) or the
+    rows' own next-token loss (``"nll"``). ``seed`` seeds the curvature pass's draws, per row
+    (:func:`~lrkv_core.statistics.gradients.row_seeded_targets`)."""
     _check(objective)
     lin = {key: torch.zeros(len(g), g[0].max_rank, dtype=torch.float64) for key, g in weights.factors.items()}
     quad = {
@@ -228,16 +288,14 @@ def step_costs(
             r = ranks[kind][layer][j]
             quad[(layer, kind)][j] += (prefix - prefix[:, r : r + 1]).square().sum(0)
 
-    device = next(model.parameters()).device
     if objective == "nll":  # the rows' own next tokens
         weights.cut(ranks)
         kv_gradient_passes(model, rows, visit_gradient, batch_size=batch_size)
     else:
+        states = _original(model, weights, rows, batch_size, original)
         for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's predictions
             batch = rows[start : start + batch_size]
-            weights.restore()
-            with torch.no_grad():
-                original = last_hidden(model, batch.to(device))
+            original = states(start)
             weights.cut(ranks)
             kv_gradient_passes(
                 model,
@@ -271,13 +329,15 @@ def refine_plan(
     batch_size: int = 8,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    original_bytes: int = ORIGINAL_BYTES,
 ) -> RankPlan:
     """The plan after up to ``config.steps`` accepted-or-rejected Gauss–Newton steps on the measured
     ``config.objective`` (``nll`` or ``kl``), priced on the first ``config.rows`` of ``rows`` (N, T) (see the
     module doc) and accepted on the next ``config.accept_rows`` (on the pricing rows when 0); the model is
     left as it was. Its details gain ``refine``: the objective, and its measured value on the accepting rows
     before and after each step (under its name) and whether it was kept. Never above the plan's budget, never
-    a higher measured objective on the accepting rows than the plan's."""
+    a higher measured objective on the accepting rows than the plan's. The KL objective keeps the original's
+    hidden states of up to ``original_bytes`` (:class:`OriginalHidden`): the same plan, fewer forwards."""
     config = RefineConfig.create(config)
     if config.steps is None:
         raise ValueError("refine needs a number of steps (the conversion resolves the allocator's default)")
@@ -299,8 +359,14 @@ def refine_plan(
     if steps == 0 or all(r == s.max_rank for r, s in zip(_flat(problem, ranks), problem.groups)):
         return plan
     weights = PlanWeights(model, factors)
+    priced = OriginalHidden(model, weights, rows, batch_size, original_bytes)
+    accepting = (
+        priced if accept is rows else OriginalHidden(model, weights, accept, batch_size, original_bytes)
+    )
+    if objective != "kl":
+        priced.budget = accepting.budget = 0  # the loss of the rows' own tokens never reads the original
     try:
-        value = measure(model, weights, ranks, accept, batch_size)
+        value = measure(model, weights, ranks, accept, batch_size, accepting)
         history = [{objective: value}]
         for step in range(steps):
             costs = step_costs(
@@ -311,6 +377,7 @@ def refine_plan(
                 batch_size=batch_size,
                 seed=row_seed(seed, step),
                 objective=objective,
+                original=priced,
             )
             current = _flat(problem, ranks)
             bounded = []
@@ -323,7 +390,7 @@ def refine_plan(
             if moved == 0:  # no move is estimated to help: a smaller radius offers none either
                 break
             candidate = problem.nest(flat)
-            new_value = measure(model, weights, candidate, accept, batch_size)
+            new_value = measure(model, weights, candidate, accept, batch_size, accepting)
             kept = new_value < value
             history.append(
                 {objective: new_value, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}

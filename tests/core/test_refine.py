@@ -12,7 +12,9 @@ import torch
 
 from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
 from lrkv_core.conversion.refine import (
+    ORIGINAL_BYTES,
     REFINE_RADIUS,
+    OriginalHidden,
     PlanWeights,
     RefineConfig,
     measured_kl,
@@ -255,3 +257,33 @@ def test_the_micro_batch_size_does_not_change_the_refined_plan(shakespeare) -> N
         assert one["nll"] == pytest.approx(eight["nll"], rel=1e-5)
         if "estimate" in one:
             assert one["estimate"] == pytest.approx(eight["estimate"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("accept_rows", [0, 4])
+def test_kept_original_states_give_the_same_plan_with_one_original_forward_per_batch(
+    shakespeare, monkeypatch, accept_rows
+) -> None:
+    """The KL objective reads the original's hidden states of every row at each step (pricing and
+    accepting); kept once, they give the very same values (bitwise) and plan, and the original's decoder
+    stack runs once per micro-batch of each row set instead of at every use."""
+    from lrkv_core.conversion import refine
+
+    model, rows, conv = shakespeare
+    made: list = []
+    monkeypatch.setattr(
+        refine, "OriginalHidden", lambda *a, **k: made.append(OriginalHidden(*a, **k)) or made[-1]
+    )
+    config = {"steps": 2, "objective": "kl", "rows": 8, "accept_rows": accept_rows, "radius": 2}
+    runs = {}
+    for budget in (0, ORIGINAL_BYTES):
+        made.clear()
+        plan = refine_plan(
+            model, conv.factors, conv.plan, rows[:12], config, batch_size=4, original_bytes=budget
+        )
+        runs[budget] = (plan, [m.computed for m in dict.fromkeys(made)])
+    (plain, recomputed), (kept, once) = runs[0], runs[ORIGINAL_BYTES]
+    assert kept.ranks == plain.ranks and kept.ranks != conv.plan.ranks  # a step was taken
+    assert kept.details["refine"] == plain.details["refine"]  # the same measured values, exactly
+    batches = [2, 1] if accept_rows else [2]  # micro-batches of 4: the 8 pricing rows (and 4 accepting)
+    assert once == batches  # each computed once, at its first use
+    assert all(r >= 2 * b for r, b in zip(recomputed, batches))  # the first value and a step's, at least

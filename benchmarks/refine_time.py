@@ -1,0 +1,89 @@
+"""How long the plan's refinement takes with and without the original's hidden states kept between passes.
+
+The KL objective reads the original model's predictions on every refinement row at every use: the first
+measured value, then each step's costs and measured value. :func:`lrkv_core.conversion.refine.refine_plan`
+keeps the original's last hidden states (up to ``ORIGINAL_BYTES``) so its decoder stack runs once per row.
+This script plans a conversion of a real model (uniform ranks at ``--ratio``: the starting plan), then
+refines it on ``--rows`` calibration rows with each budget, alternating, ``--repeats`` times, and prints the
+seconds, their ratio and whether the plans and measured values are identical (they must be).
+
+    OMP_NUM_THREADS=1 python benchmarks/refine_time.py --threads 1 \\
+        --model ~/.cache/lrkv-assets/smollm2-135m --text ../shared/data/wikitext-2/valid.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+from lrkv_core.conversion.refine import ORIGINAL_BYTES, refine_plan
+from lrkv_core.data.datasets import calibration_windows
+from lrkv_core.model.loading import load_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=os.path.expanduser("~/.cache/lrkv-assets/smollm2-135m"))
+    p.add_argument(
+        "--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/valid.txt")
+    )
+    p.add_argument("--rows", type=int, default=32, help="refinement rows (the default conversion: 128)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=1, help="rows per pass (the flow's at 256 tokens: 1)")
+    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    for path in (args.model, args.text):
+        if not Path(path).exists():
+            p.error(f"{path} does not exist")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    rows = calibration_windows(
+        f"text:{args.text}[:80%]", tok, n_samples=args.rows, seq_len=args.seq_len, seed=0
+    )
+    start = time.perf_counter()
+    conv = plan_conversion(model, rows, CompressionConfig(ratio=args.ratio, allocator="uniform"))
+    print(
+        f"{Path(args.model).name}: {args.rows} rows of {args.seq_len} tokens, {args.steps} kl steps, "
+        f"{args.batch_size} row(s) per pass, {torch.get_num_threads()} thread(s); starting plan in "
+        f"{time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
+    config = {"steps": args.steps, "objective": "kl", "rows": args.rows}
+    seconds: dict[int, list[float]] = {0: [], ORIGINAL_BYTES: []}
+    plans = {}
+    for _ in range(args.repeats):
+        for budget in seconds:
+            start = time.perf_counter()
+            plans[budget] = refine_plan(
+                model,
+                conv.factors,
+                conv.plan,
+                rows,
+                config,
+                batch_size=args.batch_size,
+                original_bytes=budget,
+            )
+            seconds[budget].append(time.perf_counter() - start)
+            print(f"  budget {budget} B: {seconds[budget][-1]:.1f} s", flush=True)
+    same = plans[0].ranks == plans[ORIGINAL_BYTES].ranks and (
+        plans[0].details["refine"] == plans[ORIGINAL_BYTES].details["refine"]
+    )
+    recomputed, kept = (min(seconds[b]) for b in seconds)
+    print("| original's hidden states | seconds (best) | ratio |")
+    print("|---|---|---|")
+    print(f"| recomputed at every use | {recomputed:.1f} | 1 |")
+    print(f"| kept (≤ {ORIGINAL_BYTES // 2**20} MiB) | {kept:.1f} | {kept / recomputed:.3f} |")
+    print(f"identical plans and measured values: {same}")
+
+
+if __name__ == "__main__":
+    main()
