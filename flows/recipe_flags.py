@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from lrkv_tasks.recipes.registered import RegisteredMethod
 
-_SCALARS = (bool, int, float)
+_SCALARS = (int, float)  # typed options; any other value is passed as the string typed (the recipe parses it)
 
 
 @dataclasses.dataclass(frozen=True)

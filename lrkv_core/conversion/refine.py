@@ -244,11 +244,11 @@ def measured_kl(
     with torch.no_grad():
         for start in range(0, rows.shape[0], batch_size):
             batch = rows[start : start + batch_size].to(device)
-            original = states(start)
+            kept = states(start)
             weights.cut(ranks)
             cut = last_hidden(model, batch)
             for (_, p), (_, q) in zip(
-                next_token_log_probs(model, original), next_token_log_probs(model, cut), strict=True
+                next_token_log_probs(model, kept), next_token_log_probs(model, cut), strict=True
             ):
                 total += float((p.exp() * (p - q)).sum())
             n += batch.shape[0] * (batch.shape[1] - 1)
@@ -295,14 +295,14 @@ def step_costs(
         states = _original(model, weights, rows, batch_size, original)
         for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's predictions
             batch = rows[start : start + batch_size]
-            original = states(start)
+            kept = states(start)
             weights.cut(ranks)
             kv_gradient_passes(
                 model,
                 batch,
                 visit_gradient,
                 batch_size=batch_size,
-                targets=predicted_probabilities(model, original),
+                targets=predicted_probabilities(model, kept),
             )
     n, _ = kv_gradient_passes(
         model, rows, visit_curvature, batch_size=batch_size, targets=row_seeded_targets(seed)
