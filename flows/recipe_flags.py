@@ -31,13 +31,15 @@ class RecipeFlag:
     """One flag of a command: the recipe ``key`` it sets (dotted, e.g. ``compression.refine.steps``).
 
     ``name``: the option's name without dashes (default: the key's last part, ``_`` as ``-``); ``also``:
-    further keys set to the same value; ``parse``: the typed string → the recipe value (its ``ValueError`` is
-    a usage error); ``metavar``: shown in the help instead of the type.
+    further keys set to the same value; ``derived``: further keys set to a function of it (``--set`` still
+    overrides them); ``parse``: the typed string → the recipe value (its ``ValueError`` is a usage error);
+    ``metavar``: shown in the help instead of the type.
     """
 
     key: str
     name: str = ""
     also: tuple[str, ...] = ()
+    derived: tuple[tuple[str, Callable[[Any], Any]], ...] = ()
     parse: Callable[[str], Any] | None = None
     metavar: str | None = None
 
@@ -70,7 +72,8 @@ def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
-            return _unwrap(args[0])[0], meta + _unwrap(args[0])[1]
+            inner, inner_meta = _unwrap(args[0])
+            return inner, meta + inner_meta
     return annotation, meta
 
 
@@ -82,8 +85,8 @@ def schema_field(root: type, key: str) -> SchemaField:
         node, _ = _unwrap(node)
         if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
             info = node.model_fields[part]
-            annotation, meta = _unwrap(info.rebuild_annotation())
-            meta += list(info.metadata)
+            annotation, meta = _unwrap(info.annotation)
+            meta += info.metadata  # pydantic keeps a field's Annotated metadata here
             default, description = info.get_default(call_default_factory=True), info.description
         elif dataclasses.is_dataclass(node) and part in {f.name for f in dataclasses.fields(node)}:
             f = next(f for f in dataclasses.fields(node) if f.name == part)
@@ -97,16 +100,6 @@ def schema_field(root: type, key: str) -> SchemaField:
     return SchemaField(key, node, default, description, registry)
 
 
-def _shown(value: Any) -> str | None:
-    if isinstance(value, BaseModel):
-        value = value.model_dump()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = getattr(value, "name", None)
-    if isinstance(value, dict):
-        value = value.get("name")
-    return None if value is None else str(value)
-
-
 def flag_help(field: SchemaField, also: Sequence[str] = ()) -> str:
     """The option's help: the schema's description (for a registered method: its registry's names and
     summaries), its recipe key (and the others it sets) and its default."""
@@ -115,7 +108,7 @@ def flag_help(field: SchemaField, also: Sequence[str] = ()) -> str:
         parts.append(f"{' | '.join(sorted(field.registry.names()))}. {field.registry.help()}")
     if field.description:
         parts.append(field.description)
-    default = _shown(field.default)
+    default = None if field.default is None else str(field.default)
     keys = ", ".join((field.key, *also))
     tail = f"recipe: {keys}" + (f"; default {default}" if default is not None else "")
     return " ".join(parts + [f"({tail})"])
@@ -131,6 +124,8 @@ def _option_type(field: SchemaField, flag: RecipeFlag) -> type:
 def _parameter(root: type, flag: RecipeFlag, prefix: str) -> inspect.Parameter:
     field = schema_field(root, prefix + flag.key)
     also = [schema_field(root, prefix + key).key for key in flag.also]  # a typo fails at import
+    for key, _ in flag.derived:
+        schema_field(root, prefix + key)
     kind = _option_type(field, flag)
     option = typer.Option(flag.option, help=flag_help(field, also), metavar=flag.metavar)
     return inspect.Parameter(
@@ -177,6 +172,8 @@ def recipe_flags(root: type, flags: Sequence[RecipeFlag], *, prefix: str = "", a
                         raise typer.BadParameter(str(err), param_hint=flag.option) from None
                 for key in (flag.key, *flag.also):
                     given[prefix + key] = value
+                for key, derive in flag.derived:
+                    given[prefix + key] = derive(value)
             return command(recipe_flags=given, **kwargs)
 
         params = params[:at] + generated + params[at:]

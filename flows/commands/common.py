@@ -15,6 +15,7 @@ from lrkv_tasks.device import ENV as DEVICE_ENV
 
 from ..cluster import ENV as DASK_ENV
 from ..options import cache_storage, dask_option, device_option
+from ..recipe_flags import RecipeFlag
 from ..report import console, fail, rich_progress
 from .operations import require_home
 
@@ -41,6 +42,9 @@ DATASET_FORMS = (
 )
 
 # options shared by the commands
+SEQ_LEN_FLAG = RecipeFlag(  # one window length for calibration and evaluation; decode after its first half
+    "calibration.seq_len", also=("eval.seq_len",), derived=(("eval.decode_prefix", lambda n: n // 2),)
+)
 ModelOption = Annotated[Optional[str], typer.Option(help="hub id, local dir or builtin:NAME")]
 DatasetOption = Annotated[
     Optional[str],

@@ -22,6 +22,7 @@ from ..options import (
 from ..recipe_flags import RecipeFlag, recipe_flags
 from ..report import console, fail, print_summary, recipe_error, rich_progress
 from .common import (
+    SEQ_LEN_FLAG,
     DaskOption,
     DatasetOption,
     DeviceOption,
@@ -47,7 +48,7 @@ CONVERT_FLAGS = (
     RecipeFlag("compression.refine.steps", name="refine-steps"),
     RecipeFlag("compression.rotation.name", name="rotation"),
     RecipeFlag("calibration.n_samples"),
-    RecipeFlag("calibration.seq_len", also=("eval.seq_len",)),
+    SEQ_LEN_FLAG,
     RecipeFlag("tracking.mlflow_uri"),
 )
 
@@ -113,8 +114,6 @@ def convert(
         "eval.dataset": eval_dataset,
     }
     overrides = flag_overrides(flags, "eval.dataset") | (recipe_flags or {})
-    if "eval.seq_len" in overrides:
-        overrides.setdefault("eval.decode_prefix", overrides["eval.seq_len"] // 2)
     overrides.update(parse_set(set_ or []))
     try:
         overrides = lora_overrides(lora, lora_steps, read_yaml(recipe)) | overrides

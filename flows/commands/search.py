@@ -21,6 +21,7 @@ from ..options import (
 from ..recipe_flags import RecipeFlag, recipe_flags
 from ..report import console, fail, print_summary, recipe_error, rich_progress
 from .common import (
+    SEQ_LEN_FLAG,
     DaskOption,
     DatasetOption,
     DeviceOption,
@@ -40,7 +41,7 @@ from .common import (
 # the base recipe's keys offered as flags (name, type, help and default from the recipe's schema)
 SEARCH_FLAGS = (
     RecipeFlag("calibration.n_samples"),
-    RecipeFlag("calibration.seq_len", also=("eval.seq_len",)),
+    SEQ_LEN_FLAG,
     RecipeFlag("tracking.mlflow_uri"),
 )
 
@@ -106,10 +107,7 @@ def search(
         "search.caches": caches,
         "search.allocators": csv_list(allocators),
     }
-    overrides = flag_overrides(flags, "base.eval.dataset") | (recipe_flags or {})
-    if "base.eval.seq_len" in overrides:
-        overrides["base.eval.decode_prefix"] = overrides["base.eval.seq_len"] // 2
-    overrides |= parse_set(set_ or [])
+    overrides = flag_overrides(flags, "base.eval.dataset") | (recipe_flags or {}) | parse_set(set_ or [])
     try:
         rec = SearchRecipe.model_validate(apply_overrides(read_yaml(recipe), overrides))
     except (ValueError, OSError, yaml.YAMLError) as e:

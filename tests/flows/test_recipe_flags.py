@@ -122,3 +122,13 @@ def test_the_commands_flags_say_what_the_schema_says(command, flags, root, prefi
         assert field.description or field.registry, f"{flag.key} has no description in the schema"
         also = [prefix + k for k in flag.also]
         assert params[flag.param].help == flag_help(field, also)
+
+
+def test_derived_keys_take_a_function_of_the_value():
+    seen: list = []
+    app = _app((RecipeFlag("inner.seq_len", derived=(("other.seq_len", lambda n: n // 2),)),), seen)
+    res = CliRunner(env=WIDE).invoke(app, ["cmd", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    assert seen == [(None, False, {"inner.seq_len": 32, "other.seq_len": 16})]
+    with pytest.raises(KeyError, match="nope"):
+        _app((RecipeFlag("ratio", derived=(("nope", str),)),), [])
