@@ -25,7 +25,8 @@ and SDPA), with the bytes each reads and the bandwidth that makes; then a whole 
 CUDA-graph replays timed with CUDA events, median of ``--repeats`` runs of ``--steps``); and the serving
 trade: within the memory the original's cache takes at ``--batch``, lrkv holds ``⌊1/ratio_bytes⌋`` times the
 batch, and tokens/s at each.
-Every row is also written as JSON to ``--out``.
+Every row is also written as JSON to ``--out``. With ``--bits``, ``--unpack codes`` has the kernels read the
+packed codes one at a time instead of a word at a time (their default), to time the two readings.
 
 Before timing, the stack is checked at full rank (rank = the whole KV width) on a small prefix decoded token
 by token: lrkv's logits must equal the original's (float32); on a GPU the rotated keys' kernel is also
@@ -234,10 +235,12 @@ class Latent:
         bits: int = 0,
         rotated: bool = False,
         rank_k: int | None = None,
+        unpack_words: bool = True,
     ) -> None:
         s, dev, dt = stack.shape, stack.device, stack.dtype
         rank_k = rank_k or rank
         self.stack, self.rank, self.rank_k, self.bits, self.rotated = stack, rank, rank_k, bits, rotated
+        self.unpack_words = unpack_words
         G, nq, n_rep = s.Hkv // s.group, s.H // (s.Hkv // s.group), s.H // s.Hkv
         self.layers = []
         for L in stack.layers:
@@ -357,7 +360,9 @@ class Latent:
             for key in ("latent_scores", "hoist"):  # -1 or absent: the kernel's default
                 flag = options.get(key, -1)
                 options[key] = None if flag < 0 else bool(flag)
-            out = latent_decode_attention_triton(*args, **options, stats=self.stats)
+            out = latent_decode_attention_triton(
+                *args, **options, unpack_words=self.unpack_words, stats=self.stats
+            )  # fmt: skip
         elif self.bits:
             raise ValueError("Palu's scores kernel reads dense latents only")
         else:  # Palu's scores kernel per group, softmax and the value product in torch
@@ -398,7 +403,9 @@ class Latent:
 
             options = {k: v or None for k, v in zip(ROTATED_FIELDS, self.kernel, strict=False)}
             options["num_warps"], options["num_stages"] = self.kernel[1], self.kernel[2]
-            out = absorbed_decode_attention_triton(q_abs, hk, hv, M["weights"], s.D**-0.5, **options)
+            out = absorbed_decode_attention_triton(
+                q_abs, hk, hv, M["weights"], s.D**-0.5, **options, unpack_words=self.unpack_words
+            )  # fmt: skip
         else:
             out = absorbed_decode_attention(q_abs, hk, hv, M["weights"], s.D**-0.5)
         return out @ M["o"].T
@@ -492,6 +499,10 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=None, help="KV heads per latent group (default: lrkv's)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--bits", type=int, default=0, help="lrkv's latents quantized to 2, 3 or 4 bits (packed)")
+    ap.add_argument(
+        "--unpack", choices=("words", "codes"), default="words",
+        help="packed codes read a word at a time (the kernels' default) or one code at a time",
+    )  # fmt: skip
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="check,attention,step,serving")
@@ -516,6 +527,8 @@ def main() -> None:
     out = args.out.open("a") if args.out else None
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     meta = dict(shape=args.shape, device=name, torch=torch.__version__, ratio=args.ratio, bits=args.bits)
+    if args.bits:
+        meta["unpack"] = args.unpack
     key_kinds = {"rebuilt": "lrkv", "rotated": "lrkv-rotated"}
     unknown = set(args.keys.split(",")) - set(key_kinds)
     if unknown:
@@ -554,7 +567,9 @@ def main() -> None:
             cache = Original(stack, args.batch, max(contexts) + 1)
         else:
             rotated = kind == "lrkv-rotated"
-            cache = Latent(stack, rank, args.batch, max(contexts) + 1, args.bits, rotated, rank_k)
+            cache = Latent(
+                stack, rank, args.batch, max(contexts) + 1, args.bits, rotated, rank_k, args.unpack == "words"
+            )  # fmt: skip
         cache.fill()
         x = stack.embed[torch.arange(args.batch, device=device)]
         for ctx in contexts:

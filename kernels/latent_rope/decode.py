@@ -26,7 +26,8 @@ class LatentDecodeWeights:
     latents start in the concatenated H_k, H_v; ``out_offsets`` (G,) int32 where each group's outputs start
     in a row of the result (per group, head after head, r_v each); ``width`` that row's length;
     ``norm_weight`` (D,) float32 and ``norm_eps`` the keys' per-head RMSNorm before RoPE (QK-norm: Qwen3), or
-    None.
+    None; ``k_align``, ``v_align`` the largest power of two up to 8 that divides every group's key (value)
+    rank, so every group's latents start at a multiple of it (how the kernels may read packed codes).
     """
 
     up: torch.Tensor
@@ -40,6 +41,8 @@ class LatentDecodeWeights:
     max_rank_v: int
     norm_weight: torch.Tensor | None = None
     norm_eps: float = 0.0
+    k_align: int = 1
+    v_align: int = 1
 
     @classmethod
     def build(
@@ -73,6 +76,7 @@ class LatentDecodeWeights:
         return cls(
             up, bias, ints(ranks_k), ints(ranks_v), offsets(ranks_k), offsets(list(ranks_v)),
             offsets(out_widths), sum(out_widths), max(ranks_v), norm, float(norm_eps),
+            alignment(ranks_k), alignment(list(ranks_v)),
         )  # fmt: skip
 
     @classmethod
@@ -93,6 +97,14 @@ class LatentDecodeWeights:
             bias = None if self.bias is None else self.bias[g]
             out.append((slice(ko, ko + rk), slice(vo, vo + rv), self.up[g, :, :rk], bias))
         return out
+
+
+def alignment(ranks: list[int]) -> int:
+    """The largest power of two up to 8 dividing every rank (1 where one is odd)."""
+    align = 8
+    while any(r % align for r in ranks):
+        align //= 2
+    return align
 
 
 TABLE_FLOOR = 4096  # positions the RoPE tables cover at least

@@ -59,16 +59,25 @@ BLOCK_BYTES = 64 * 1024  # B_k rows one product reads (or a program holds across
 @triton.jit
 def _latent_tile(
     dense_ptr, sd_b, sd_s, sd_r, codes_ptr, sc_b, sc_s, scale_ptr, zero_ptr, ss_b, ss_s, ss_g,
-    b, offs_s, mask_s, cols, mask_c, g, qw, S_packed,
-    BITS: tl.constexpr, SUBGROUPS: tl.constexpr, RECENT: tl.constexpr, DTYPE: tl.constexpr,
+    b, offs_s, mask_s, start, n, g, qw, S_packed,
+    C: tl.constexpr, BITS: tl.constexpr, WORD_BYTES: tl.constexpr, SUBGROUPS: tl.constexpr,
+    RECENT: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """The latents (BLOCK_S, C) of tokens ``offs_s``, row columns ``cols``: read as they are (``BITS`` 0),
-    or, for tokens before ``S_packed``, unpacked from their ``BITS``-bit codes (code c in bits
-    [c·BITS, c·BITS + BITS) of the row's little-endian bytes; a 3-bit code may cross into the next byte) and
-    dequantized, ``z + q·s`` in float32 rounded to ``DTYPE``, with the scale and zero-point of column c's
-    quantization group (c // ``qw`` where the groups are ``SUBGROUPS`` of the latent groups, else one per
-    token for the latent group ``g``); where the cache keeps a ``RECENT`` window, later tokens read as they
-    are, from ``dense_ptr``'s token ``offs_s − S_packed``."""
+    """The latents (BLOCK_S, C) of tokens ``offs_s``, row columns ``start`` … ``start + C`` (those past
+    ``n`` read as zero codes): read as they are (``BITS`` 0), or, for tokens before ``S_packed``, unpacked
+    from their ``BITS``-bit codes (code c in bits [c·BITS, c·BITS + BITS) of the row's little-endian bytes;
+    a 3-bit code may cross into the next byte) and dequantized, ``z + q·s`` in float32 rounded to
+    ``DTYPE``, with the scale and zero-point of column c's quantization group (c // ``qw`` where the groups
+    are ``SUBGROUPS`` of the latent groups, else one per token for the latent group ``g``); where the cache
+    keeps a ``RECENT`` window, later tokens read as they are, from ``dense_ptr``'s token
+    ``offs_s − S_packed``.
+
+    Codes are read one by one (``WORD_BYTES`` 0: one or two byte loads per code), or a word at a time: the
+    ``WORD_BYTES`` bytes (1, or 3 for 3-bit codes) that hold a whole number of codes are loaded once and
+    every code is cut from its word in registers, which needs ``start`` to be a multiple of the codes per
+    word (the host checks the groups' ranks)."""
+    cols = start + tl.arange(0, C)
+    mask_c = tl.arange(0, C) < n
     if BITS == 0:
         out = tl.load(
             dense_ptr + b * sd_b + offs_s[:, None] * sd_s + cols[None, :] * sd_r,
@@ -77,15 +86,28 @@ def _latent_tile(
     else:
         packed = mask_s & (offs_s < S_packed)
         in_codes = packed[:, None] & mask_c[None, :]
-        bit = cols * BITS
-        byte = (bit // 8)[None, :]
-        shift = (bit % 8)[None, :]
         row = codes_ptr + b * sc_b + offs_s[:, None] * sc_s
-        word = tl.load(row + byte, mask=in_codes, other=0).to(tl.int32)
-        if 8 % BITS != 0:  # a code past the byte's last bit continues in the next byte
-            crosses = in_codes & (shift + BITS > 8)
-            word = word | (tl.load(row + byte + 1, mask=crosses, other=0).to(tl.int32) << 8)
-        code = ((word >> shift) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_S, C)
+        if WORD_BYTES:  # each word's bytes read once, its codes cut in registers
+            PER_WORD: tl.constexpr = WORD_BYTES * 8 // BITS
+            words = tl.arange(0, C // PER_WORD)
+            in_words = packed[:, None] & (words * PER_WORD < n)[None, :]
+            at = row + ((start // PER_WORD + words) * WORD_BYTES)[None, :]
+            word = tl.load(at, mask=in_words, other=0).to(tl.int32)
+            for i in tl.static_range(1, WORD_BYTES):
+                word = word | (tl.load(at + i, mask=in_words, other=0).to(tl.int32) << (8 * i))
+            rows: tl.constexpr = word.shape[0]
+            word = tl.reshape(tl.broadcast_to(word[:, :, None], (rows, C // PER_WORD, PER_WORD)), (rows, C))
+            shift = ((tl.arange(0, C) % PER_WORD) * BITS)[None, :]
+            code = tl.where(in_codes, (word >> shift) & ((1 << BITS) - 1), 0).to(tl.float32)
+        else:
+            bit = cols * BITS
+            byte = (bit // 8)[None, :]
+            shift = (bit % 8)[None, :]
+            word = tl.load(row + byte, mask=in_codes, other=0).to(tl.int32)
+            if 8 % BITS != 0:  # a code past the byte's last bit continues in the next byte
+                crosses = in_codes & (shift + BITS > 8)
+                word = word | (tl.load(row + byte + 1, mask=crosses, other=0).to(tl.int32) << 8)
+            code = ((word >> shift) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_S, C)
         if SUBGROUPS:  # a scale and zero-point per token and sub-group of columns
             at = b * ss_b + offs_s[:, None] * ss_s + (cols // qw)[None, :] * ss_g
             scale = tl.load(scale_ptr + at, mask=in_codes, other=0.0).to(tl.float32)
@@ -103,6 +125,16 @@ def _latent_tile(
             ).to(DTYPE)  # fmt: skip
             out = tl.where(packed[:, None], out, recent)
     return out
+
+
+def word_bytes(bits: int, align: int) -> int:
+    """The bytes :func:`_latent_tile` reads as one word of ``bits``-bit codes (3 for 3-bit codes, 1 for
+    2- and 4-bit ones) where every latent group starts at a multiple of ``align`` columns that is a whole
+    word's codes; 0 (codes read one by one) otherwise, and for unpacked or 8-bit latents."""
+    if bits not in (2, 3, 4):
+        return 0
+    size = 3 if bits == 3 else 1
+    return size if align % (size * 8 // bits) == 0 else 0
 
 
 @triton.jit
@@ -190,8 +222,8 @@ def _flash_decode_kernel(
     HALF: tl.constexpr, HALF_P: tl.constexpr, RV_P: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr,
     PRECISION: tl.constexpr, ACCURATE_TRIG: tl.constexpr, LATENT_SCORES: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
-    HEADS_P: tl.constexpr, HOIST: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
+    DTYPE: tl.constexpr, HEADS_P: tl.constexpr, HOIST: tl.constexpr,
     K_SUB: tl.constexpr, K_RECENT: tl.constexpr, V_SUB: tl.constexpr, V_RECENT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -211,7 +243,6 @@ def _flash_decode_kernel(
     offs_r = tl.arange(0, RK_P)  # the group's key latents, padded
     mask_r = offs_r < rk
     offs_rv = tl.arange(0, RV_P)
-    mask_rv = offs_rv < rv
     inv_freq = tl.load(inv_freq_ptr + offs_d, mask=mask_d, other=0.0)
     norm1 = tl.load(norm_ptr + offs_d, mask=mask_d & HAS_NORM, other=0.0)  # the key norm's scale, if any
     norm2 = tl.load(norm_ptr + HALF + offs_d, mask=mask_d & HAS_NORM, other=0.0)
@@ -243,7 +274,7 @@ def _flash_decode_kernel(
 
         h = _latent_tile(
             hk_ptr, shk_b, shk_s, shk_r, kc_ptr, skc_b, skc_s, ks_ptr, kz_ptr, sks_b, sks_s, sks_g,
-            b, offs_s, mask_s, koff + offs_r, mask_r, g, k_qw, S_packed, K_BITS, K_SUB, K_RECENT, DTYPE,
+            b, offs_s, mask_s, koff, rk, g, k_qw, S_packed, RK_P, K_BITS, K_WORDS, K_SUB, K_RECENT, DTYPE,
         )  # (BLOCK_S, RK_P)  # fmt: skip
         scores = tl.zeros((NQ_P, BLOCK_S), tl.float32)
         for first in range(0, S_HEADS, HEADS_P):  # blocks of KV heads side by side in columns
@@ -278,7 +309,7 @@ def _flash_decode_kernel(
         p, alpha, m_i, l_i = _online_softmax(scores, mask_s, m_i, l_i)
         v = _latent_tile(
             hv_ptr, shv_b, shv_s, shv_r, vc_ptr, svc_b, svc_s, vs_ptr, vz_ptr, svs_b, svs_s, svs_g,
-            b, offs_s, mask_s, voff + offs_rv, mask_rv, g, v_qw, S_packed, V_BITS, V_SUB, V_RECENT, DTYPE,
+            b, offs_s, mask_s, voff, rv, g, v_qw, S_packed, RV_P, V_BITS, V_WORDS, V_SUB, V_RECENT, DTYPE,
         )  # (BLOCK_S, RV_P)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
@@ -472,6 +503,7 @@ def latent_decode_attention_triton(
     latent_scores: bool | None = None,
     heads_per_block: int | None = None,
     hoist: bool | None = None,
+    unpack_words: bool = True,
     stats: dict | None = None,
 ) -> torch.Tensor:
     """:func:`~lrkv_kernels.latent_rope.reference.latent_decode_attention_ref` in two launches (same
@@ -486,8 +518,10 @@ def latent_decode_attention_triton(
     and rotated keys rounded to it as the original model's keys are; ``heads_per_block`` (a power of two;
     default :func:`heads_per_block`) is how many of a group's KV heads one product rebuilds side by side;
     ``hoist`` (default :func:`hoists`) reads their ``B_k`` once per program instead of once per tile, which
-    needs the whole group in one block. ``stats``, a dict, receives the launch's settings and, on a GPU,
-    the compiled kernel's registers per thread, spilled registers and shared memory."""
+    needs the whole group in one block; ``unpack_words`` (on) reads packed codes a word at a time where the
+    groups' ranks allow (:func:`word_bytes`), else one by one. ``stats``, a dict, receives the launch's
+    settings and, on a GPU, the compiled kernel's registers per thread, spilled registers and shared
+    memory."""
     src_k, src_v = sources(h_k, h_v)
     B, H, D = q.shape
     S = src_k.length
@@ -508,6 +542,8 @@ def latent_decode_attention_triton(
     block_s = block_s or (32 if src_k.bits or rv_p > 128 else 64)  # unpacking codes takes registers
     nq_p = _pow2(nq)
     splits = Splits.plan(S, block_s, B * G, nq_p, rv_p, q.device, n_splits)
+    k_words = word_bytes(src_k.bits, weights.k_align) if unpack_words else 0
+    v_words = word_bytes(src_v.bits, weights.v_align) if unpack_words else 0
     if mask is not None:
         mask = mask.to(torch.float32)
     bias = weights.bias
@@ -542,12 +578,14 @@ def latent_decode_attention_triton(
         HAS_NORM=weights.norm_weight is not None,
         PRECISION=precision, ACCURATE_TRIG=q.is_cuda, LATENT_SCORES=latent_scores,
         K_BITS=src_k.bits, V_BITS=src_v.bits, DTYPE=_TL_DTYPES[dtype], HEADS_P=heads_p, HOIST=hoist,
+        K_WORDS=k_words, V_WORDS=v_words,
         K_SUB=src_k.group_width > 0, K_RECENT=src_k.has_recent, V_SUB=src_v.group_width > 0,
         V_RECENT=src_v.has_recent,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if stats is not None:
         stats.update(block_s=block_s, n_splits=splits.n_splits, heads_per_block=heads_p, hoist=hoist)
+        stats.update(word_bytes=(k_words, v_words))
         for key in ("n_regs", "n_spills"):
             if hasattr(compiled, key):
                 stats[key] = getattr(compiled, key)

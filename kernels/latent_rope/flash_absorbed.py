@@ -23,6 +23,7 @@ from .flash import (
     _online_softmax,
     _pow2,
     sources,
+    word_bytes,
 )
 from .packed import PackedLatents
 
@@ -41,7 +42,7 @@ def _absorbed_decode_kernel(
     svc_b, svc_s, svs_b, svs_s, svs_g,
     G: tl.constexpr, NQ: tl.constexpr, NQ_P: tl.constexpr, RK_P: tl.constexpr, RV_P: tl.constexpr,
     HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, DTYPE: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
     K_SUB: tl.constexpr, K_RECENT: tl.constexpr, V_SUB: tl.constexpr, V_RECENT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -57,7 +58,6 @@ def _absorbed_decode_kernel(
     offs_r = tl.arange(0, RK_P)
     mask_r = offs_r < rk
     offs_rv = tl.arange(0, RV_P)
-    mask_rv = offs_rv < rv
     q = tl.load(
         q_ptr + b * sq_b + (g * NQ + offs_h)[:, None] * sq_h + offs_r[None, :] * sq_r,
         mask=mask_h[:, None] & mask_r[None, :], other=0.0,
@@ -73,7 +73,7 @@ def _absorbed_decode_kernel(
         mask_s = offs_s < S
         h = _latent_tile(
             hk_ptr, shk_b, shk_s, shk_r, kc_ptr, skc_b, skc_s, ks_ptr, kz_ptr, sks_b, sks_s, sks_g,
-            b, offs_s, mask_s, koff + offs_r, mask_r, g, k_qw, S_packed, K_BITS, K_SUB, K_RECENT, DTYPE,
+            b, offs_s, mask_s, koff, rk, g, k_qw, S_packed, RK_P, K_BITS, K_WORDS, K_SUB, K_RECENT, DTYPE,
         )  # (BLOCK_S, RK_P)  # fmt: skip
         scores = tl.dot(q, tl.trans(h), input_precision=PRECISION)  # (NQ_P, BLOCK_S) float32
         if HAS_MASK:
@@ -81,7 +81,7 @@ def _absorbed_decode_kernel(
         p, alpha, m_i, l_i = _online_softmax(scores, mask_s, m_i, l_i)
         v = _latent_tile(
             hv_ptr, shv_b, shv_s, shv_r, vc_ptr, svc_b, svc_s, vs_ptr, vz_ptr, svs_b, svs_s, svs_g,
-            b, offs_s, mask_s, voff + offs_rv, mask_rv, g, v_qw, S_packed, V_BITS, V_SUB, V_RECENT, DTYPE,
+            b, offs_s, mask_s, voff, rv, g, v_qw, S_packed, RV_P, V_BITS, V_WORDS, V_SUB, V_RECENT, DTYPE,
         )  # (BLOCK_S, RV_P)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
@@ -103,10 +103,12 @@ def absorbed_decode_attention_triton(
     block_s: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    unpack_words: bool = True,
 ) -> torch.Tensor:
     """:func:`~lrkv_kernels.latent_rope.absorbed.absorbed_decode_attention_ref` in two launches (same
     arguments and result). The launch's defaults can be overridden: ``n_splits``, ``block_s`` (tokens per
-    tile, a power of two ≥ 16), ``num_warps``, ``num_stages``."""
+    tile, a power of two ≥ 16), ``num_warps``, ``num_stages``, ``unpack_words`` (as
+    :func:`~lrkv_kernels.latent_rope.flash.latent_decode_attention_triton`'s)."""
     src_k, src_v = sources(h_k, h_v)
     B, H, R = q.shape
     G = weights.ranks_k.shape[0]
@@ -123,6 +125,8 @@ def absorbed_decode_attention_triton(
     rv_p, rk_p, nq_p = _pow2(weights.max_rank_v), _pow2(weights.up.shape[2]), _pow2(nq)
     block_s = block_s or 64
     splits = Splits.plan(S, block_s, B * G, nq_p, rv_p, q.device, n_splits)
+    k_words = word_bytes(src_k.bits, weights.k_align) if unpack_words else 0
+    v_words = word_bytes(src_v.bits, weights.v_align) if unpack_words else 0
     if mask is not None:
         mask = mask.to(torch.float32)
     _absorbed_decode_kernel[(B * G, splits.n_splits)](
@@ -137,6 +141,7 @@ def absorbed_decode_attention_triton(
         G=G, NQ=nq, NQ_P=nq_p, RK_P=rk_p, RV_P=rv_p, HAS_MASK=mask is not None, BLOCK_S=block_s,
         PRECISION="ieee" if dtype == torch.float32 else "tf32", DTYPE=_TL_DTYPES[dtype],
         K_BITS=src_k.bits, V_BITS=src_v.bits,
+        K_WORDS=k_words, V_WORDS=v_words,
         K_SUB=src_k.group_width > 0, K_RECENT=src_k.has_recent, V_SUB=src_v.group_width > 0,
         V_RECENT=src_v.has_recent,
         num_warps=num_warps, num_stages=num_stages,

@@ -73,6 +73,21 @@ def test_packed_kernel_equals_reference(bits, ranks_k, ranks_v, group_width, rec
     assert relative_error(ref, absorbed_decode_attention_ref(q, h_k, h_v, weights, scaling=0.2)) > 1e-3
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codes_read_by_words_equal_codes_read_one_by_one(bits):
+    """Ranks that start every group at a whole word: codes cut from whole words give the attention that
+    codes read one by one give, and the reference's."""
+    from lrkv_kernels.latent_rope.flash_absorbed import absorbed_decode_attention_triton
+
+    q, h_k, h_v, weights = absorbed_layer(2, 90, 3, (24, 16), (8, 32))
+    k, v = packed(h_k, (24, 16), bits, 8, 7), packed(h_v, (8, 32), bits, None, 7)
+    ref = absorbed_decode_attention_ref(q, k, v, weights, scaling=0.2)
+    words = absorbed_decode_attention_triton(q, k, v, weights, 0.2, block_s=16)
+    codes = absorbed_decode_attention_triton(q, k, v, weights, 0.2, block_s=16, unpack_words=False)
+    assert weights.k_align == weights.v_align == 8 and relative_error(words, ref) < 1e-5
+    torch.testing.assert_close(words, codes, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("n_splits", [1, 3, 7])
 def test_splits_and_masks_merge_to_the_same_attention(n_splits):
     """However the sequence is split, with masks that empty whole splits or all but one token of a row."""

@@ -291,3 +291,35 @@ def test_other_storages_hand_out_latents(storage):
     h = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(1))
     store = filled_store(storage, h, h, [6])
     assert store.parts and store.view().packed is None
+
+
+def test_word_bytes_follow_the_bit_width_and_the_groups_alignment():
+    """Codes are read a word at a time only where every group starts at a whole word: 8 codes in 3 bytes
+    for 3-bit codes, 4 (2) in a byte for 2- (4-) bit codes; unpacked and 8-bit latents are read as before."""
+    from lrkv_kernels.latent_rope.decode import alignment
+    from lrkv_kernels.latent_rope.flash import word_bytes
+
+    assert [alignment(r) for r in ([24, 40], [16, 33], [12, 20], [6, 10], [96, 80, 16])] == [8, 1, 4, 2, 8]
+    assert [word_bytes(3, a) for a in (8, 4, 1)] == [3, 0, 0]
+    assert [word_bytes(2, a) for a in (8, 4, 2)] == [1, 1, 0]
+    assert [word_bytes(4, a) for a in (2, 1)] == [1, 0]
+    assert word_bytes(8, 8) == word_bytes(0, 8) == 0
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize(
+    "ranks_k, ranks_v, group_width, recent",
+    [((24, 40), (16, 32), None, 0), ((96, 80, 16), (96, 64, 24), 8, 5), ((8, 24), (8, 16), 4, 0)],
+)
+def test_codes_read_by_words_equal_codes_read_one_by_one(bits, ranks_k, ranks_v, group_width, recent):
+    """Reading whole words and cutting codes in registers gives the same attention as reading each code's
+    bytes, which is the reference's (ranks aligned to whole words, so the word path is taken)."""
+    from lrkv_kernels.latent_rope.flash import latent_decode_attention_triton
+
+    args = packed_layer(2, 70, 1, 32, 2, ranks_k, ranks_v, bits, group_width, recent)
+    ref = latent_decode_attention_packed_ref(*args, attention_scaling=1.0, scaling=0.2)
+    stats: dict = {}
+    words = latent_decode_attention_triton(*args, 1.0, 0.2, block_s=16, stats=stats)
+    codes = latent_decode_attention_triton(*args, 1.0, 0.2, block_s=16, unpack_words=False)
+    assert stats["word_bytes"][0] and relative_error(words, ref) < 1e-5
+    torch.testing.assert_close(words, codes, rtol=1e-6, atol=1e-7)
