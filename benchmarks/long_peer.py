@@ -1,4 +1,4 @@
-"""lrkv beside kvpress's presses on the same long-context windows and passkey prompts, at matched KV bytes.
+"""lrkv beside kvpress's presses on the same long-context windows and retrieval prompts, at matched KV bytes.
 
     S=/work/shared; D=text:$S/data/wikitext-2/valid.txt; M=~/.cache/lrkv-assets/smollm2-135m
     python benchmarks/long_peer.py tasks --model $M --dataset "$D[90%:]" --lengths 1024,2048 --out tasks.json
@@ -7,9 +7,10 @@
     python benchmarks/long_peer.py peer --tasks tasks.json --model $M --presses knorm,snapkv --rows rows.jsonl
     python benchmarks/long_peer.py table --rows rows.jsonl
 
-``tasks`` writes the evaluation windows and passkey prompts once, as token ids, with lrkv's own functions
+``tasks`` writes the evaluation windows and retrieval prompts once, as token ids, with lrkv's own functions
 (:func:`~lrkv_core.evaluation.longcontext.cut_windows` of the held-out stream,
-:func:`~lrkv_core.evaluation.needles.make_samples` with the seed), so every method sees the same tokens.
+:func:`~lrkv_core.evaluation.needles.make_samples` with the seed: the passkey, and with ``--retrieval`` the
+RULER-style single needle, multi-key needle and variable tracking), so every method sees the same tokens.
 ``lrkv`` scores a model (original or lrkv-compressed) with the long suite's own functions:
 :func:`~lrkv_core.evaluation.longcontext.continuation_nll` (context prefilled in one chunk, the continuation
 teacher-forced at its true positions) and :func:`~lrkv_core.evaluation.needles.generate_answer` +
@@ -19,13 +20,14 @@ scales and positions included) over the original cache's. ``peer`` runs ``benchm
 the kvpress environment for each press at each ratio (default: one minus each lrkv row's measured bytes
 fraction, so each press holds as many bytes as an lrkv model) and scores its answers with the same exact-match
 rule. Rows (one per method × length × measure) are appended to a JSONL file; ``table`` prints method × KV
-bytes × continuation PPL × passkey accuracy per length.
+bytes × continuation PPL × each retrieval task's accuracy per length.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import subprocess
@@ -35,7 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 from transformers import AutoConfig
@@ -69,34 +70,34 @@ def build_tasks(
     samples: int = 2,
     seed: int = 0,
     max_positions: int | None = None,
+    retrieval: list[str] = ("passkey",),
 ) -> dict[str, Any]:
-    """Continuation windows ((windows, C + N) token ids per context C) and passkey prompts of ``dataset``."""
+    """Continuation windows ((windows, C + N) token ids per context C) and the ``retrieval`` tasks' prompts
+    (:data:`~lrkv_core.evaluation.needles.TASKS`: passkey and the RULER-style needles) of ``dataset``."""
+    unknown = set(retrieval) - set(needles.TASKS)
+    if unknown:
+        raise ValueError(f"unknown retrieval tasks {sorted(unknown)}; known: {', '.join(needles.TASKS)}")
     seqs = token_sequences(dataset, tokenizer)
     prefix = window_prefix(dataset, tokenizer)  # e.g. BOS, as lrkv's suite puts before each window
     haystack = torch.cat([s.reshape(-1) for s in seqs])
-    question = needles._content("passkey", np.random.default_rng(seed))[1]  # fixed text for the passkey
-    question_len = len(needles._encode(tokenizer, question))
     blocks = [
         {"context": c, "windows": cut_windows(seqs, c + continuation, windows, prefix).tolist()}
         for c in cap_lengths(lengths, max_positions, continuation)
     ]
     prompts = []
-    for n in cap_lengths(lengths, max_positions, ANSWER_RESERVE):
-        for depth in depths:
-            cell = make_samples(
-                "passkey", tokenizer, haystack, length=n, depth=depth, samples=samples, seed=seed
-            )
-            for s in cell:
-                fields = dataclasses.asdict(s) | {"input_ids": s.input_ids.tolist()}
-                prompts.append(fields | {
-                    "key": f"{n}/{depth:g}/{s.index}",
-                    "question_len": question_len,
-                    "max_new_tokens": answer_tokens(tokenizer, s.answer),
-                })  # fmt: skip
+    cells = itertools.product(retrieval, cap_lengths(lengths, max_positions, ANSWER_RESERVE), depths)
+    for task, n, depth in cells:
+        for s in make_samples(task, tokenizer, haystack, length=n, depth=depth, samples=samples, seed=seed):
+            fields = dataclasses.asdict(s) | {"input_ids": s.input_ids.tolist()}
+            key = f"{n}/{depth:g}/{s.index}"
+            prompts.append(fields | {
+                "key": key if task == "passkey" else f"{task}/{key}",
+                "max_new_tokens": answer_tokens(tokenizer, s.answer),
+            })  # fmt: skip
     protocol = {"dataset": dataset, "lengths": list(lengths), "continuation": continuation,
                 "windows": windows, "depths": list(depths), "samples": samples, "seed": seed,
-                "task": "passkey"}  # fmt: skip
-    return {"protocol": protocol, "continuation": blocks, "passkey": prompts}
+                "tasks": list(retrieval)}  # fmt: skip
+    return {"protocol": protocol, "continuation": blocks, "retrieval": prompts}
 
 
 def save_tasks(tasks: dict[str, Any], path: str | Path) -> None:
@@ -105,6 +106,11 @@ def save_tasks(tasks: dict[str, Any], path: str | Path) -> None:
 
 def load_tasks(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
+
+
+def retrieval_prompts(tasks: dict[str, Any]) -> list[dict[str, Any]]:
+    """A tasks file's retrieval prompts (a file of passkey prompts alone keeps them under ``passkey``)."""
+    return tasks.get("retrieval", tasks.get("passkey", []))
 
 
 def needle_sample(prompt: dict[str, Any]) -> NeedleSample:
@@ -121,17 +127,19 @@ def matched_press_ratio(kv_fraction: float) -> float:
     return 1.0 - kv_fraction
 
 
-def passkey_rows(
+def retrieval_rows(
     method: dict[str, Any], tasks: dict[str, Any], outputs: dict[str, str]
 ) -> list[dict[str, Any]]:
-    """One passkey row per length: exact matches of ``outputs`` (prompt key -> generated text)."""
-    rows: dict[int, dict[str, Any]] = {}
-    for p in tasks["passkey"]:
+    """One row per retrieval task and length (``kind``: the task): exact matches of ``outputs`` (prompt key
+    -> generated text)."""
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for p in retrieval_prompts(tasks):
         if p["key"] not in outputs:
             continue
-        empty = {"kind": "passkey", "length": p["length"], "samples": 0, "correct": 0, "by_depth": {},
+        task = p.get("task", "passkey")
+        empty = {"kind": task, "length": p["length"], "samples": 0, "correct": 0, "by_depth": {},
                  "outputs": {}}  # fmt: skip
-        row = rows.setdefault(p["length"], method | empty)
+        row = rows.setdefault((task, p["length"]), method | empty)
         hit = is_exact_match(outputs[p["key"]], p["answer"])
         row["samples"] += 1
         row["correct"] += hit
@@ -166,8 +174,8 @@ def run_lrkv(
     if tasks["continuation"]:
         first = tasks["continuation"][0]
         ids = torch.tensor(first["windows"][:1])[:, : first["context"]]  # (1, C)
-    else:  # a passkey-only tasks file: the bytes after its first prompt
-        ids = torch.tensor(tasks["passkey"][0]["input_ids"])[None]
+    else:  # a retrieval-only tasks file: the bytes after its first prompt
+        ids = torch.tensor(retrieval_prompts(tasks)[0]["input_ids"])[None]
     first = {"context": ids.shape[1]}
     kv = metrics.kv_bytes_per_token(model, ids)
     fraction = kv["kv_bytes_per_token"] / kv["dense_kv_bytes_per_token"]
@@ -190,8 +198,9 @@ def run_lrkv(
             nll, tokens = continuation_nll(model, windows, context_len=c, chunk_size=c)
             rows.append(continuation_row(method, c, nll, tokens, windows.shape[0]))
             print(f"{name}: continuation {c} ppl {rows[-1]['ppl']:.3f}", flush=True)
-        outputs = {p["key"]: generate_answer(model, tokenizer, needle_sample(p)) for p in tasks["passkey"]}
-    return rows + passkey_rows(method, tasks, outputs)
+        prompts = retrieval_prompts(tasks)
+        outputs = {p["key"]: generate_answer(model, tokenizer, needle_sample(p)) for p in prompts}
+    return rows + retrieval_rows(method, tasks, outputs)
 
 
 def run_peer(
@@ -214,8 +223,8 @@ def run_peer(
         nll, tokens = sum(x["nll_sum"] for x in w), sum(x["tokens"] for x in w)
         rows.append(continuation_row(method, block["context"], nll, tokens, len(w)))
     method = {"method": f"kvpress {press}", "family": "kvpress", "press": press, "press_ratio": ratio}
-    outputs = {x["key"]: x["output"] for x in result["passkey"]}
-    return rows + passkey_rows(method, tasks, outputs)
+    outputs = {x["key"]: x["output"] for x in result.get("retrieval", result.get("passkey", []))}
+    return rows + retrieval_rows(method, tasks, outputs)
 
 
 def append_rows(path: str | Path, rows: list[dict[str, Any]]) -> None:
@@ -226,8 +235,9 @@ def append_rows(path: str | Path, rows: list[dict[str, Any]]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: method × KV bytes (of the original's; lrkv rows: the fraction presses are matched to) ×
-    continuation PPL and passkey accuracy per length."""
+    continuation PPL and each retrieval task's accuracy per length."""
     lengths = sorted({r["length"] for r in rows})
+    kinds = sorted({r["kind"] for r in rows} - {"continuation"}, key=lambda k: (k != "passkey", k))
     by_method: dict[tuple, dict[str, Any]] = {}
     for r in rows:
         key = (r["method"], round(r.get("press_ratio") or 0.0, 4))
@@ -236,17 +246,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             entry["kv"] = r.get("match_fraction", r["kv_fraction"])
             entry[("ppl", r["length"])] = r["ppl"]
         else:
-            entry[("passkey", r["length"])] = f"{r['correct']}/{r['samples']}"
+            entry[(r["kind"], r["length"])] = f"{r['correct']}/{r['samples']}"
         if "kv_fraction" in r and r["family"] == "lrkv":
             entry["kv"] = r.get("match_fraction", r["kv_fraction"])
-    head = ["method", "press ratio", "KV bytes"]
-    head += [f"ppl {n}" for n in lengths] + [f"passkey {n}" for n in lengths]
+    columns = [("ppl", n) for n in lengths] + [(k, n) for k in kinds for n in lengths]
+    columns = [c for c in columns if any(c in e for e in by_method.values())]
+    head = ["method", "press ratio", "KV bytes"] + [f"{kind} {n}" for kind, n in columns]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for e in sorted(by_method.values(), key=lambda e: (-e.get("kv", 1.0), e["method"])):
         cells = [e["method"], "" if e["ratio"] is None else f"{e['ratio']:.4f}",
                  f"{e['kv']:.4f}" if "kv" in e else ""]  # fmt: skip
-        cells += [f"{e[('ppl', n)]:.3f}" if ("ppl", n) in e else "" for n in lengths]
-        cells += [e.get(("passkey", n), "") for n in lengths]
+        cells += [
+            (f"{e[c]:.3f}" if c[0] == "ppl" else e[c]) if c in e else "" for c in columns
+        ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -266,6 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--windows", type=int, default=8)
     t.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     t.add_argument("--samples", type=int, default=2)
+    t.add_argument(
+        "--retrieval", default="passkey",
+        help=f"comma list of retrieval tasks ({', '.join(needles.TASKS)}); default passkey",
+    )  # fmt: skip
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True)
     lr = sub.add_parser("lrkv")
@@ -296,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         tasks = build_tasks(tokenizer, args.dataset, lengths=[int(x) for x in args.lengths.split(",")],
                             continuation=args.continuation, windows=args.windows,
                             depths=[float(x) for x in args.depths.split(",")], samples=args.samples,
-                            seed=args.seed, max_positions=limit)  # fmt: skip
+                            seed=args.seed, max_positions=limit,
+                            retrieval=args.retrieval.split(","))  # fmt: skip
         tasks["protocol"]["model"] = args.model
         save_tasks(tasks, args.out)
     elif args.command == "lrkv":

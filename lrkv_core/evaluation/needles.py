@@ -59,7 +59,9 @@ class NeedleSample:
     """One retrieval prompt: (T,) ``input_ids``, the ``answer`` text and where the asked needle sits.
 
     ``needle_start``/``needle_len`` locate the asked needle's tokens in ``input_ids``; ``actual_depth`` is the
-    number of haystack tokens before it over the ``haystack_len`` haystack tokens (``depth``: the one asked).
+    number of haystack tokens before it over the ``haystack_len`` haystack tokens (``depth``: the one asked);
+    the last ``question_len`` tokens are the question (what a reader that compresses the context alone, as
+    kvpress's pipeline does, keeps apart).
     """
 
     task: str
@@ -72,6 +74,7 @@ class NeedleSample:
     needle_len: int
     actual_depth: float
     haystack_len: int
+    question_len: int
 
 
 def _key(rng: np.random.Generator) -> str:
@@ -198,6 +201,7 @@ def make_sample(
                 needle_len=len(needle_ids[0]),
                 actual_depth=asked / budget,
                 haystack_len=budget,
+                question_len=len(question_ids),
             )
     raise ValueError(f"{task}: no value drawn occurs exactly once in the prompt (50 tries)")
 

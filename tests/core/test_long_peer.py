@@ -66,8 +66,8 @@ def test_tasks_round_trip_to_lrkv_windows_and_prompts(long_peer, tokenizer, data
         expected = cut_windows(seqs, block["context"] + 16, 3, window_prefix(dataset, tokenizer))
         assert torch.equal(torch.tensor(block["windows"]), expected)
     haystack = torch.cat(seqs)
-    assert len(loaded["passkey"]) == 2 * 2 * 2
-    for prompt in loaded["passkey"]:
+    assert len(loaded["retrieval"]) == 2 * 2 * 2
+    for prompt in loaded["retrieval"]:
         sample = long_peer.needle_sample(prompt)
         again = make_sample("passkey", tokenizer, haystack, length=prompt["length"], depth=prompt["depth"],
                             seed=5, index=prompt["index"])  # fmt: skip
@@ -104,11 +104,11 @@ def test_bytes_of_coded_caches_are_matched_against_float16(long_peer):
 def test_rows_score_by_exact_match_and_tabulate(long_peer, tokenizer, dataset):
     tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[96], continuation=16, windows=2,
                                   depths=[0.0, 1.0], samples=2, seed=0)  # fmt: skip
-    keys = [p["key"] for p in tasks["passkey"]]
-    answers = {p["key"]: p["answer"] for p in tasks["passkey"]}
+    keys = [p["key"] for p in tasks["retrieval"]]
+    answers = {p["key"]: p["answer"] for p in tasks["retrieval"]}
     outputs = {keys[0]: " " + answers[keys[0]] + ".", keys[1]: answers[keys[1]] + "0", keys[2]: "no"}
     method = {"method": "kvpress knorm", "family": "kvpress", "press": "knorm", "press_ratio": 0.5}
-    (row,) = long_peer.passkey_rows(method, tasks, outputs)
+    (row,) = long_peer.retrieval_rows(method, tasks, outputs)
     assert (row["samples"], row["correct"], row["accuracy"]) == (3, 1, 1 / 3)
     cont = long_peer.continuation_row(method | {"kv_fraction": 0.5}, 96, nll_sum=64.0, tokens=32, windows=2)
     assert math.isclose(cont["ppl"], math.exp(2.0))
@@ -119,6 +119,32 @@ def test_rows_score_by_exact_match_and_tabulate(long_peer, tokenizer, dataset):
     assert lines[0] == "| method | press ratio | KV bytes | ppl 96 | passkey 96 |"
     assert lines[2].startswith("| original |  | 1.0000 | 2.718 |")
     assert lines[3] == f"| kvpress knorm | 0.5000 | 0.5000 | {math.exp(2.0):.3f} | 1/3 |"
+
+
+def test_ruler_style_tasks_are_written_scored_and_tabulated_per_task(long_peer, tokenizer, dataset):
+    """``--retrieval``: every task's prompts (the asked value once in the context, the question their last
+    ``question_len`` tokens, as the peer's runner splits them), one row per task and length, a column each."""
+    tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[256], continuation=16, windows=1,
+                                  depths=[0.5], samples=2, seed=1, retrieval=list(TASKS))  # fmt: skip
+    prompts = tasks["retrieval"]
+    assert [p["task"] for p in prompts] == [t for t in TASKS for _ in range(2)]
+    assert len({p["key"] for p in prompts}) == len(prompts) and tasks["protocol"]["tasks"] == list(TASKS)
+    for p in prompts:
+        context = tokenizer.decode(p["input_ids"][: -p["question_len"]])
+        question = tokenizer.decode(p["input_ids"][-p["question_len"] :])
+        assert question.startswith("\n\n") and question.rstrip().endswith(("is", "they are:"))
+        value = p["answer"].split()[0] if p["task"] != "variables" else question.split("value ")[1][:5]
+        assert context.count(value) == 1
+    outputs = {p["key"]: " " + p["answer"] for p in prompts if p["index"] == 0}  # one of each task right
+    rows = long_peer.retrieval_rows({"method": "m", "family": "lrkv", "kv_fraction": 1.0}, tasks, outputs)
+    assert sorted((r["kind"], r["correct"], r["samples"]) for r in rows) == sorted((t, 1, 1) for t in TASKS)
+    head = long_peer.table(rows).splitlines()[0]
+    columns = "passkey 256 | multikey 256 | needle 256 | variables 256"
+    assert head == f"| method | press ratio | KV bytes | {columns} |"
+    with pytest.raises(ValueError, match="unknown retrieval tasks"):
+        long_peer.build_tasks(tokenizer, dataset, lengths=[128], retrieval=["passkey", "haystack"])
+    old = {"continuation": [], "passkey": prompts[:2]}  # a passkey-only file as written before
+    assert long_peer.retrieval_prompts(old) == prompts[:2]
 
 
 def test_lrkv_rows_run_through_another_cache_storage_with_its_bytes(

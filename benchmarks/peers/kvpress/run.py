@@ -1,4 +1,4 @@
-"""kvpress peer runner: one press on the windows and passkey prompts that ``benchmarks/long_peer.py`` wrote.
+"""kvpress peer runner: one press on the windows and retrieval prompts that ``benchmarks/long_peer.py`` wrote.
 
 Runs in the kvpress environment (``setup.sh``; kvpress 0.5.5 needs transformers < 5.3, so not in lrkv's), on
 the same model directory, float32, CPU. It reads the tasks JSON and writes one JSON result; the driver
@@ -10,9 +10,9 @@ scores it (exact match by lrkv's rules) and puts it in the table.
   hidden state) predict the first continuation token, and one forward of the ``N - 1`` others against the
   compressed cache, at their true positions ``C..C+N-2`` (``position_ids``, as the pipeline positions a
   question), the rest. The summed NLL and the count go back to the driver.
-- Passkey: the prompt is split into its context (haystack, needle, instruction) and its question; the
-  pipeline's own ``_forward`` prefills the context under the press, runs the question uncompressed and
-  decodes greedily (``generate_answer``) for the token budget the driver set.
+- Retrieval (passkey, RULER-style needles): the prompt is split into its context (instruction, haystack,
+  needles) and its question; the pipeline's own ``_forward`` prefills the context under the press, runs the
+  question uncompressed and decodes greedily (``generate_answer``) for the token budget the driver set.
 - Bytes: what the cache holds after the context prefill, over what the uncompressed cache would hold
   (``kv_fraction_held``); ``kv_fraction`` also drops the key channels ThinK zeroes (kvpress keeps them in
   memory as zeros).
@@ -110,7 +110,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     press = make_press(args.press, args.ratio)
-    result = {"press": args.press, "ratio": args.ratio, "continuation": [], "passkey": []}
+    result = {"press": args.press, "ratio": args.ratio, "continuation": [], "retrieval": []}
     start = time.time()
     with torch.no_grad():
         for block in tasks["continuation"]:
@@ -120,14 +120,14 @@ def main() -> None:
             result["continuation"].append({"context": block["context"], "windows": rows})
             took = time.time() - start
             print(f"{args.press} {args.ratio:.4f} continuation {block['context']}: {took:.0f}s", flush=True)
-        for sample in tasks["passkey"]:
+        for sample in tasks.get("retrieval", tasks.get("passkey", [])):
             if only and sample["length"] not in only:
                 continue
             ids = torch.tensor(sample["input_ids"])
             cut = len(sample["input_ids"]) - sample["question_len"]
             inputs = {"context_ids": ids[None, :cut], "questions_ids": [ids[None, cut:]]}
             answer = pipe._forward(inputs, max_new_tokens=sample["max_new_tokens"], press=press)[0]
-            result["passkey"].append({"key": sample["key"], "output": answer})
+            result["retrieval"].append({"key": sample["key"], "output": answer})
         print(f"{args.press} {args.ratio:.4f} done: {time.time() - start:.0f}s", flush=True)
     result["seconds"] = time.time() - start
     with open(args.out, "w") as f:
