@@ -72,17 +72,19 @@ def build_tasks(
     max_positions: int | None = None,
     retrieval: list[str] = ("passkey",),
 ) -> dict[str, Any]:
-    """Continuation windows ((windows, C + N) token ids per context C) and the ``retrieval`` tasks' prompts
-    (:data:`~lrkv_core.evaluation.needles.TASKS`: passkey and the RULER-style needles) of ``dataset``."""
+    """Continuation windows ((windows, C + N) token ids per context C; none for ``windows`` 0) and the
+    ``retrieval`` tasks' prompts (:data:`~lrkv_core.evaluation.needles.TASKS`: passkey and the RULER-style
+    needles) of ``dataset``."""
     unknown = set(retrieval) - set(needles.TASKS)
     if unknown:
         raise ValueError(f"unknown retrieval tasks {sorted(unknown)}; known: {', '.join(needles.TASKS)}")
     seqs = token_sequences(dataset, tokenizer)
     prefix = window_prefix(dataset, tokenizer)  # e.g. BOS, as lrkv's suite puts before each window
     haystack = torch.cat([s.reshape(-1) for s in seqs])
-    blocks = [
+    blocks = [  # none with windows=0: a retrieval-only file
         {"context": c, "windows": cut_windows(seqs, c + continuation, windows, prefix).tolist()}
         for c in cap_lengths(lengths, max_positions, continuation)
+        if windows
     ]
     prompts = []
     cells = itertools.product(retrieval, cap_lengths(lengths, max_positions, ANSWER_RESERVE), depths)

@@ -124,9 +124,10 @@ def test_rows_score_by_exact_match_and_tabulate(long_peer, tokenizer, dataset):
 def test_ruler_style_tasks_are_written_scored_and_tabulated_per_task(long_peer, tokenizer, dataset):
     """``--retrieval``: every task's prompts (the asked value once in the context, the question their last
     ``question_len`` tokens, as the peer's runner splits them), one row per task and length, a column each."""
-    tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[256], continuation=16, windows=1,
+    tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[256], continuation=16, windows=0,
                                   depths=[0.5], samples=2, seed=1, retrieval=list(TASKS))  # fmt: skip
     prompts = tasks["retrieval"]
+    assert tasks["continuation"] == []  # a retrieval-only file
     assert [p["task"] for p in prompts] == [t for t in TASKS for _ in range(2)]
     assert len({p["key"] for p in prompts}) == len(prompts) and tasks["protocol"]["tasks"] == list(TASKS)
     for p in prompts:
