@@ -236,10 +236,11 @@ def append_rows(path: str | Path, rows: list[dict[str, Any]]) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: method × KV bytes (of the original's; lrkv rows: the fraction presses are matched to) ×
-    continuation PPL and each retrieval task's accuracy per length."""
+    """Markdown: method × KV bytes (of the original's; lrkv rows: the fraction presses are matched to; a
+    press measured on retrieval prompts alone: 1 − its ratio) × continuation PPL and each retrieval task's
+    accuracy per length."""
     lengths = sorted({r["length"] for r in rows})
-    kinds = sorted({r["kind"] for r in rows} - {"continuation"}, key=lambda k: (k != "passkey", k))
+    kinds = sorted({r["kind"] for r in rows} - {"continuation"}, key=needles.TASKS.index)
     by_method: dict[tuple, dict[str, Any]] = {}
     for r in rows:
         key = (r["method"], round(r.get("press_ratio") or 0.0, 4))
@@ -251,6 +252,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             entry[(r["kind"], r["length"])] = f"{r['correct']}/{r['samples']}"
         if "kv_fraction" in r and r["family"] == "lrkv":
             entry["kv"] = r.get("match_fraction", r["kv_fraction"])
+    for e in by_method.values():  # a press without continuation rows: the bytes its ratio keeps
+        if "kv" not in e and e["ratio"] is not None:
+            e["kv"] = 1.0 - e["ratio"]
     columns = [("ppl", n) for n in lengths] + [(k, n) for k in kinds for n in lengths]
     columns = [c for c in columns if any(c in e for e in by_method.values())]
     head = ["method", "press ratio", "KV bytes"] + [f"{kind} {n}" for kind, n in columns]

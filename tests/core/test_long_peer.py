@@ -139,9 +139,14 @@ def test_ruler_style_tasks_are_written_scored_and_tabulated_per_task(long_peer, 
     outputs = {p["key"]: " " + p["answer"] for p in prompts if p["index"] == 0}  # one of each task right
     rows = long_peer.retrieval_rows({"method": "m", "family": "lrkv", "kv_fraction": 1.0}, tasks, outputs)
     assert sorted((r["kind"], r["correct"], r["samples"]) for r in rows) == sorted((t, 1, 1) for t in TASKS)
-    head = long_peer.table(rows).splitlines()[0]
-    columns = "passkey 256 | multikey 256 | needle 256 | variables 256"
+    press = {"method": "kvpress snapkv", "family": "kvpress", "press": "snapkv", "press_ratio": 0.7}
+    rows += long_peer.retrieval_rows(press, tasks, {p["key"]: " 0" for p in prompts})
+    head, _, first, second = long_peer.table(rows).splitlines()
+    columns = "passkey 256 | needle 256 | multikey 256 | variables 256"
     assert head == f"| method | press ratio | KV bytes | {columns} |"
+    assert first == "| m |  | 1.0000 | 1/1 | 1/1 | 1/1 | 1/1 |"  # the prompts given an output
+    # a press without continuation rows holds 1 − its ratio
+    assert second == "| kvpress snapkv | 0.7000 | 0.3000 | 0/2 | 0/2 | 0/2 | 0/2 |"
     with pytest.raises(ValueError, match="unknown retrieval tasks"):
         long_peer.build_tasks(tokenizer, dataset, lengths=[128], retrieval=["passkey", "haystack"])
     old = {"continuation": [], "passkey": prompts[:2]}  # a passkey-only file as written before
