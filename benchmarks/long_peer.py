@@ -139,7 +139,7 @@ def retrieval_rows(
     for p in retrieval_prompts(tasks):
         if p["key"] not in outputs:
             continue
-        task = p.get("task", "passkey")
+        task = p["task"]
         empty = {"kind": task, "length": p["length"], "samples": 0, "correct": 0, "by_depth": {},
                  "outputs": {}}  # fmt: skip
         row = rows.setdefault((task, p["length"]), method | empty)
@@ -226,7 +226,7 @@ def run_peer(
         nll, tokens = sum(x["nll_sum"] for x in w), sum(x["tokens"] for x in w)
         rows.append(continuation_row(method, block["context"], nll, tokens, len(w)))
     method = {"method": f"kvpress {press}", "family": "kvpress", "press": press, "press_ratio": ratio}
-    outputs = {x["key"]: x["output"] for x in result.get("retrieval", result.get("passkey", []))}
+    outputs = {x["key"]: x["output"] for x in result["retrieval"]}
     return rows + retrieval_rows(method, tasks, outputs)
 
 

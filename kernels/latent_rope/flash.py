@@ -444,6 +444,14 @@ def sources(h_k: torch.Tensor | PackedLatents, h_v: torch.Tensor | PackedLatents
     return src_k, src_v
 
 
+def words_of(src_k: _Source, src_v: _Source, weights: LatentDecodeWeights, unpack: bool) -> tuple[int, int]:
+    """The bytes per word the kernels read the keys' and the values' packed codes by (:func:`word_bytes`
+    for the groups' ranks; 0, codes one by one, without ``unpack``)."""
+    if not unpack:
+        return 0, 0
+    return word_bytes(src_k.bits, weights.k_align), word_bytes(src_v.bits, weights.v_align)
+
+
 @dataclass(frozen=True)
 class Splits:
     """How a launch splits the sequence, and the partial sums its programs write: ``acc``
@@ -542,8 +550,7 @@ def latent_decode_attention_triton(
     block_s = block_s or (32 if src_k.bits or rv_p > 128 else 64)  # unpacking codes takes registers
     nq_p = _pow2(nq)
     splits = Splits.plan(S, block_s, B * G, nq_p, rv_p, q.device, n_splits)
-    k_words = word_bytes(src_k.bits, weights.k_align) if unpack_words else 0
-    v_words = word_bytes(src_v.bits, weights.v_align) if unpack_words else 0
+    k_words, v_words = words_of(src_k, src_v, weights, unpack_words)
     if mask is not None:
         mask = mask.to(torch.float32)
     bias = weights.bias

@@ -23,7 +23,7 @@ from .flash import (
     _online_softmax,
     _pow2,
     sources,
-    word_bytes,
+    words_of,
 )
 from .packed import PackedLatents
 
@@ -125,8 +125,7 @@ def absorbed_decode_attention_triton(
     rv_p, rk_p, nq_p = _pow2(weights.max_rank_v), _pow2(weights.up.shape[2]), _pow2(nq)
     block_s = block_s or 64
     splits = Splits.plan(S, block_s, B * G, nq_p, rv_p, q.device, n_splits)
-    k_words = word_bytes(src_k.bits, weights.k_align) if unpack_words else 0
-    v_words = word_bytes(src_v.bits, weights.v_align) if unpack_words else 0
+    k_words, v_words = words_of(src_k, src_v, weights, unpack_words)
     if mask is not None:
         mask = mask.to(torch.float32)
     _absorbed_decode_kernel[(B * G, splits.n_splits)](
