@@ -316,11 +316,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "tasks":
         tokenizer = load_tokenizer(args.model)
         limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
-        tasks = build_tasks(tokenizer, args.dataset, lengths=[int(x) for x in args.lengths.split(",")],
-                            continuation=args.continuation, windows=args.windows,
-                            depths=[float(x) for x in args.depths.split(",")], samples=args.samples,
-                            seed=args.seed, max_positions=limit,
-                            retrieval=args.retrieval.split(","))  # fmt: skip
+        try:
+            tasks = build_tasks(tokenizer, args.dataset, lengths=[int(x) for x in args.lengths.split(",")],
+                                continuation=args.continuation, windows=args.windows,
+                                depths=[float(x) for x in args.depths.split(",")], samples=args.samples,
+                                seed=args.seed, max_positions=limit,
+                                retrieval=args.retrieval.split(","))  # fmt: skip
+        except ValueError as err:  # an unknown task, a prompt too short for its template, a bad depth
+            t.error(str(err))
         tasks["protocol"]["model"] = args.model
         save_tasks(tasks, args.out)
     elif args.command == "lrkv":
