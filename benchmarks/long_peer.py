@@ -111,8 +111,8 @@ def load_tasks(path: str | Path) -> dict[str, Any]:
 
 
 def retrieval_prompts(tasks: dict[str, Any]) -> list[dict[str, Any]]:
-    """A tasks file's retrieval prompts (a passkey-only file of the earlier layout holds them under
-    ``passkey``)."""
+    """A tasks file's retrieval prompts (under ``retrieval``; a file of passkey prompts alone may hold them
+    under ``passkey``)."""
     return tasks.get("retrieval", tasks.get("passkey", []))
 
 

@@ -149,7 +149,7 @@ def test_ruler_style_tasks_are_written_scored_and_tabulated_per_task(long_peer, 
     assert second == "| kvpress snapkv | 0.7000 | 0.3000 | 0/2 | 0/2 | 0/2 | 0/2 |"
     with pytest.raises(ValueError, match="unknown retrieval tasks"):
         long_peer.build_tasks(tokenizer, dataset, lengths=[128], retrieval=["passkey", "haystack"])
-    old = {"continuation": [], "passkey": prompts[:2]}  # a passkey-only file as written before
+    old = {"continuation": [], "passkey": prompts[:2]}  # passkey prompts under their own key
     assert long_peer.retrieval_prompts(old) == prompts[:2]
 
 
