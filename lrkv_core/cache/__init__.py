@@ -7,6 +7,7 @@
 - :mod:`.layer`: :class:`LatentLayer`, one store × one window behind transformers' cache-layer API;
 - :mod:`.latent_cache`: :class:`LatentCache` (``from_config`` reads ranks and storage from ``config.lrkv``)
   and :func:`cache_nbytes`;
+- :mod:`.static`: :class:`StaticLatentCache`, the same layers preallocated, for captured decode steps;
 - :mod:`.argument`: :data:`CACHE_ARG`, the forward keyword of the cache (``past_key_values`` / ``cache``).
 
 A new storage strategy is one module beside :mod:`.dense` (a ``LatentStore`` subclass with ``encode`` and
@@ -21,13 +22,17 @@ from .gear import GearStorage, GearStore
 from .latent_cache import LatentCache, cache_nbytes
 from .layer import LatentLayer
 from .quantized import QuantizedStorage, QuantizedStore
+from .static import StaticLatentCache, StaticLatentLayer
 from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView, split_groups
 from .tale import TaleStorage, TaleStore
 from .window import FullWindow, SlidingWindow
 
+LATENT_CACHES = (LatentCache, StaticLatentCache)  # the caches a compressed model's attention writes to
+
 __all__ = [
     "CACHE_ARG",
     "CACHE_STORAGES",
+    "LATENT_CACHES",
     "CacheStorage",
     "DenseStorage",
     "DenseStore",
@@ -41,6 +46,8 @@ __all__ = [
     "QuantizedStorage",
     "QuantizedStore",
     "SlidingWindow",
+    "StaticLatentCache",
+    "StaticLatentLayer",
     "TaleStorage",
     "TaleStore",
     "cache_kwargs",

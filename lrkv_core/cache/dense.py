@@ -34,3 +34,6 @@ class DenseStorage(CacheStorage):
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> DenseStore:
         return DenseStore(ranks_k, ranks_v)
+
+    def check_static(self) -> None:
+        """Every token is kept as given: preallocatable."""

@@ -50,15 +50,8 @@ class LatentCache(DynamicCache):
         ranks_v: Sequence[Sequence[int]] | None = None,
         storage: str | dict | CacheStorage = "dense",
     ) -> None:
-        windows = list(sliding_windows) if sliding_windows is not None else [None] * num_layers
-        if len(windows) != num_layers:
-            raise ValueError(f"{len(windows)} sliding windows for {num_layers} layers")
-        if (ranks_k is None) != (ranks_v is None):
-            raise ValueError("give both ranks_k and ranks_v, or neither")
-        if ranks_k is not None and not len(ranks_k) == len(ranks_v) == num_layers:
-            raise ValueError(f"ranks for {len(ranks_k)}/{len(ranks_v)} layers, the cache has {num_layers}")
+        windows, ranks = check_layer_args(num_layers, sliding_windows, ranks_k, ranks_v)
         self.storage = CACHE_STORAGES.create(storage)
-        ranks = zip(ranks_k, ranks_v) if ranks_k is not None else [(None, None)] * num_layers
         layers = [LatentLayer(self.storage, w, rk, rv) for w, (rk, rv) in zip(windows, ranks)]
         Cache.__init__(self, layers=layers)
 
@@ -70,18 +63,8 @@ class LatentCache(DynamicCache):
         ``{"name": ..., **options}``, dense when absent, as in models saved before storages existed). A config
         without the section gives layers that learn their ranks from their first update.
         """
-        decoder = config.get_text_config(decoder=True)
-        types, per_layer = get_layer_types_and_kwargs(decoder)
-        windows = [
-            kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, per_layer)
-        ]
-        section = getattr(config, "lrkv", None) or getattr(decoder, "lrkv", None)
-        if not section:
-            return cls(decoder.num_hidden_layers, windows)
-        fmt = LrkvFormat.from_dict(section)  # the model-format section (older formats migrated)
-        return cls(
-            decoder.num_hidden_layers, windows, ranks_k=fmt.ranks_k, ranks_v=fmt.ranks_v, storage=fmt.cache
-        )
+        num_layers, windows, options = layer_args(config)
+        return cls(num_layers, windows, **options)
 
     def update_latents(
         self,
@@ -94,6 +77,43 @@ class LatentCache(DynamicCache):
         """Store layer ``layer_idx``'s new latents (B, T, R); the view attention reads (see
         :meth:`LatentLayer.update_latents`)."""
         return self.layers[layer_idx].update_latents(h_k, h_v, position_ids, ranks)
+
+
+def check_layer_args(
+    num_layers: int,
+    sliding_windows: Sequence[int | None] | None,
+    ranks_k: Sequence[Sequence[int]] | None,
+    ranks_v: Sequence[Sequence[int]] | None,
+) -> tuple[list[int | None], list[tuple[Sequence[int] | None, Sequence[int] | None]]]:
+    """Per layer, the sliding window and the (key, value) ranks a latent cache's layers are built with
+    (no windows: none slides; no ranks: each layer learns them from its first update)."""
+    windows = list(sliding_windows) if sliding_windows is not None else [None] * num_layers
+    if len(windows) != num_layers:
+        raise ValueError(f"{len(windows)} sliding windows for {num_layers} layers")
+    if (ranks_k is None) != (ranks_v is None):
+        raise ValueError("give both ranks_k and ranks_v, or neither")
+    if ranks_k is not None and not len(ranks_k) == len(ranks_v) == num_layers:
+        raise ValueError(f"ranks for {len(ranks_k)}/{len(ranks_v)} layers, the cache has {num_layers}")
+    ranks = list(zip(ranks_k, ranks_v)) if ranks_k is not None else [(None, None)] * num_layers
+    return windows, ranks
+
+
+def layer_args(config: PretrainedConfig) -> tuple[int, list[int | None], dict[str, Any]]:
+    """A compressed model's cache layers as its config describes them: the number of decoder layers, the
+    sliding window of each (transformers' ``layer_types``), and ``ranks_k``, ``ranks_v`` and ``storage`` from
+    the ``lrkv`` section (``cache``: ``{"name": ..., **options}``, dense when absent, as in models saved
+    before storages existed; none of them for a config without the section)."""
+    decoder = config.get_text_config(decoder=True)
+    types, per_layer = get_layer_types_and_kwargs(decoder)
+    windows = [
+        kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, per_layer)
+    ]
+    section = getattr(config, "lrkv", None) or getattr(decoder, "lrkv", None)
+    if not section:
+        return decoder.num_hidden_layers, windows, {}
+    fmt = LrkvFormat.from_dict(section)  # the model-format section (older formats migrated)
+    options = dict(ranks_k=fmt.ranks_k, ranks_v=fmt.ranks_v, storage=fmt.cache)
+    return decoder.num_hidden_layers, windows, options
 
 
 def _stored_tensors(obj: Any, found: dict[int, torch.Tensor]) -> None:
@@ -117,13 +137,15 @@ def _stored_tensors(obj: Any, found: dict[int, torch.Tensor]) -> None:
 def cache_nbytes(cache: Cache) -> int:
     """Bytes of every tensor a cache holds, over all layers (latent parts, positions, scales, ...).
 
-    Latent layers report their tensors (:meth:`LatentLayer.tensors`); other layers (a ``DynamicCache``'s, a
-    transformers ``QuantizedCache``'s) are scanned through their attributes, tuples, lists and dicts
-    (keys, values, a sliding window's scalar, HQQ's codes and scale/zero metadata, quanto's packed tensors).
+    Latent layers (dynamic and static) report their tensors (:meth:`LatentLayer.tensors`); other layers (a
+    ``DynamicCache``'s, a transformers ``QuantizedCache``'s) are scanned through their attributes, tuples,
+    lists and dicts (keys, values, a sliding window's scalar, HQQ's codes and scale/zero metadata, quanto's
+    packed tensors).
     """
     total = 0
     for layer in cache.layers:
         found: dict[int, torch.Tensor] = {}
-        _stored_tensors(layer.tensors() if isinstance(layer, LatentLayer) else vars(layer), found)
+        latent = callable(getattr(layer, "tensors", None))  # LatentLayer, StaticLatentLayer
+        _stored_tensors(layer.tensors() if latent else vars(layer), found)
         total += sum(t.numel() * t.element_size() for t in found.values())
     return total

@@ -188,3 +188,12 @@ class QuantizedStorage(CacheStorage):
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> QuantizedStore:
         return QuantizedStore(ranks_k, ranks_v, self.bits, self.quant_group_size, self.residual)
+
+    def check_static(self) -> None:
+        """Tokens are quantized one by one as they enter: preallocatable, unless a residual window holds
+        the newest tokens back (they are encoded later, when the window pushes them out)."""
+        if self.residual:
+            raise ValueError(
+                f"a quantized cache with a residual window ({self.residual} tokens) encodes tokens after "
+                "they enter, so it cannot be preallocated (static); use residual 0 or a LatentCache"
+            )

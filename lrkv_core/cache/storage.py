@@ -268,6 +268,15 @@ class CacheStorage(Method, ABC):
         """Raise ``ValueError`` if this strategy cannot keep latent groups of these ranks; every rank is fine
         unless a strategy says otherwise (a quantization group size must divide them, for instance)."""
 
+    def check_static(self) -> None:
+        """Raise ``ValueError`` unless this strategy can keep its tokens in preallocated buffers
+        (:class:`~lrkv_core.cache.static.StaticLatentLayer`): it must encode every token on its own, so
+        that new tokens are written in place and nothing stored changes later. None can unless it says so."""
+        raise ValueError(
+            f"the {self.name} cache storage re-encodes stored tokens as the cache grows, so it cannot be "
+            "preallocated (static); use a LatentCache, or the dense or quantized storage"
+        )
+
     def check_rotation(self, rotation: str) -> None:
         """Raise ``ValueError`` if this strategy cannot read latents whose factors carry the fused
         ``rotation`` (a policy of :mod:`lrkv_core.quant.rotation`); every rotation is fine unless a strategy

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import StaticCache
 
 from ..allocation import RankPlan
-from ..cache import CACHE_ARG, CACHE_STORAGES, LatentCache, pop_cache
+from ..cache import CACHE_ARG, CACHE_STORAGES, LATENT_CACHES, LatentCache, StaticLatentCache, pop_cache
 from ..decompositions import LayerFactors
 from ..format import LrkvFormat
 from ..linalg import GroupFactors, truncate
@@ -243,8 +244,10 @@ def build_latent_skeleton(model: nn.Module) -> nn.Module:
 
 
 def _latent_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Give the decoder stack a LatentCache whenever it would otherwise make (or got) an empty default one,
-    under the installed transformers' cache keyword (:data:`CACHE_ARG`), whichever name the caller used."""
+    """Give the decoder stack a latent cache whenever it would otherwise make (or got) an empty default one,
+    under the installed transformers' cache keyword (:data:`CACHE_ARG`), whichever name the caller used: a
+    :class:`StaticLatentCache` of the same length for an empty static one (``generate(...,
+    cache_implementation="static")``), a :class:`LatentCache` otherwise."""
     past = pop_cache(kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
@@ -252,12 +255,14 @@ def _latent_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tupl
     if past is None:
         if use_cache:
             kwargs[CACHE_ARG] = LatentCache.from_config(module.config)
-    elif isinstance(past, LatentCache):
+    elif isinstance(past, LATENT_CACHES):
         kwargs[CACHE_ARG] = past
     elif past.get_seq_length() != 0:
         raise TypeError(
             f"an lrkv-compressed model cannot continue from a filled {type(past).__name__}; use a LatentCache"
         )
+    elif isinstance(past, StaticCache):
+        kwargs[CACHE_ARG] = StaticLatentCache.from_config(module.config, past.get_max_length())
     else:
         kwargs[CACHE_ARG] = LatentCache.from_config(module.config)
     return args, kwargs

@@ -53,11 +53,11 @@ def _quantize_equal(x: torch.Tensor, width: int, bits: int) -> QuantizedRows:
     zero = _fp16_toward(xg.amin(-1), float("-inf"))  # (..., G)
     scale = _fp16_toward((xg.amax(-1) - zero.float()) / qmax, float("inf"))  # (..., G)
     finite = torch.isfinite(zero).all() & torch.isfinite(scale).all()
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
         if not finite:
             raise ValueError(OUT_OF_RANGE)
-    else:  # checked on the device: reading the flag back would stall every cache write for the GPU
-        torch._assert_async(finite, OUT_OF_RANGE)
+    else:  # checked on the device (reading the flag back would stall every cache write for the GPU) or in
+        torch._assert_async(finite, OUT_OF_RANGE)  # a compiled graph, which cannot branch on a tensor
     s = scale.float().unsqueeze(-1)  # (..., G, 1)
     q = torch.where(s > 0, (xg - zero.float().unsqueeze(-1)) / s.clamp_min(1e-30), 0.0)
     codes = q.round().clamp_(0, qmax).to(torch.uint8)  # (..., G, w)
