@@ -44,12 +44,17 @@ def bench_flow(
     dtype: str = "float32",
     tracking: TrackingRecipe | None = None,
     store: str | None = None,
+    static: bool = False,
+    compiled: bool = False,
 ) -> dict:
-    """Serving measurements of ``model`` and its compressed versions (see the module)."""
+    """Serving measurements of ``model`` and its compressed versions (see the module); ``static``: every
+    model decodes over a preallocated cache, ``compiled``: its decode step compiled too."""
     ratios = [0.5] if ratios is None else ratios
     contexts = sorted(contexts or [1024, 4096, 16384])
     if batch < 1 or steps < 1 or warmup < 0 or not contexts or min(contexts) < 1:
         raise ValueError("batch, steps and every context must be ≥ 1 and warmup ≥ 0")
+    if compiled and not static:
+        raise ValueError("a compiled decode step needs static caches (static=True)")
     tracking = tracking or TrackingRecipe()
     st = open_store(store)
     root, storage = st.root, st.result_storage()
@@ -73,7 +78,7 @@ def bench_flow(
 
     def measure(label: str, ctxs: list[int], batches: list[int]) -> dict:
         future = stored(b.bench_model).submit(
-            models[label], label, ctxs, batches, steps, warmup, dtype, device_id, root
+            models[label], label, ctxs, batches, steps, warmup, dtype, device_id, root, static, compiled
         )
         return _record(timings, f"bench_model[{label}, batch {','.join(map(str, batches))}]", future)
 
@@ -111,6 +116,8 @@ def bench_flow(
         "contexts": contexts,
         "batch": batch,
         "steps": steps,
+        "static": static,
+        "compiled": compiled,
         "rows": rows,
         "serving": {"context": longest, "cache_budget_bytes": budget, "rows": serving},
         "kernel": kernel_rows,
@@ -149,13 +156,20 @@ def _rows(measured: dict[str, dict], contexts: list[int], batch: int) -> list[di
     return rows
 
 
+def _caches(result: dict) -> str:
+    if not result.get("static"):
+        return "dynamic caches"
+    steps = "decode steps compiled" if result.get("compiled") else "decode steps not compiled"
+    return f"static caches (KV bytes: the preallocated buffers), {steps}"
+
+
 def bench_markdown(model: str, result: dict) -> str:
     """The decode table and the serving trade as markdown."""
     lines = [
         f"# lrkv bench: {model}",
         "",
         f"Device: {result['device']}; {result['dtype']}; batch {result['batch']}; median of "
-        f"{result['steps']} decode steps per point.",
+        f"{result['steps']} decode steps per point; {_caches(result)}.",
         "",
         "| model | context | decode ms | × original | tokens/s | prefill tokens/s | KV B/token | peak MB |",
         "|---|---|---|---|---|---|---|---|",

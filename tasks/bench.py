@@ -59,17 +59,25 @@ def bench_model(
     dtype: str,
     device_id: str,
     store: str | None = None,
+    static: bool = False,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Decode-step latency, prefill throughput, KV bytes and peak memory of one model at every context ×
-    batch, on the task's device (``device_id`` names it, for the cache key and the record)."""
+    batch, on the task's device (``device_id`` names it, for the cache key and the record); over static
+    caches, the decode step compiled, where asked (:func:`~lrkv_core.evaluation.serving.measure_point`)."""
     device = task_device()
     with model_pass(), step(f"bench {label}") as advance:
         loaded, _ = load_model(_local(model), dtype=dtype, device=device)
-        points = serving.measure_grid(loaded, contexts, batches, steps=steps, warmup=warmup, progress=advance)
+        points = serving.measure_grid(
+            loaded, contexts, batches, steps=steps, warmup=warmup, static=static, compiled=compiled,
+            progress=advance,
+        )  # fmt: skip
     return {
         "label": label,
         "device": device_id,
         "dtype": dtype,
+        "static": static,
+        "compiled": compiled,
         "points": [p.to_dict() for p in points],
     }
 

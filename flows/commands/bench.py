@@ -39,6 +39,16 @@ def bench(
     steps: Annotated[int, typer.Option(help="timed decode steps per point (their median is reported)")] = 16,
     warmup: Annotated[int, typer.Option(help="untimed decode steps before them")] = 2,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+    static: Annotated[
+        bool, typer.Option("--static", help="decode over preallocated caches (StaticLatentCache)")
+    ] = False,
+    compile_steps: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="compile the decode step (torch.compile; CUDA graphs on a GPU); needs --static",
+        ),
+    ] = False,
     experiment: Annotated[str, typer.Option(help="MLflow experiment")] = "lrkv",
     store: Annotated[Optional[str], typer.Option(help="artifact store (default $LRKV_HOME/store)")] = None,
     json_out: Annotated[
@@ -62,6 +72,8 @@ def bench(
         raise fail("--ratios must be in (0, 1] and --bits among 2, 3, 4, 8", 2)
     if not context_list or min(context_list) < 1 or batch < 1 or steps < 1 or warmup < 0:
         raise fail("--contexts, --batch and --steps must be ≥ 1 and --warmup ≥ 0", 2)
+    if compile_steps and not static:
+        raise fail("--compile needs --static (a compiled step runs over a preallocated cache)", 2)
     start_command(store, verbose, model)
     use_device(device)
     with prefect_api() as supervise:
@@ -70,7 +82,7 @@ def bench(
         with supervise, rich_progress(), user_errors():
             result = bench_flow(
                 model, ratio_list, bit_list, compressed, context_list, batch, steps, warmup, dtype,
-                TrackingRecipe(experiment=experiment), store,
+                TrackingRecipe(experiment=experiment), store, static, compile_steps,
             )  # fmt: skip
     console.print(result["markdown"])
     if json_out:

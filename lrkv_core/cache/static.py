@@ -260,8 +260,8 @@ class StaticLatentLayer(CacheLayerMixin):
         return [*self.store.parts.values(), *positions]
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the layer holds: its preallocated buffers."""
-        return self._buffers()
+        """Every tensor the layer holds: its preallocated buffers and its count of written tokens."""
+        return [*self._buffers(), self.cumulative_length] if self.is_initialized else []
 
 
 class StaticLatentCache(Cache):

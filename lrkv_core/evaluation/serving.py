@@ -6,7 +6,13 @@ the cache it deploys (a compressed model's :class:`~lrkv_core.cache.LatentCache`
 an original model's ``DynamicCache``). A point prefills ``batch`` rows of ``context`` tokens in chunks, then
 times ``steps`` decode steps of one token each after ``warmup`` untimed ones (the device synchronised around
 every step: a step's latency, not a pipeline's throughput) and reports their median. The KV bytes are the
-tensors the cache holds after the prefill (:func:`~lrkv_core.cache.cache_nbytes`). Peak memory is the
+tensors the cache holds after the prefill (:func:`~lrkv_core.cache.cache_nbytes`).
+
+With ``static=True`` both run over preallocated caches (transformers' ``StaticCache``; a compressed model
+swaps it for a :class:`~lrkv_core.cache.StaticLatentCache`) sized for the prefill and every decode step, so
+their KV bytes are those buffers; ``compiled=True`` also compiles the decode step (``torch.compile``, mode
+``reduce-overhead`` on CUDA: the step replayed as a CUDA graph, Python and launch overheads out of the
+timing; the warmup steps absorb the compilation and recording). Peak memory is the
 device's allocator peak on CUDA, the process's peak resident set elsewhere (a process-wide maximum: read it
 as an upper bound there).
 
@@ -29,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import StaticCache
 
 from ..cache import LatentView, cache_kwargs, cache_nbytes, output_cache
 from ..model.attention import LatentAttention, LatentAttentionBase
@@ -82,32 +89,41 @@ def measure_point(
     warmup: int = 2,
     chunk_size: int = 1024,
     seed: int = 0,
+    static: bool = False,
+    compiled: bool = False,
 ) -> ServingPoint:
-    """Prefill ``batch`` × ``context`` random tokens in chunks, then time ``steps`` one-token decode steps."""
+    """Prefill ``batch`` × ``context`` random tokens in chunks, then time ``steps`` one-token decode steps
+    (over a preallocated cache with ``static``, the step compiled with ``compiled``: see the module)."""
     if context < 1 or batch < 1 or steps < 1 or warmup < 0 or chunk_size < 1:
         raise ValueError(
             f"context, batch, steps and chunk_size must be ≥ 1 and warmup ≥ 0, got {context}, {batch}, "
             f"{steps}, {chunk_size}, {warmup}"
         )
+    if compiled and not static:
+        raise ValueError("a compiled decode step needs a static cache (static=True)")
+    length = context + warmup + steps
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and context + warmup + steps > limit:
+    if limit is not None and length > limit:
         raise ValueError(
             f"context {context} + {warmup + steps} decode steps passes the model's {limit} positions"
         )
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    ids = torch.randint(vocab, (batch, context + warmup + steps), generator=gen).to(device)
+    ids = torch.randint(vocab, (batch, length), generator=gen).to(device)
     was_training = model.training
     model.eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
+        step = model
+        if compiled:
+            step = torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else "default")
         _sync(device)
         start = time.perf_counter()
-        cache = None
+        cache = StaticCache(config=model.config, max_cache_len=length) if static else None
         for lo in range(0, context, chunk_size):
-            kwargs = {} if cache is None else cache_kwargs(cache)
+            kwargs = {} if cache is None else cache_kwargs(cache)  # (an empty static one at first)
             out = model(
                 ids[:, lo : min(lo + chunk_size, context)], use_cache=True, logits_to_keep=1, **kwargs
             )
@@ -120,7 +136,7 @@ def measure_point(
             token = ids[:, context + i : context + i + 1]
             _sync(device)
             start = time.perf_counter()
-            out = model(token, use_cache=True, **cache_kwargs(cache))
+            out = step(token, use_cache=True, **cache_kwargs(cache))
             _sync(device)
             if i >= warmup:
                 times.append((time.perf_counter() - start) * 1e3)
@@ -151,6 +167,8 @@ def measure_grid(
     warmup: int = 2,
     chunk_size: int = 1024,
     seed: int = 0,
+    static: bool = False,
+    compiled: bool = False,
     progress: Progress = None,
 ) -> list[ServingPoint]:
     """:func:`measure_point` at every context × batch, contexts outermost."""
@@ -166,6 +184,8 @@ def measure_grid(
                 warmup=warmup,
                 chunk_size=chunk_size,
                 seed=seed,
+                static=static,
+                compiled=compiled,
             )
         )
         if progress is not None:

@@ -98,3 +98,35 @@ def test_a_compressed_model_without_rope_gives_no_kernel_rows(compress) -> None:
     kw = dict(batch=2, steps=1, warmup=0, copy_nbytes=1 << 16)
     assert serving.measure_kernels(tiny_compressed(compress, "opt"), [8], **kw) == []
     assert [p.path for p in serving.measure_kernels(tiny_model("opt", 4), [8], **kw)] == ["torch sdpa"]
+
+
+def test_a_point_over_static_caches_holds_preallocated_buffers_and_can_compile_its_step(compress) -> None:
+    """``static``: the original decodes over transformers' StaticCache, the compressed model over a
+    StaticLatentCache (its hook swaps the empty static cache), each sized for the prefill and every step, and
+    the bytes are those buffers; ``compiled``: the step through ``torch.compile`` (inductor on the CPU)."""
+    from lrkv_core.model.attention import LatentAttention
+    from tests.support.latents import tiny_compressed
+    from tests.support.models import tiny_model
+
+    original, comp = tiny_model(), tiny_compressed(compress)
+    cfg = original.config
+    D = cfg.hidden_size // cfg.num_attention_heads
+    kwargs = dict(context=10, batch=2, steps=3, warmup=2)
+    length = 10 + 2 + 3
+    dense = serving.measure_point(original, static=True, **kwargs)
+    counters = cfg.num_hidden_layers * 8  # each layer's int64 count of the tokens written
+    buffers = cfg.num_hidden_layers * 2 * 2 * cfg.num_key_value_heads * length * D * 4
+    assert dense.kv_bytes == buffers + counters
+    latent = serving.measure_point(comp, static=True, **kwargs)
+    layers = [m for m in comp.modules() if isinstance(m, LatentAttention)]
+    widths = [sum(m.layout.ranks_k) + sum(m.layout.ranks_v) for m in layers]
+    # float32 latents and int32 positions, for 15 tokens; a dynamic cache holds the 10 prefilled ones
+    assert latent.kv_bytes == sum(2 * length * (4 * w + 4) for w in widths) + counters
+    assert serving.measure_point(comp, **kwargs).kv_bytes == sum(2 * 10 * (4 * w + 4) for w in widths)
+    for point in (dense, latent):
+        assert point.decode_ms > 0 and point.prefill_tokens_per_s > 0
+    torch._dynamo.reset()
+    compiled = serving.measure_point(comp, static=True, compiled=True, **kwargs)
+    assert compiled.kv_bytes == latent.kv_bytes and compiled.decode_ms > 0
+    with pytest.raises(ValueError, match="needs a static cache"):
+        serving.measure_point(comp, compiled=True, **kwargs)

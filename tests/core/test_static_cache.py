@@ -82,8 +82,8 @@ def test_the_buffers_hold_the_written_latents_and_the_bytes_are_theirs(compress)
         assert torch.equal(s_layer.store.positions[:, :10], d_layer.store.positions)
     ranks = [sum(a) + sum(b) for a, b in zip(comp.config.lrkv["ranks_k"], comp.config.lrkv["ranks_v"])]
     # float32 latents and int32 positions, 16 slots of 2 rows
-    assert cache_nbytes(static) == sum(2 * 16 * (4 * r + 4) for r in ranks)
-    assert cache_nbytes(static) == cache_nbytes(dynamic) * 16 // 10
+    assert cache_nbytes(static) == sum(2 * 16 * (4 * r + 4) + 8 for r in ranks)  # + an int64 count per layer
+    assert cache_nbytes(dynamic) == sum(2 * 10 * (4 * r + 4) for r in ranks)
     static.crop(-4)  # forget 4 tokens: the next update writes at slot 6
     with torch.no_grad():
         again = comp(ids[:, 6:], use_cache=True, **cache_kwargs(static)).logits

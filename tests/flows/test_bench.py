@@ -75,6 +75,15 @@ def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_ser
     assert second["rows"] == first["rows"] and second["serving"] == first["serving"]
     assert second["kernel"] == first["kernel"]
 
+    # over static caches: the decode points are measured again (their own cache keys), the conversions reused
+    static = bench_flow(str(model_dir), **kwargs | {"contexts": [16], "static": True})
+    states = {row["task"]: row["state"] for row in static["timings"]}
+    assert {s for task, s in states.items() if task.startswith("bench_model[")} == {"Completed"}, states
+    assert {s for task, s in states.items() if task.startswith("bench_convert[")} == {"Cached"}, states
+    assert static["static"] and not static["compiled"] and "static caches" in static["markdown"]
+    for r in static["rows"]:  # preallocated for 16 tokens + 4 decode steps: more than 16 tokens. worth
+        assert r["decode_ms"] > 0 and r["kv_bytes_per_token"] > rows[r["model"], 16]["kv_bytes_per_token"]
+
 
 def test_batch_within_budget() -> None:
     assert serving.batch_within_budget(1000, 10.0, 10) == 10
