@@ -53,8 +53,8 @@ def bench_flow(
     contexts = sorted(contexts or [1024, 4096, 16384])
     if batch < 1 or steps < 1 or warmup < 0 or not contexts or min(contexts) < 1:
         raise ValueError("batch, steps and every context must be ≥ 1 and warmup ≥ 0")
-    if compiled and not static:
-        raise ValueError("a compiled decode step needs static caches (static=True)")
+    if compiled and (not static or warmup < 1):
+        raise ValueError("a compiled decode step needs static caches (static=True) and warmup ≥ 1")
     tracking = tracking or TrackingRecipe()
     st = open_store(store)
     root, storage = st.root, st.result_storage()

@@ -74,6 +74,8 @@ def bench(
         raise fail("--contexts, --batch and --steps must be ≥ 1 and --warmup ≥ 0", 2)
     if compile_steps and not static:
         raise fail("--compile needs --static (a compiled step runs over a preallocated cache)", 2)
+    if compile_steps and warmup < 1:
+        raise fail("--compile needs --warmup ≥ 1 (the first decode step runs uncompiled)", 2)
     start_command(store, verbose, model)
     use_device(device)
     with prefect_api() as supervise:

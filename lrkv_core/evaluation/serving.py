@@ -6,15 +6,15 @@ the cache it deploys (a compressed model's :class:`~lrkv_core.cache.LatentCache`
 an original model's ``DynamicCache``). A point prefills ``batch`` rows of ``context`` tokens in chunks, then
 times ``steps`` decode steps of one token each after ``warmup`` untimed ones (the device synchronised around
 every step: a step's latency, not a pipeline's throughput) and reports their median. The KV bytes are the
-tensors the cache holds after the prefill (:func:`~lrkv_core.cache.cache_nbytes`).
+tensors the cache holds after the prefill (:func:`~lrkv_core.cache.cache_nbytes`). Peak memory is the
+device's allocator peak on CUDA, the process's peak resident set elsewhere (a process-wide maximum: read it
+as an upper bound there).
 
 With ``static=True`` both run over preallocated caches (transformers' ``StaticCache``; a compressed model
 swaps it for a :class:`~lrkv_core.cache.StaticLatentCache`) sized for the prefill and every decode step, so
 their KV bytes are those buffers; ``compiled=True`` also compiles the decode step (``torch.compile``, mode
 ``reduce-overhead`` on CUDA: the step replayed as a CUDA graph, Python and launch overheads out of the
-timing; the warmup steps absorb the compilation and recording). Peak memory is the
-device's allocator peak on CUDA, the process's peak resident set elsewhere (a process-wide maximum: read it
-as an upper bound there).
+timing; the first warmup step runs eagerly, the others absorb the compilation and recording).
 
 The decode attention alone (:func:`measure_kernels`): one layer's attention timed apart from the rest of the
 step, what it runs on the device (SDPA over the original's dense K/V; a compressed model's latent path, the
@@ -101,6 +101,8 @@ def measure_point(
         )
     if compiled and not static:
         raise ValueError("a compiled decode step needs a static cache (static=True)")
+    if compiled and warmup < 1:
+        raise ValueError("a compiled decode step needs warmup ≥ 1 (the first step runs eagerly)")
     length = context + warmup + steps
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and length > limit:
@@ -136,7 +138,9 @@ def measure_point(
             token = ids[:, context + i : context + i + 1]
             _sync(device)
             start = time.perf_counter()
-            out = step(token, use_cache=True, **cache_kwargs(cache))
+            # the first step eager: what a model builds once (the kernel's weight layout) is built outside
+            forward = model if i == 0 else step  # the compiled graph
+            out = forward(token, use_cache=True, **cache_kwargs(cache))
             _sync(device)
             if i >= warmup:
                 times.append((time.perf_counter() - start) * 1e3)

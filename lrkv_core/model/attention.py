@@ -268,7 +268,10 @@ class LatentAttention(LatentAttentionBase):
         )
 
     def decode_weights(self, dtype: torch.dtype) -> LatentDecodeWeights:
-        """The key up-projections in the decode kernel's layout, rebuilt only when a weight changed."""
+        """The key up-projections in the decode kernel's layout, rebuilt only when a weight changed. Inside a
+        compiled graph (which cannot read a tensor's address) the layout built by an eager step is reused."""
+        if torch.compiler.is_compiling() and getattr(self, "_decode_weights_key", (None,))[0] == dtype:
+            return self._decode_weights
         ups = [up.weight for up in self.k_up]
         norm = [] if self.k_norm is None else [self.k_norm.weight]
         key = (dtype, *((w.data_ptr(), w._version) for w in ups + norm))

@@ -158,3 +158,15 @@ def _compile_everywhere() -> CompileConfig:
     config = CompileConfig(fullgraph=True, backend="eager")
     config._compile_all_devices = True
     return config
+
+
+def test_a_compiled_step_reads_the_kernel_weights_an_eager_step_built(compress) -> None:
+    """The decode kernel's weight layout is cached by the weights' addresses, which a compiled graph cannot
+    read: inside one, the layout an eager step built is reused (traced whole), not rebuilt."""
+    from lrkv_core.model.attention import LatentAttention
+
+    layer = next(m for m in _compressed(compress).modules() if isinstance(m, LatentAttention))
+    eager = layer.decode_weights(torch.float32)
+    torch._dynamo.reset()
+    up = torch.compile(lambda: layer.decode_weights(torch.float32).up * 1, backend="eager", fullgraph=True)
+    assert torch.equal(up(), eager.up) and layer.decode_weights(torch.float32) is eager
