@@ -314,3 +314,21 @@ def test_convert_refuses_conflicting_or_broken_options_before_any_work(tmp_path,
     res = CliRunner().invoke(app, ["convert", "--model", "builtin:pydoc-llama", *extra])
     assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
     assert not (tmp_path / "home").exists()
+
+
+def test_bench_refuses_a_compiled_step_without_a_static_cache_or_a_warmup(tmp_path, monkeypatch):
+    """``--compile`` needs ``--static`` and an eager warmup step: exit 2 with the reason, before any work."""
+    from typer.testing import CliRunner
+
+    from lrkv_flows.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
+    bench = ["bench", "--model", "./missing", "--compile"]
+    for args, why in [
+        (bench, "--compile needs --static"),
+        ([*bench, "--static", "--warmup", "0"], "--compile needs --warmup ≥ 1"),
+    ]:
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and why in " ".join(res.output.split()), (args, res.output)
+    assert list(tmp_path.iterdir()) == []
