@@ -26,7 +26,25 @@ from .layer import LatentLayer
 from .storage import CACHE_STORAGES, CacheStorage, LatentView
 
 
-class LatentCache(DynamicCache):
+class LatentUpdates:
+    """What a compressed model's attention calls on its cache, dynamic or static: one layer's update."""
+
+    layers: list
+
+    def update_latents(
+        self,
+        h_k: torch.Tensor,
+        h_v: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        layer_idx: int,
+        ranks: tuple[Sequence[int], Sequence[int]] | None = None,
+    ) -> LatentView:
+        """Store layer ``layer_idx``'s new latents (B, T, R); the view attention reads (see the layer's
+        ``update_latents``: :meth:`LatentLayer.update_latents`, ``StaticLatentLayer.update_latents``)."""
+        return self.layers[layer_idx].update_latents(h_k, h_v, position_ids, ranks)
+
+
+class LatentCache(LatentUpdates, DynamicCache):
     """Cache for an lrkv-compressed model: one :class:`LatentLayer` per decoder layer.
 
     Parameters
@@ -65,18 +83,6 @@ class LatentCache(DynamicCache):
         """
         num_layers, windows, options = layer_args(config)
         return cls(num_layers, windows, **options)
-
-    def update_latents(
-        self,
-        h_k: torch.Tensor,
-        h_v: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        layer_idx: int,
-        ranks: tuple[Sequence[int], Sequence[int]] | None = None,
-    ) -> LatentView:
-        """Store layer ``layer_idx``'s new latents (B, T, R); the view attention reads (see
-        :meth:`LatentLayer.update_latents`)."""
-        return self.layers[layer_idx].update_latents(h_k, h_v, position_ids, ranks)
 
 
 def check_layer_args(

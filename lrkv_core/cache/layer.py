@@ -24,7 +24,25 @@ def _ranks(ranks_k: Sequence[int], ranks_v: Sequence[int]) -> Ranks:
     return tuple(int(r) for r in ranks_k), tuple(int(r) for r in ranks_v)
 
 
-class LatentLayer(CacheLayerMixin):
+def agreed_ranks(held: Ranks | None, given: tuple[Sequence[int], Sequence[int]] | None) -> Ranks | None:
+    """The ranks a layer holds after an update that brings ``given`` (None: brings none): the layer's, or
+    the update's if the layer has none yet; an update whose ranks differ from the layer's is an error."""
+    if given is None:
+        return held
+    given = _ranks(*given)
+    if held is not None and given != held:
+        raise ValueError(f"latents of ranks {given} for a cache layer of ranks {held}")
+    return given
+
+
+class LatentLayerBase(CacheLayerMixin):
+    """A cache layer that stores latents: transformers' key/value ``update`` is refused."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise TypeError("a latent cache layer stores latents, not keys and values: use update_latents")
+
+
+class LatentLayer(LatentLayerBase):
     """One decoder layer's latent cache.
 
     Parameters
@@ -73,9 +91,6 @@ class LatentLayer(CacheLayerMixin):
         self.store = self.storage.create_store(*self.ranks)
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise TypeError("a latent cache layer stores latents, not keys and values: use update_latents")
-
     def update_latents(
         self,
         h_k: torch.Tensor,
@@ -90,12 +105,7 @@ class LatentLayer(CacheLayerMixin):
         layer's, and set them if the layer has none yet. A layer caches positions from its first update on
         if that update has them, and never otherwise.
         """
-        if ranks is not None:
-            given = _ranks(*ranks)
-            if self.ranks is None:
-                self.ranks = given
-            elif given != self.ranks:
-                raise ValueError(f"latents of ranks {given} for a cache layer of ranks {self.ranks}")
+        self.ranks = agreed_ranks(self.ranks, ranks)
         if not self.is_initialized:
             self.lazy_initialization(h_k, h_v)
         self.store.append(h_k, h_v, position_ids)

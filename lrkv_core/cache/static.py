@@ -25,17 +25,17 @@ from collections.abc import Sequence
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 from transformers.utils import is_torchdynamo_compiling
 
-from .latent_cache import check_layer_args, layer_args
-from .layer import Ranks, _ranks
+from .latent_cache import LatentUpdates, check_layer_args, layer_args
+from .layer import LatentLayerBase, Ranks, _ranks, agreed_ranks
 from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView
 
 _POSITIONS = "\x00positions"  # the positions beside the parts while a sliding layer moves its slots
 
 
-class StaticLatentLayer(CacheLayerMixin):
+class StaticLatentLayer(LatentLayerBase):
     """One decoder layer's preallocated latent cache.
 
     Parameters
@@ -105,9 +105,6 @@ class StaticLatentLayer(CacheLayerMixin):
                 torch._dynamo.mark_static_address(self.store.positions)
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise TypeError("a latent cache layer stores latents, not keys and values: use update_latents")
-
     def update_latents(
         self,
         h_k: torch.Tensor,
@@ -118,12 +115,7 @@ class StaticLatentLayer(CacheLayerMixin):
         """Write new latents h_k (B, T, R_k), h_v (B, T, R_v) (and positions) at the next T slots; return
         the view of all the slots (unwritten ones are zeros, hidden by the mask; a sliding layer:
         :meth:`_slide`)."""
-        if ranks is not None:
-            given = _ranks(*ranks)
-            if self.ranks is None:
-                self.ranks = given
-            elif given != self.ranks:
-                raise ValueError(f"latents of ranks {given} for a cache layer of ranks {self.ranks}")
+        self.ranks = agreed_ranks(self.ranks, ranks)
         B, T = h_k.shape[:2]
         if self.store is None:
             self.store = self.storage.create_store(*self.ranks)
@@ -264,7 +256,7 @@ class StaticLatentLayer(CacheLayerMixin):
         return [*self._buffers(), self.cumulative_length] if self.is_initialized else []
 
 
-class StaticLatentCache(Cache):
+class StaticLatentCache(LatentUpdates, Cache):
     """A compressed model's preallocated cache: one :class:`StaticLatentLayer` per decoder layer.
 
     Parameters are :class:`~lrkv_core.cache.LatentCache`'s plus ``max_cache_len``, the tokens every layer
@@ -295,15 +287,3 @@ class StaticLatentCache(Cache):
         each."""
         num_layers, windows, options = layer_args(config)
         return cls(num_layers, max_cache_len, windows, **options)
-
-    def update_latents(
-        self,
-        h_k: torch.Tensor,
-        h_v: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        layer_idx: int,
-        ranks: tuple[Sequence[int], Sequence[int]] | None = None,
-    ) -> LatentView:
-        """Write layer ``layer_idx``'s new latents; the view of its slots
-        (:meth:`StaticLatentLayer.update_latents`)."""
-        return self.layers[layer_idx].update_latents(h_k, h_v, position_ids, ranks)
