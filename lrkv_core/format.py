@@ -26,7 +26,7 @@ from typing import Any
 from .quant.rotation import ROTATIONS
 
 FORMAT_VERSION = 4
-ROPE_HANDLING = ("reconstruct-then-rope", "keys-fused-into-q")
+ROPE_HANDLING = ("reconstruct-then-rope", "keys-fused-into-q", "rotated-keys")
 
 
 class FormatError(ValueError):

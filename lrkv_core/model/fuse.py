@@ -35,6 +35,7 @@ from ..version import __version__
 from .adapters import ArchAdapter, AttnShape, get_adapter
 from .attention import LatentAttention, LatentAttentionBase, LatentLayout
 from .attention_norope import NoRopeLatentAttention
+from .attention_rotated import RotatedKeyAttention
 
 
 def layouts(fmt: LrkvFormat) -> list[LatentLayout]:
@@ -62,8 +63,10 @@ def _heads(g: int, shape: AttnShape, s: int) -> list[tuple[int, int]]:
 
 
 def _fuse_keys_rope(new: LatentAttention, q: nn.Linear, k: nn.Linear, k_parts, shape: AttnShape) -> None:
-    """Keys rebuilt per group: ``q_proj`` as is, ``k_up[g] = B_k,g`` with the group's k bias rows."""
+    """Keys rebuilt per group: ``k_down`` the groups' ``A_k,g`` stacked, ``q_proj`` as is, ``k_up[g] =
+    B_k,g`` with the group's k bias rows."""
     width = new.layout.group_size * shape.D
+    _set_linear(new.k_down, torch.cat([a for a, _ in k_parts]))
     _set_linear(new.q_proj, q.weight, q.bias)
     k_bias = _f64(k.bias, shape.kv_width)
     for g, (_, b_k) in enumerate(k_parts):
@@ -73,8 +76,10 @@ def _fuse_keys_rope(new: LatentAttention, q: nn.Linear, k: nn.Linear, k_parts, s
 def _fuse_keys_into_q(
     new: NoRopeLatentAttention, q: nn.Linear, k: nn.Linear, k_parts, shape: AttnShape
 ) -> None:
-    """``q'_h = B_k,g,jᵀ (W_q,h x + b_q,h)``; the k bias cancels in softmax and is dropped."""
+    """``k_down`` the groups' ``A_k,g`` stacked, ``q'_h = B_k,g,jᵀ (W_q,h x + b_q,h)``; the k bias cancels
+    in softmax and is dropped."""
     D, s = shape.D, new.layout.group_size
+    _set_linear(new.k_down, torch.cat([a for a, _ in k_parts]))
     w_q = q.weight.detach().to(torch.float64).cpu()  # (H·D, d)
     b_q = _f64(q.bias, shape.H * D)
     rows, bias = [], []
@@ -84,6 +89,23 @@ def _fuse_keys_into_q(
             rows.append(b_kh.T @ w_q[h * D : (h + 1) * D])  # (r_g, d)
             bias.append(b_kh.T @ b_q[h * D : (h + 1) * D])  # (r_g,)
     _set_linear(new.q_proj, torch.cat(rows), torch.cat(bias))
+
+
+def _fuse_rotated_keys(
+    new: RotatedKeyAttention, q: nn.Linear, k: nn.Linear, k_parts, shape: AttnShape
+) -> None:
+    """Latents of rotated keys: ``q_proj`` and ``k_proj`` as is, ``k_down`` the groups' ``A_g`` (r_g × s·D,
+    on rotated keys) on its diagonal, ``k_up[g] = B_g`` (the rows the queries absorb)."""
+    width = new.layout.group_size * shape.D
+    _set_linear(new.q_proj, q.weight, q.bias)
+    _set_linear(new.k_proj, k.weight, k.bias)
+    down = torch.zeros(sum(new.layout.ranks_k), shape.Hkv * shape.D, dtype=torch.float64)
+    row = 0
+    for g, (a, b) in enumerate(k_parts):
+        down[row : row + a.shape[0], g * width : (g + 1) * width] = a
+        row += a.shape[0]
+        _set_linear(new.k_up[g], b)
+    _set_linear(new.k_down, down)
 
 
 @dataclass(frozen=True)
@@ -102,8 +124,20 @@ ATTENTION_KINDS: dict[bool, AttentionKind] = {
 }
 
 
-def attention_kind(adapter: ArchAdapter) -> AttentionKind:
-    return ATTENTION_KINDS[adapter.rope]
+# latents of rotated keys (queries absorb B_k): chosen by name, for RoPE models, where the factors of the keys
+# are fitted to rotated keys (lrkv_core.model.attention_rotated.rotated_key_factors)
+ROTATED_KEYS = AttentionKind("rotated-keys", RotatedKeyAttention, _fuse_rotated_keys)
+
+
+def attention_kind(adapter: ArchAdapter, name: str | None = None) -> AttentionKind:
+    """The attention kind of a model: its architecture's default, or the one ``name``d (a format's
+    ``rope``): ``rotated-keys`` for a RoPE model's latents of rotated keys."""
+    default = ATTENTION_KINDS[adapter.rope]
+    if name is None or name == default.name:
+        return default
+    if name == ROTATED_KEYS.name and adapter.rope:
+        return ROTATED_KEYS
+    raise ValueError(f"{adapter.model_type} models take {default.name!r} attention, not {name!r}")
 
 
 def rotated_parts(
@@ -129,20 +163,20 @@ def fuse_attention(
     config,
     layer_idx: int,
     rotation: RotationConfig | None = None,
+    kind: AttentionKind | None = None,
 ) -> LatentAttentionBase:
     """The latent attention holding ``attn``'s weights through the truncated (and rotated) factors, fused
-    in float64."""
+    in float64, of the model's attention kind or ``kind``."""
     shape = adapter.shape(config)
     s, D = layout.group_size, shape.D
     q, k, v, o = (adapter.linear(attn, p, config) for p in "qkvo")  # Phi-3's fused qkv_proj: its rows
-    kind = attention_kind(adapter)
+    kind = kind or attention_kind(adapter)
     new = kind.module(config, layer_idx, adapter, layout)  # filled in float64 on the CPU, then moved
     new = new.to(dtype=torch.float64)
 
     rotation = rotation or RotationConfig()
     k_parts = rotated_parts(factors.groups["k"], layout.ranks_k, rotation, layer_idx, "k")
     v_parts = rotated_parts(factors.groups["v"], layout.ranks_v, rotation, layer_idx, "v")
-    _set_linear(new.k_down, torch.cat([a for a, _ in k_parts]))
     _set_linear(new.v_down, torch.cat([a for a, _ in v_parts]))
     kind.fuse_keys(new, q, k, k_parts, shape)
     if adapter.qk_norm is not None:  # the per-head norms act on queries and rebuilt keys, never on latents
@@ -171,8 +205,13 @@ def compress_model(
     decomposition: dict,
     cache: dict | None = None,
     rotation: RotationConfig | str | Mapping[str, Any] | None = None,
+    attention: str | None = None,
 ) -> nn.Module:
     """Replace every attention in place by its latent form with the plan's ranks; returns the model.
+
+    ``attention`` names the attention kind (:func:`attention_kind`; None: the architecture's): with
+    ``"rotated-keys"`` the factors' key groups must be fitted to rotated keys
+    (:func:`~lrkv_core.model.attention_rotated.rotated_key_factors`) and their ranks even.
 
     ``decomposition`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) recorded in the
     model-format section (``config.lrkv``); the cache storage is what the model's latent cache will use.
@@ -182,6 +221,7 @@ def compress_model(
     """
     config = model.config
     adapter = get_adapter(config)
+    kind = attention_kind(adapter, attention)
     rotation = RotationConfig.create(rotation)
     first = adapter.attention(model, 0)
     has_bias = {p: adapter.linear(first, p, config).bias is not None for p in "qkvo"}
@@ -194,7 +234,7 @@ def compress_model(
         rank_multiple=plan.rank_multiple,
         target_ratio=plan.target_ratio,
         achieved_ratio=plan.achieved_ratio,
-        rope=attention_kind(adapter).name,
+        rope=kind.name,
         qkv_bias=has_bias["q"] or has_bias["k"],
         o_bias=has_bias["o"] or has_bias["v"],  # the v bias folds into the output bias
         cache=dict(cache or {"name": "dense"}),
@@ -209,9 +249,11 @@ def compress_model(
         storage.check_ranks(ranks)
     storage.check_rotation(rotation.name)
     check_rotation(rotation.name, [*fmt.ranks_k, *fmt.ranks_v])
+    if kind is ROTATED_KEYS and any(r % 2 for ranks in fmt.ranks_k for r in ranks):
+        raise ValueError(f"latents of rotated keys take even key ranks (RoPE pairs), got {fmt.ranks_k}")
     for i, (f, layout) in enumerate(zip(factors, layouts(fmt))):
         attn = adapter.attention(model, i)
-        new = fuse_attention(attn, f, layout, adapter, config, i, rotation)
+        new = fuse_attention(attn, f, layout, adapter, config, i, rotation, kind)
         adapter.set_attention(model, i, new)
     config.lrkv = fmt.to_dict()
     enable_latent_cache(model)
@@ -223,12 +265,13 @@ def build_latent_skeleton(model: nn.Module) -> nn.Module:
     config = model.config
     fmt = LrkvFormat.of(config)
     adapter = get_adapter(config)
-    kind = attention_kind(adapter)
-    if fmt.rope != kind.name:
+    try:
+        kind = attention_kind(adapter, fmt.rope)
+    except ValueError:
         raise ValueError(
             f"lrkv section says rope handling {fmt.rope!r}, "
-            f"but {adapter.model_type} models need {kind.name!r}"
-        )
+            f"but {adapter.model_type} models need {attention_kind(adapter).name!r}"
+        ) from None
     if fmt.n_layers != adapter.shape(config).L:
         raise ValueError(
             f"lrkv section has ranks for {fmt.n_layers} layers, the model has {adapter.shape(config).L}"

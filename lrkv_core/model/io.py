@@ -168,6 +168,8 @@ def model_card(fmt: LrkvFormat, source: str | None = None) -> str:
         "reconstruct-then-rope": "Keys are rebuilt per group from their latents, then RoPE at the cached "
         "positions, then attention",
         "keys-fused-into-q": "The key up-projection is folded into q_proj (no RoPE): keys are never rebuilt",
+        "rotated-keys": "The cache holds latents of the keys after RoPE (a RoPE-equivariant basis); each "
+        "query absorbs the key up-projection, so keys are never rebuilt",
     }[fmt.rope]
     ranks = "\n".join(f"| {i} | {rk} | {rv} |" for i, (rk, rv) in enumerate(zip(fmt.ranks_k, fmt.ranks_v)))
     origin = f"Source model: `{source}`.\n\n" if source else ""

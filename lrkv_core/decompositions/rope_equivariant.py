@@ -1,0 +1,117 @@
+"""Latents of *rotated* keys that hold at every position: a RoPE-equivariant basis of a group's keys.
+
+A cache of latents of the keys after RoPE, ``h = A rope_p(k)``, lets each query absorb the up-projection
+(``rope(q) · B h = (Bᵀ rope(q)) · h``): attention reads the latents directly, with no key rebuilt and no
+RoPE in the decode step. A basis fitted to rotated keys by plain PCA holds only at the positions it was
+calibrated on (RoPE turns each pair of key dims by an angle that grows with the position). A map that
+*commutes* with RoPE holds everywhere: ``B A rope_p(k) = rope_p(B A k)``, so its error on rotated keys at
+any position is its error on the keys before RoPE.
+
+RoPE (transformers' ``rotate_half`` layout) turns, in every head, the pair of dims ``(j, j + D/2)`` by the
+angle ``p·θ_j``: as a complex number ``z_j = k_j + i·k_{j+D/2}`` it is multiplied by ``e^{i p θ_j}``, the same
+factor in every head of the group. So a map that, per frequency j, mixes only the pairs ``z_{h,j}`` of the
+group's heads h by one complex matrix commutes with RoPE. Per frequency, with ``C_j = Σ z zᴴ`` (s × s, the
+same before and after RoPE):
+
+- unweighted: the eigenvectors of ``C_j`` (the projection keeping most of the keys' energy);
+- weighted by the queries: the oblique map minimising the scores' error ``‖Q_j^½ (I − M) C_j^½‖_F`` with
+  ``Q_j`` the diagonal of each head's query energy at that frequency (its query heads summed).
+
+The components of every frequency are ranked together by the energy (score-weighted energy) they keep;
+each is one complex latent, i.e. two real latents ``(Re c, Im c)``, side by side.
+:func:`rope_equivariant_factors` returns them all as real factors in that order, so a rank is a prefix of an
+even length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..linalg import GroupFactors
+
+DAMPING = 1e-4  # of the mean diagonal, added to each frequency's Grams before their roots are taken
+
+
+def _damped_roots(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(S'^½, S'^-½, m)`` of a Hermitian Gram ``S`` scaled to mean diagonal 1 (``S' = S / m + δ I``)."""
+    m = float(S.diagonal().real.mean())
+    if m <= 0:
+        m = 1.0
+    S = S / m + DAMPING * torch.eye(S.shape[0], dtype=S.dtype)
+    ev, V = torch.linalg.eigh(S)
+    ev = ev.clamp_min(1e-12)
+    return (V * ev.sqrt()) @ V.mH, (V / ev.sqrt()) @ V.mH, m
+
+
+def pair_gram(gram: torch.Tensor, n_heads: int, head_dim: int, j: int) -> torch.Tensor:
+    """``C_j = Σ z zᴴ`` (s × s complex) of frequency ``j``'s pairs ``z_h = k_{h,j} + i·k_{h,j+D/2}`` from the
+    real Gram (s·D × s·D) of the group's keys (heads side by side)."""
+    half = head_dim // 2
+    a = torch.tensor([h * head_dim + j for h in range(n_heads)])
+    b = a + half
+    G = gram.to(torch.float64)
+    C = (G[a][:, a] + G[b][:, b]) + 1j * (G[b][:, a] - G[a][:, b])
+    return (C + C.mH) / 2
+
+
+def rope_equivariant_factors(
+    key_gram: torch.Tensor,
+    n_heads: int,
+    head_dim: int,
+    query_energy: torch.Tensor | None = None,
+) -> GroupFactors:
+    """Full-rank real factors of a RoPE-equivariant basis of one group's keys, most important first.
+
+    Parameters
+    ----------
+    key_gram : (s·D, s·D) Gram of the group's keys (before or after RoPE: the pairs' Grams are the same),
+        heads side by side.
+    n_heads, head_dim : s and D (D even).
+    query_energy : (s·D,) each key dim's query energy (the diagonal of the queries' Gram, each KV head's
+        query heads summed), to weigh the scores' error; None for the unweighted basis.
+
+    Returns
+    -------
+    :class:`~lrkv_core.linalg.GroupFactors` with ``down`` A (s·D, s·D) acting on (rotated) keys, ``up`` B
+    (s·D, s·D) with ``B A = I``, and ``sigma`` the square root of each latent's share of its component's
+    (weighted) energy, the two latents of a component side by side. ``B_r A_r`` commutes with RoPE for every
+    even r.
+    """
+    s, D = n_heads, head_dim
+    if D % 2:
+        raise ValueError(f"RoPE pairs need an even head dim, got {D}")
+    if key_gram.shape != (s * D, s * D):
+        raise ValueError(f"a key Gram of shape {tuple(key_gram.shape)} for {s} heads of {D}")
+    half = D // 2
+    components = []  # (energy, j, complex A row (s,), complex B column (s,))
+    for j in range(half):
+        C = pair_gram(key_gram, s, D, j)
+        if query_energy is None:
+            ev, V = torch.linalg.eigh(C)
+            for m in range(s):
+                components.append((float(ev[m]), j, V[:, m].conj(), V[:, m]))
+            continue
+        idx = torch.tensor([h * D + j for h in range(s)])
+        w = (query_energy[idx] + query_energy[idx + half]).to(torch.float64)
+        q_half, q_inv, q_scale = _damped_roots(torch.diag(w).to(torch.complex128))
+        k_half, k_inv, k_scale = _damped_roots(C)
+        U, sv, Vh = torch.linalg.svd(q_half @ k_half)
+        down, up = sv[:, None].to(Vh.dtype) * Vh @ k_inv, q_inv @ U  # M = up @ down
+        for m in range(s):
+            components.append((float(sv[m]) ** 2 * q_scale * k_scale, j, down[m], up[:, m]))
+    components.sort(key=lambda c: c[0], reverse=True)
+    A = torch.zeros(s * D, s * D, dtype=torch.float64)
+    B = torch.zeros(s * D, s * D, dtype=torch.float64)
+    sigma = torch.zeros(s * D, dtype=torch.float64)
+    heads = torch.arange(s) * D
+    for n, (energy, j, a, b) in enumerate(components):
+        re, im = 2 * n, 2 * n + 1
+        ja, jb = heads + j, heads + j + half
+        # c = a·z: Re c = Σ Re a·k_j − Im a·k_{j+½}, Im c = Σ Im a·k_j + Re a·k_{j+½}
+        A[re, ja], A[re, jb] = a.real, -a.imag
+        A[im, ja], A[im, jb] = a.imag, a.real
+        # z ≈ b c: k_j gets Re(b c) = Re b·Re c − Im b·Im c, k_{j+½} gets Im(b c) = Im b·Re c + Re b·Im c
+        B[ja, re], B[jb, re] = b.real, b.imag
+        B[ja, im], B[jb, im] = -b.imag, b.real
+        sigma[re] = sigma[im] = max(energy, 0.0) ** 0.5 / 2**0.5
+    return GroupFactors(sigma, A, B)

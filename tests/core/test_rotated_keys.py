@@ -1,0 +1,135 @@
+"""Latents of rotated keys (:class:`~lrkv_core.model.attention_rotated.RotatedKeyAttention`): the original's
+logits at full rank, a decode through the cache (dynamic and static) that matches the full forward at half
+key rank with no positions cached, a saved model that loads as it was, and the models it refuses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lrkv_core import load_compressed, save_compressed
+from lrkv_core.cache import LatentCache, StaticLatentCache, cache_kwargs, cache_nbytes, output_cache
+from lrkv_core.conversion.convert import CompressionConfig, build_params, plan_conversion
+from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.attention_rotated import RotatedKeyAttention, rotated_key_factors
+from lrkv_core.model.fuse import compress_model
+from tests.support.inputs import greedy, ids_for, left_padded, max_diff
+from tests.support.models import SLIDING_WINDOW, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _input_grams(model, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's Gram Σ x xᵀ of its attention input, in float64."""
+    adapter = get_adapter(model.config)
+    grams = [0.0] * model.config.num_hidden_layers
+
+    def hook(i):
+        def record(_module, args, kwargs):
+            x = (kwargs.get("hidden_states", args[0] if args else None)).reshape(-1, model.config.hidden_size)
+            grams[i] = grams[i] + x.double().T @ x.double()
+
+        return record
+
+    handles = [
+        adapter.attention(model, i).register_forward_pre_hook(hook(i), with_kwargs=True)
+        for i in range(model.config.num_hidden_layers)
+    ]
+    with torch.no_grad():
+        model(rows)
+    for h in handles:
+        h.remove()
+    return grams
+
+
+def rotated(model, group_size: int, ratio: float, *, weighted: bool = True, cache: dict | None = None):
+    """``model`` converted with latents of rotated keys: values and ranks as the pipeline plans them
+    (uniform ranks, multiples of 2), keys fitted RoPE-equivariantly on the same rows."""
+    rows = torch.randint(3, model.config.vocab_size, (8, 24), generator=torch.Generator().manual_seed(5))
+    config = CompressionConfig(ratio=ratio, group_size=group_size, rank_multiple=2, allocator="uniform")
+    conversion = plan_conversion(model, rows, config)
+    adapter, shape = get_adapter(model.config), get_adapter(model.config).shape(model.config)
+    factors = copy.deepcopy(conversion.factors)
+    for i, (f, gram) in enumerate(zip(factors, _input_grams(model, rows))):
+        attn = adapter.attention(model, i)
+        w_k, w_q = (adapter.linear(attn, p, model.config).weight for p in "kq")
+        f.groups["k"] = rotated_key_factors(w_k, w_q, gram, shape.Hkv, shape.D, group_size, weighted=weighted)
+    params = build_params(config) | ({"cache": cache} if cache else {})
+    return compress_model(copy.deepcopy(model), factors, conversion.plan, **params, attention="rotated-keys")
+
+
+@pytest.mark.parametrize(
+    "arch, group_size, overrides",
+    [
+        ("llama", 1, {}),
+        ("llama", 2, {}),
+        ("qwen2", 2, {}),
+        ("mistral", 1, {"sliding_window": SLIDING_WINDOW}),
+        ("phi3", 2, {}),
+    ],
+    ids=["llama-per-head", "llama-joint", "qwen2-biases-sliding", "mistral-sliding", "phi3-fused-qkv"],
+)
+def test_full_rank_reproduces_the_original(arch, group_size, overrides) -> None:
+    model = tiny_model(arch, 2, **overrides)
+    comp = rotated(model, group_size, 1.0)
+    assert all(isinstance(get_adapter(comp.config).attention(comp, i), RotatedKeyAttention) for i in range(2))
+    assert comp.config.lrkv["rope"] == "rotated-keys"
+    ids = ids_for(2, 3 * SLIDING_WINDOW)
+    with torch.no_grad():
+        assert max_diff(comp(ids).logits, model(ids).logits) <= 1e-4
+
+
+def test_a_decode_through_the_cache_matches_the_full_forward_at_half_key_rank(tmp_path) -> None:
+    model = tiny_model("llama", 2)
+    comp = rotated(model, 2, 0.5)
+    ranks_k = comp.config.lrkv["ranks_k"]
+    assert all(r < 16 and r % 2 == 0 for layer in ranks_k for r in layer)
+    ids = ids_for(2, 14)
+    with torch.no_grad():
+        full = comp(ids).logits
+        assert 1e-3 < max_diff(full, model(ids).logits)  # compressed: not the original
+        out = comp(ids[:, :6], use_cache=True)
+        steps = [out.logits]
+        for t in range(6, 14):
+            out = comp(ids[:, t : t + 1], use_cache=True, **cache_kwargs(output_cache(out)))
+            steps.append(out.logits)
+    assert max_diff(torch.cat(steps, dim=1), full) <= 1e-4
+    cache = output_cache(out)
+    assert isinstance(cache, LatentCache) and all(layer.store.positions is None for layer in cache.layers)
+    widths = [sum(rk) + sum(rv) for rk, rv in zip(ranks_k, comp.config.lrkv["ranks_v"])]
+    assert cache_nbytes(cache) == sum(2 * 14 * 4 * w for w in widths)  # float32 latents only
+
+    prompt, mask = left_padded((9, 4))
+    dynamic = greedy(comp, prompt, mask)
+    static = StaticLatentCache.from_config(comp.config, max_cache_len=prompt.shape[1] + 8)
+    assert torch.equal(greedy(comp, prompt, mask, **cache_kwargs(static)), dynamic)
+
+    save_compressed(comp, tmp_path / "m")
+    loaded = load_compressed(tmp_path / "m")
+    assert isinstance(get_adapter(loaded.config).attention(loaded, 0), RotatedKeyAttention)
+    with torch.no_grad():
+        assert max_diff(loaded(ids).logits, full) == 0
+    assert torch.equal(greedy(loaded, prompt, mask), dynamic)
+
+
+def test_quantized_latents_of_rotated_keys() -> None:
+    """The quantized storage holds the rotated keys' latents as any others: close to the dense model."""
+    model = tiny_model("llama", 2)
+    dense = rotated(model, 2, 0.5)
+    quantized = rotated(model, 2, 0.5, cache={"name": "quantized", "bits": 8})
+    ids = ids_for(2, 12)
+    with torch.no_grad():
+        ref = dense(ids).logits
+        out = quantized(ids[:, :4], use_cache=True)
+        out = quantized(ids[:, 4:], use_cache=True, **cache_kwargs(output_cache(out)))
+    assert 0 < max_diff(out.logits, ref[:, 4:]) <= 0.05
+
+
+def test_models_it_cannot_serve_are_refused() -> None:
+    for arch in ("qwen3", "gemma3", "phi3_partial"):
+        with pytest.raises(ValueError, match="latents of rotated keys"):
+            rotated(tiny_model(arch, 2), 2, 1.0)
+    with pytest.raises(ValueError, match="not 'rotated-keys'"):
+        rotated(tiny_model("opt", 4), 2, 1.0)
