@@ -230,8 +230,9 @@ def decompose_layer(
     group_size: int,
     decomposition: dict,
     store: str,
+    keys: str = "rebuilt",
 ) -> ArtifactRef:
-    """Full-spectrum factors of one layer's K and V, per group of KV heads."""
+    """Full-spectrum factors of one layer's K and V, per group of KV heads (and its keys after RoPE)."""
     with step(f"decompose layer {layer}"):
         return _stored(
             store,
@@ -239,8 +240,14 @@ def decompose_layer(
             "factors",
             ".safetensors",
             lambda out: pipeline.decompose_file(
-                _local(model), _stats(stats), layer, out, group_size=group_size, decomposition=decomposition
-            ),
+                _local(model),
+                _stats(stats),
+                layer,
+                out,
+                group_size=group_size,
+                decomposition=decomposition,
+                keys=keys,
+            ),  # fmt: skip
         )
 
 
@@ -348,8 +355,10 @@ def build_model(
     dtype: str,
     store: str,
     rotation: dict | None = None,
+    attention: str | None = None,
 ) -> ArtifactRef:
-    """Fuse factors (rotated) into the model and save the compressed model directory."""
+    """Fuse factors (rotated) into the model, as the named attention kind, and save the compressed model
+    directory."""
     with model_pass(), step("build model"):
         return _stored(
             store,
@@ -365,6 +374,7 @@ def build_model(
                 cache=cache,
                 rotation=rotation,
                 dtype=dtype,
+                attention=attention,
             ),
         )
 
@@ -416,7 +426,7 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
         return stored(merge_statistic).submit(p["statistic"], inputs, ctx.store)
     if step.kind == "decompose":
         args = (p["layer"], p["group_size"], p["decomposition"], ctx.store)
-        return stored(decompose_layer).submit(ctx.model, stats, *args)
+        return stored(decompose_layer).submit(ctx.model, stats, *args, keys=p.get("keys", "rebuilt"))
     if step.kind == "summarize":
         return stored(summarize_layer).submit(inputs[0], stats, p["features"], ctx.store)
     if step.kind == "plan":
@@ -437,6 +447,7 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
             ctx.dtype,
             ctx.store,
             rotation=p["rotation"],
+            attention=p.get("attention"),
         )
     raise ValueError(f"the convert flow has no task for {step.kind} steps")
 

@@ -175,13 +175,16 @@ def decompose_file(
     *,
     group_size: int,
     decomposition: str | Mapping[str, Any],
+    keys: str = "rebuilt",
 ) -> dict:
-    """Full-spectrum factors of one layer (k and v, every group), written as safetensors."""
+    """Full-spectrum factors of one layer (k and v, every group; with ``keys: rotated`` also the keys after
+    RoPE), written as safetensors."""
     config = AutoConfig.from_pretrained(model_dir)
     adapter = get_adapter(config)
     shape = adapter.shape(config)
     method = DECOMPOSITIONS.create(decomposition)
-    weights = read_layer_weights(model_dir, layer, method.reads(adapter.rope))
+    reads = method.reads(adapter.rope) | ({"q"} if keys == "rotated" else set())
+    weights = read_layer_weights(model_dir, layer, reads)
     factors = decompose_layer(
         layer,
         weights,
@@ -190,6 +193,7 @@ def decompose_file(
         head_dim=shape.D,
         group_size=group_size,
         decomposition=method,
+        keys=keys,
     )
     save_layer_factors(factors, out_path)
     top = {kind: [float(f.sigma[0]) for f in factors.groups[kind]] for kind in ("k", "v")}
@@ -277,8 +281,10 @@ def build_file(
     cache: Mapping[str, Any] | None = None,
     rotation: Mapping[str, Any] | None = None,
     dtype: str = "float32",
+    attention: str | None = None,
 ) -> dict:
-    """Fuse the factors (rotated by ``rotation``) into the model and save the compressed model directory."""
+    """Fuse the factors (rotated by ``rotation``) into the model, as the ``attention`` kind named (None: the
+    architecture's), and save the compressed model directory."""
     model, tokenizer = load_model(model_dir, dtype=dtype)
     factors = [load_layer_factors(p) for p in factor_paths]
     plan = RankPlan.load(plan_path)
@@ -290,6 +296,7 @@ def build_file(
         decomposition=decomposition,
         cache=cache,
         rotation=rotation,
+        attention=attention,
     )
     card = model_card(LrkvFormat.of(model.config), model_dir)
     save_compressed(model, out_dir, tokenizer=tokenizer, card=card)

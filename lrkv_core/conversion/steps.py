@@ -126,12 +126,15 @@ def _statistic_steps(
 def build_params(config: Any) -> dict[str, Any]:
     """How the build step fuses the factors, from a resolved
     :class:`~lrkv_core.conversion.convert.CompressionConfig`: the decomposition and cache storage it records,
-    and the rotation it fuses."""
-    return {
+    the rotation it fuses, and the attention kind where it is not the model's default."""
+    params = {
         "decomposition": config.decomposition.to_dict(),
         "cache": config.cache.to_dict(),
         "rotation": config.rotation.to_dict(),
     }
+    if config.keys == "rotated":  # (absent: the model's default attention)
+        params["attention"] = "rotated-keys"
+    return params
 
 
 def conversion_steps(
@@ -164,9 +167,11 @@ def conversion_steps(
         if not stat.uses_factors and stat.name not in given:
             steps += _statistic_steps(stat, shards, rows, batch_size, ())
     decomposition = config.decomposition.to_dict()
-    decompose_reads = tuple(statistic_step(n) for n in sorted(config.decomposition.needs))
+    decompose_needs = set(config.decomposition.needs) | ({"gram"} if config.keys == "rotated" else set())
+    decompose_reads = tuple(statistic_step(n) for n in sorted(decompose_needs))
+    rotated = {"keys": "rotated"} if config.keys == "rotated" else {}  # (absent: the default, rebuilt)
     for layer in layers:
-        params = {"layer": layer, "group_size": config.group_size, "decomposition": decomposition}
+        params = {"layer": layer, "group_size": config.group_size, "decomposition": decomposition, **rotated}
         steps.append(Step(decompose_step(layer), "decompose", params, decompose_reads))
     factors = tuple(decompose_step(layer) for layer in layers)
     for stat in needed:

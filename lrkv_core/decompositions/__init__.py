@@ -11,6 +11,7 @@ its options, ``needs`` the calibration statistics it reads) and its import below
 from . import pca, plain, whitened  # noqa: F401  (registration)
 from .base import (
     DECOMPOSITIONS,
+    KEYS,
     KINDS,
     Decomposition,
     LayerFactors,
@@ -22,6 +23,7 @@ from .base import (
 
 __all__ = [
     "DECOMPOSITIONS",
+    "KEYS",
     "KINDS",
     "Decomposition",
     "LayerFactors",

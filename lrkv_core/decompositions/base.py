@@ -15,8 +15,10 @@ from safetensors import safe_open
 from ..linalg import GroupFactors, group_slices
 from ..registry import Method, Registry
 from ..system.files import save_tensors
+from .rope_equivariant import rotated_key_factors
 
 KINDS = ("k", "v")
+KEYS = ("rebuilt", "rotated")  # latents of the keys before RoPE (rebuilt at attention), or of rotated keys
 
 Groups = dict[str, list[GroupFactors]]  # kind -> one GroupFactors per group
 
@@ -62,7 +64,8 @@ def require_stat(stats: Mapping[str, Any], name: str, method: str) -> Any:
 
 @dataclass
 class LayerFactors:
-    """Full-spectrum factors of one layer: ``groups["k"][g]``, ``groups["v"][g]``."""
+    """Full-spectrum factors of one layer: ``groups["k"][g]``, ``groups["v"][g]``, and with latents of rotated
+    keys ``groups["k_rot"][g]``, the keys' RoPE-equivariant factors (ranks are planned on ``k``'s spectra)."""
 
     layer: int
     group_size: int
@@ -83,25 +86,35 @@ def decompose_layer(
     head_dim: int,
     group_size: int,
     decomposition: str | Mapping[str, Any] | Decomposition = "whitened",
+    keys: str = "rebuilt",
 ) -> LayerFactors:
     """Factor k_proj and v_proj of one layer, group by group.
 
     Parameters
     ----------
-    weights : the layer's (Hkv·D, d) k/v weights (and q, for methods that read it).
+    weights : the layer's (Hkv·D, d) k/v weights (and q, for methods that read it, and for rotated keys).
     stats : the layer's calibration statistics by name, e.g. ``{"gram": G}`` with G (d, d) ``Σ x xᵀ`` of
         the k/v_proj input; data-free methods need none.
     decomposition : a registered decomposition: name, recipe form or instance.
+    keys : ``"rotated"`` also fits the keys after RoPE (``groups["k_rot"]``, from the Gram and q_proj:
+        :func:`~lrkv_core.decompositions.rope_equivariant.rotated_key_factors`).
     """
+    if keys not in KEYS:
+        raise ValueError(f"keys must be one of {KEYS}, got {keys!r}")
     method = DECOMPOSITIONS.create(decomposition)
     slices = group_slices(n_kv_heads, head_dim, group_size)
     groups, info = method.fit(weights, stats or {}, slices, head_dim)
+    if keys == "rotated":
+        gram = require_stat(stats or {}, "gram", "latents of rotated keys")
+        if weights.q is None:
+            raise ValueError("latents of rotated keys read q_proj: pass its weight")
+        groups["k_rot"] = rotated_key_factors(weights.k, weights.q, gram, n_kv_heads, head_dim, group_size)
     return LayerFactors(layer=layer, group_size=group_size, method=method.name, groups=groups, info=info)
 
 
 def save_layer_factors(factors: LayerFactors, path: str | Path) -> None:
     tensors = {}
-    for kind in KINDS:
+    for kind in factors.groups:  # k, v (and k_rot)
         for g, f in enumerate(factors.groups[kind]):
             tensors[f"{kind}.{g}.sigma"] = f.sigma.contiguous()
             tensors[f"{kind}.{g}.down"] = f.down.contiguous()
@@ -111,6 +124,7 @@ def save_layer_factors(factors: LayerFactors, path: str | Path) -> None:
         "group_size": factors.group_size,
         "method": factors.method,
         "n_groups": len(factors.groups["k"]),
+        "kinds": list(factors.groups),
         "info": factors.info,
     }
     save_tensors(tensors, str(path), metadata={"lrkv": json.dumps(meta)})
@@ -124,6 +138,6 @@ def load_layer_factors(path: str | Path) -> LayerFactors:
                 GroupFactors(*(f.get_tensor(f"{kind}.{g}.{part}") for part in ("sigma", "down", "up")))
                 for g in range(meta["n_groups"])
             ]
-            for kind in KINDS
+            for kind in meta.get("kinds", KINDS)
         }
     return LayerFactors(meta["layer"], meta["group_size"], meta["method"], groups, meta["info"])

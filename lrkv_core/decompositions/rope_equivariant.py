@@ -115,3 +115,29 @@ def rope_equivariant_factors(
         B[ja, im], B[jb, im] = -b.imag, b.real
         sigma[re] = sigma[im] = max(energy, 0.0) ** 0.5 / 2**0.5
     return GroupFactors(sigma, A, B)
+
+
+def rotated_key_factors(
+    w_k: torch.Tensor,
+    w_q: torch.Tensor,
+    gram: torch.Tensor,
+    n_kv_heads: int,
+    head_dim: int,
+    group_size: int,
+    *,
+    weighted: bool = True,
+) -> list[GroupFactors]:
+    """Each group's full-rank RoPE-equivariant factors of the keys ``W_k x`` (Gram ``W_k G W_kᵀ`` from the
+    layer input's Gram ``G``), weighted by the queries ``W_q x`` (each KV head's query heads summed) unless
+    ``weighted`` is False (:func:`rope_equivariant_factors`)."""
+    G = gram.to(torch.float64)
+    w_k, w_q = (w.detach().to(torch.float64).cpu() for w in (w_k, w_q))
+    D, s = head_dim, group_size
+    n_rep = w_q.shape[0] // (n_kv_heads * D)
+    q_energy = ((w_q @ G) * w_q).sum(-1).view(n_kv_heads, n_rep, D).sum(1).reshape(-1)  # (Hkv·D,)
+    factors = []
+    for g in range(n_kv_heads // s):
+        rows = slice(g * s * D, (g + 1) * s * D)
+        key_gram = w_k[rows] @ G @ w_k[rows].T
+        factors.append(rope_equivariant_factors(key_gram, s, D, q_energy[rows] if weighted else None))
+    return factors

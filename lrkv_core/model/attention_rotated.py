@@ -24,9 +24,22 @@ from transformers import PretrainedConfig
 from lrkv_kernels.latent_rope import apply_rope
 
 from ..cache import LatentCache
-from ..linalg import GroupFactors
 from .adapters import ArchAdapter
 from .attention import LatentAttentionBase, LatentLayout
+
+
+def check_rotated_keys(adapter: ArchAdapter, config: PretrainedConfig) -> None:
+    """Raise ``ValueError`` unless the model's attention can read latents of rotated keys: RoPE over whole
+    heads, one RoPE for every layer, no QK-norm."""
+    if not adapter.rope:
+        raise ValueError(f"{adapter.model_type} has no RoPE: latents of rotated keys are for RoPE models")
+    if adapter.qk_norms(config) is not None:
+        raise ValueError(f"{adapter.model_type}: latents of rotated keys do not support QK-norm yet")
+    rotary = adapter.rotary_embedding(config)
+    if adapter.rope_per_layer_type or 2 * rotary.inv_freq.numel() != adapter.shape(config).D:
+        raise ValueError(
+            f"{adapter.model_type}: latents of rotated keys need RoPE over the whole head, one per model"
+        )
 
 
 class RotatedKeyAttention(LatentAttentionBase):
@@ -35,13 +48,7 @@ class RotatedKeyAttention(LatentAttentionBase):
     def __init__(self, config: PretrainedConfig, layer_idx: int, adapter: ArchAdapter, layout: LatentLayout):
         super().__init__(config, layer_idx, adapter, layout)
         shape, s = self.shape, layout.group_size
-        if adapter.qk_norms(config) is not None:
-            raise ValueError(f"{adapter.model_type}: latents of rotated keys do not support QK-norm yet")
-        rotary = adapter.rotary_embedding(config)
-        if adapter.rope_per_layer_type or 2 * rotary.inv_freq.numel() != shape.D:
-            raise ValueError(
-                f"{adapter.model_type}: latents of rotated keys need RoPE over the whole head, one per model"
-            )
+        check_rotated_keys(adapter, config)
         self.num_key_value_groups = self.q_heads_per_group  # one latent key/value head per group
         self.q_proj = nn.Linear(shape.d, shape.H * shape.D, bias=layout.qkv_bias)
         self.k_proj = nn.Linear(shape.d, shape.Hkv * shape.D, bias=layout.qkv_bias)
@@ -74,31 +81,3 @@ class RotatedKeyAttention(LatentAttentionBase):
             k_g, v_g = hk_g.unsqueeze(1), hv_g.unsqueeze(1)  # (B, 1, S, r_g)
             outs.append(self.attend(q_lat, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_v)
         return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)
-
-
-def rotated_key_factors(
-    w_k: torch.Tensor,
-    w_q: torch.Tensor,
-    gram: torch.Tensor,
-    n_kv_heads: int,
-    head_dim: int,
-    group_size: int,
-    *,
-    weighted: bool = True,
-) -> list[GroupFactors]:
-    """Each group's full-rank RoPE-equivariant factors of the keys ``W_k x`` (Gram ``W_k G W_kᵀ`` from the
-    layer input's Gram ``G``), weighted by the queries ``W_q x`` (each KV head's query heads summed) unless
-    ``weighted`` is False (:func:`~lrkv_core.decompositions.rope_equivariant.rope_equivariant_factors`)."""
-    from ..decompositions.rope_equivariant import rope_equivariant_factors
-
-    G = gram.to(torch.float64)
-    w_k, w_q = (w.detach().to(torch.float64).cpu() for w in (w_k, w_q))
-    D, s = head_dim, group_size
-    n_rep = w_q.shape[0] // (n_kv_heads * D)
-    q_energy = ((w_q @ G) * w_q).sum(-1).view(n_kv_heads, n_rep, D).sum(1).reshape(-1)  # (Hkv·D,)
-    factors = []
-    for g in range(n_kv_heads // s):
-        rows = slice(g * s * D, (g + 1) * s * D)
-        key_gram = w_k[rows] @ G @ w_k[rows].T
-        factors.append(rope_equivariant_factors(key_gram, s, D, q_energy[rows] if weighted else None))
-    return factors

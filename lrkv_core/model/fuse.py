@@ -125,7 +125,7 @@ ATTENTION_KINDS: dict[bool, AttentionKind] = {
 
 
 # latents of rotated keys (queries absorb B_k): chosen by name, for RoPE models, where the factors of the keys
-# are fitted to rotated keys (lrkv_core.model.attention_rotated.rotated_key_factors)
+# are fitted to rotated keys (lrkv_core.decompositions.rope_equivariant.rotated_key_factors)
 ROTATED_KEYS = AttentionKind("rotated-keys", RotatedKeyAttention, _fuse_rotated_keys)
 
 
@@ -175,7 +175,12 @@ def fuse_attention(
     new = new.to(dtype=torch.float64)
 
     rotation = rotation or RotationConfig()
-    k_parts = rotated_parts(factors.groups["k"], layout.ranks_k, rotation, layer_idx, "k")
+    keys = "k_rot" if kind is ROTATED_KEYS else "k"
+    if keys not in factors.groups:
+        raise ValueError(
+            f"layer {layer_idx}'s factors hold no keys fitted after RoPE: decompose with keys: rotated"
+        )
+    k_parts = rotated_parts(factors.groups[keys], layout.ranks_k, rotation, layer_idx, "k")
     v_parts = rotated_parts(factors.groups["v"], layout.ranks_v, rotation, layer_idx, "v")
     _set_linear(new.v_down, torch.cat([a for a, _ in v_parts]))
     kind.fuse_keys(new, q, k, k_parts, shape)
@@ -210,8 +215,8 @@ def compress_model(
     """Replace every attention in place by its latent form with the plan's ranks; returns the model.
 
     ``attention`` names the attention kind (:func:`attention_kind`; None: the architecture's): with
-    ``"rotated-keys"`` the factors' key groups must be fitted to rotated keys
-    (:func:`~lrkv_core.model.attention_rotated.rotated_key_factors`) and their ranks even.
+    ``"rotated-keys"`` the keys' factors are each layer's ``groups["k_rot"]`` (fitted to rotated keys:
+    :func:`~lrkv_core.decompositions.rope_equivariant.rotated_key_factors`) and their ranks even.
 
     ``decomposition`` and ``cache`` are the recipe forms (``{"name": ..., **options}``) recorded in the
     model-format section (``config.lrkv``); the cache storage is what the model's latent cache will use.

@@ -13,51 +13,22 @@ from lrkv_core import load_compressed, save_compressed
 from lrkv_core.cache import LatentCache, StaticLatentCache, cache_kwargs, cache_nbytes, output_cache
 from lrkv_core.conversion.convert import CompressionConfig, build_params, plan_conversion
 from lrkv_core.model.adapters import get_adapter
-from lrkv_core.model.attention_rotated import RotatedKeyAttention, rotated_key_factors
-from lrkv_core.model.fuse import compress_model
+from lrkv_core.model.attention_rotated import RotatedKeyAttention
+from lrkv_core.model.fuse import attention_kind, compress_model
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
 from tests.support.models import SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _input_grams(model, rows: torch.Tensor) -> list[torch.Tensor]:
-    """Each layer's Gram Σ x xᵀ of its attention input, in float64."""
-    adapter = get_adapter(model.config)
-    grams = [0.0] * model.config.num_hidden_layers
-
-    def hook(i):
-        def record(_module, args, kwargs):
-            x = (kwargs.get("hidden_states", args[0] if args else None)).reshape(-1, model.config.hidden_size)
-            grams[i] = grams[i] + x.double().T @ x.double()
-
-        return record
-
-    handles = [
-        adapter.attention(model, i).register_forward_pre_hook(hook(i), with_kwargs=True)
-        for i in range(model.config.num_hidden_layers)
-    ]
-    with torch.no_grad():
-        model(rows)
-    for h in handles:
-        h.remove()
-    return grams
-
-
-def rotated(model, group_size: int, ratio: float, *, weighted: bool = True, cache: dict | None = None):
-    """``model`` converted with latents of rotated keys: values and ranks as the pipeline plans them
-    (uniform ranks, multiples of 2), keys fitted RoPE-equivariantly on the same rows."""
+def rotated(model, group_size: int, ratio: float, *, cache: dict | None = None):
+    """``model`` converted with latents of rotated keys (uniform ranks, multiples of 2)."""
     rows = torch.randint(3, model.config.vocab_size, (8, 24), generator=torch.Generator().manual_seed(5))
-    config = CompressionConfig(ratio=ratio, group_size=group_size, rank_multiple=2, allocator="uniform")
-    conversion = plan_conversion(model, rows, config)
-    adapter, shape = get_adapter(model.config), get_adapter(model.config).shape(model.config)
-    factors = copy.deepcopy(conversion.factors)
-    for i, (f, gram) in enumerate(zip(factors, _input_grams(model, rows))):
-        attn = adapter.attention(model, i)
-        w_k, w_q = (adapter.linear(attn, p, model.config).weight for p in "kq")
-        f.groups["k"] = rotated_key_factors(w_k, w_q, gram, shape.Hkv, shape.D, group_size, weighted=weighted)
-    params = build_params(config) | ({"cache": cache} if cache else {})
-    return compress_model(copy.deepcopy(model), factors, conversion.plan, **params, attention="rotated-keys")
+    config = CompressionConfig(
+        ratio=ratio, group_size=group_size, rank_multiple=2, allocator="uniform", keys="rotated",
+        cache=cache or "dense",
+    )  # fmt: skip
+    return plan_conversion(model, rows, config).apply(copy.deepcopy(model))
 
 
 @pytest.mark.parametrize(
@@ -127,9 +98,44 @@ def test_quantized_latents_of_rotated_keys() -> None:
     assert 0 < max_diff(out.logits, ref[:, 4:]) <= 0.05
 
 
-def test_models_it_cannot_serve_are_refused() -> None:
-    for arch in ("qwen3", "gemma3", "phi3_partial"):
-        with pytest.raises(ValueError, match="latents of rotated keys"):
-            rotated(tiny_model(arch, 2), 2, 1.0)
-    with pytest.raises(ValueError, match="not 'rotated-keys'"):
-        rotated(tiny_model("opt", 4), 2, 1.0)
+def test_models_it_cannot_serve_and_bad_options_are_refused() -> None:
+    """Before any work: QK-norm, RoPE per layer type, partial RoPE, no RoPE; odd ranks; factors without
+    rotated keys given to the rotated attention; a format naming an attention the model cannot take."""
+    for arch, why in [
+        ("qwen3", "do not support QK-norm"),
+        ("gemma3", "do not support QK-norm"),
+        ("phi3_partial", "RoPE over the whole head"),
+        ("opt", "opt has no RoPE"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            rotated(tiny_model(arch, 4 if arch == "opt" else 2), 2, 1.0)
+    with pytest.raises(ValueError, match="rank multiple must be even, got 3"):
+        CompressionConfig(keys="rotated", rank_multiple=3)
+    with pytest.raises(ValueError, match="keys must be one of rebuilt, rotated"):
+        CompressionConfig(keys="after-rope")
+    model = tiny_model("llama", 2)
+    rows = ids_for(4, 16)
+    plain = plan_conversion(model, rows, CompressionConfig(ratio=1.0, group_size=2, allocator="uniform"))
+    with pytest.raises(ValueError, match="hold no keys fitted after RoPE"):
+        params = build_params(plain.config) | {"attention": "rotated-keys"}
+        compress_model(copy.deepcopy(model), plain.factors, plain.plan, **params)
+    with pytest.raises(ValueError, match="opt models take 'keys-fused-into-q' attention, not 'rotated-keys'"):
+        attention_kind(get_adapter(tiny_model("opt", 4).config), "rotated-keys")
+
+
+def test_the_step_graph_carries_the_option_only_when_asked() -> None:
+    """``keys: rotated``: each decompose step reads the Gram (a plain decomposition reads none) and says so,
+    the build names the attention; the default graph has no ``keys`` or ``attention`` parameters (its cache
+    keys stay)."""
+    from lrkv_core.conversion.steps import conversion_steps, statistic_step
+
+    model_config = tiny_model("llama", 2).config
+    for keys in ("rebuilt", "rotated"):
+        config = CompressionConfig(ratio=0.5, decomposition="plain", allocator="uniform", keys=keys)
+        config = config.for_model(model_config)
+        steps = {s.name: s for s in conversion_steps(config, 2).steps}
+        decompose = [s for s in steps.values() if s.kind == "decompose"]
+        rotated = keys == "rotated"
+        assert all(("keys" in s.params) == rotated for s in decompose)
+        assert all((statistic_step("gram") in s.inputs) == rotated for s in decompose)
+        assert ("attention" in steps["build"].params) == rotated

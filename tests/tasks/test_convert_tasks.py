@@ -198,3 +198,31 @@ def test_an_export_that_does_not_match_the_built_hash_is_not_installed(tmp_path)
     assert (out / "model.safetensors").read_bytes() == b"old" * 100
     assert {p.name for p in out.parent.iterdir()} == {"out"}
     assert t.copy_model_dir(new, out, hash_dir(new)) == out
+
+
+def test_the_task_chain_builds_latents_of_rotated_keys(setup):
+    """``keys: rotated`` through the tasks: the decomposed layers' files hold the keys after RoPE too, the
+    build fuses them as rotated-key attention, and at full rank the model is the original's."""
+    from lrkv_core.decompositions import load_layer_factors
+    from lrkv_core.model.attention_rotated import RotatedKeyAttention
+
+    store = setup["store"]
+    model = t.resolve_model.fn(str(setup["model_dir"]))
+    calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
+    gram = t.collect_statistic.fn(model, calib, {"name": "gram"}, "float32", 4, store)
+    whitened = {"name": "whitened", "values": "projection", "keys": "projection"}
+    layers = [
+        t.decompose_layer.fn(model, {"gram": gram}, i, 2, whitened, store, keys="rotated") for i in range(2)
+    ]
+    assert all(list(load_layer_factors(f.uri).groups) == ["k", "v", "k_rot"] for f in layers)
+    summaries = [t.summarize_layer.fn(f, {}, [], store) for f in layers]
+    plan = t.plan_ranks.fn(model, summaries, 1.0, 2, 8, {"name": "uniform"}, store)
+    built = t.build_model.fn(
+        model, layers, plan, whitened, {"name": "dense"}, "float32", store, attention="rotated-keys"
+    )
+    compressed, (base, _) = load_compressed(built.uri), load_model(setup["model_dir"])
+    assert compressed.config.lrkv["rope"] == "rotated-keys"
+    assert isinstance(compressed.model.layers[0].self_attn, RotatedKeyAttention)
+    ids = torch.randint(3, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (base(ids).logits - compressed(ids).logits).abs().max() < 1e-4
