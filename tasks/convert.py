@@ -230,7 +230,7 @@ def decompose_layer(
     group_size: int,
     decomposition: dict,
     store: str,
-    keys: str = "rebuilt",
+    key_latents: str = "rebuilt",
 ) -> ArtifactRef:
     """Full-spectrum factors of one layer's K and V, per group of KV heads (and its keys after RoPE)."""
     with step(f"decompose layer {layer}"):
@@ -246,8 +246,8 @@ def decompose_layer(
                 out,
                 group_size=group_size,
                 decomposition=decomposition,
-                keys=keys,
-            ),  # fmt: skip
+                key_latents=key_latents,
+            ),
         )
 
 
@@ -426,7 +426,8 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
         return stored(merge_statistic).submit(p["statistic"], inputs, ctx.store)
     if step.kind == "decompose":
         args = (p["layer"], p["group_size"], p["decomposition"], ctx.store)
-        return stored(decompose_layer).submit(ctx.model, stats, *args, keys=p.get("keys", "rebuilt"))
+        key_latents = p.get("key_latents", "rebuilt")
+        return stored(decompose_layer).submit(ctx.model, stats, *args, key_latents=key_latents)
     if step.kind == "summarize":
         return stored(summarize_layer).submit(inputs[0], stats, p["features"], ctx.store)
     if step.kind == "plan":

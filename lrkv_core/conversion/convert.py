@@ -31,7 +31,14 @@ from ..allocation import (
 )
 from ..allocation.problem import budget_width, check_one_step_fits
 from ..cache import CACHE_STORAGES, CacheStorage
-from ..decompositions import DECOMPOSITIONS, KEYS, Decomposition, LayerFactors, LayerWeights, decompose_layer
+from ..decompositions import (
+    DECOMPOSITIONS,
+    KEY_LATENTS,
+    Decomposition,
+    LayerFactors,
+    LayerWeights,
+    decompose_layer,
+)
 from ..linalg import group_slices
 from ..model.adapters import get_adapter
 from ..model.attention_rotated import check_rotated_keys
@@ -75,10 +82,11 @@ class CompressionConfig:
         spread latents before quantization, a :class:`~lrkv_core.quant.rotation.RotationConfig`, its mapping
         form or its policy's name (``none``, ``hadamard`` or ``auto``; its ``seed`` seeds the random
         orthogonal matrices ``auto`` uses where no Hadamard matrix of the rank exists).
-    keys : ``"rebuilt"`` (the default: latents of the keys before RoPE, keys rebuilt and rotated at attention,
-        Palu's form) or ``"rotated"`` (latents of the keys after RoPE in a RoPE-equivariant basis weighted by
-        the queries, which absorb the key up-projection: no key rebuilt, no positions cached; RoPE models
-        without QK-norm, RoPE over whole heads). Ranks are planned on the pre-RoPE keys' spectra either way.
+    key_latents : ``"rebuilt"`` (the default: latents of the keys before RoPE, keys rebuilt and rotated at
+        attention, Palu's form) or ``"rotated"`` (latents of the keys after RoPE in a RoPE-equivariant basis
+        weighted by the queries, which absorb the key up-projection: no key rebuilt, no positions cached;
+        RoPE models without QK-norm, RoPE over whole heads). Ranks are planned on the pre-RoPE keys' spectra
+        either way.
     refine : how the allocator's plan is refined on calibration rows, a
         :class:`~lrkv_core.conversion.refine.RefineConfig` or its mapping form (``{"steps": 0}`` keeps the
         allocator's plan); its ``steps`` of None (the default) resolves to the allocator's own default
@@ -110,7 +118,7 @@ class CompressionConfig:
         default=RefineConfig(),
         metadata={"help": "how the allocator's plan is refined on calibration rows (steps 0: kept)"},
     )
-    keys: str = field(
+    key_latents: str = field(
         default="rebuilt",
         metadata={
             "help": "latents of keys before RoPE, rebuilt at attention (rebuilt), or of rotated keys that "
@@ -125,9 +133,9 @@ class CompressionConfig:
             raise ValueError(f"rank multiple must be ≥ 1, got {self.rank_multiple}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group size must be ≥ 1, got {self.group_size}")
-        if self.keys not in KEYS:
-            raise ValueError(f"keys must be one of {', '.join(KEYS)}, got {self.keys!r}")
-        if self.keys == "rotated" and self.rank_multiple % 2:
+        if self.key_latents not in KEY_LATENTS:
+            raise ValueError(f"key_latents must be one of {', '.join(KEY_LATENTS)}, got {self.key_latents!r}")
+        if self.key_latents == "rotated" and self.rank_multiple % 2:
             raise ValueError(
                 f"latents of rotated keys take even ranks (RoPE pairs): the rank multiple must be even, "
                 f"got {self.rank_multiple}"
@@ -158,7 +166,7 @@ class CompressionConfig:
 
     def needed_statistics(self) -> list[Statistic]:
         """The statistics the decomposition and the allocator's features read, configured or default."""
-        names = set(self.decomposition.needs) | ({"gram"} if self.keys == "rotated" else set())
+        names = set(self.decomposition.needs) | ({"gram"} if self.key_latents == "rotated" else set())
         for feature in self.features():
             if feature not in FEATURES:
                 raise ValueError(f"allocator {self.allocator.name!r} needs unknown feature {feature!r}")
@@ -176,7 +184,7 @@ class CompressionConfig:
         """
         adapter = get_adapter(model_config)
         shape = adapter.shape(model_config)
-        if self.keys == "rotated":
+        if self.key_latents == "rotated":
             check_rotated_keys(adapter, model_config)
         group_size = resolve_group_size(self.group_size, shape.Hkv)
         group_slices(shape.Hkv, shape.D, group_size)  # raises with the valid sizes
@@ -306,8 +314,8 @@ def run_steps(
                 results[step.name] = stat.collect(model, calibration, **kw)[0]
         elif step.kind == "decompose":
             method = DECOMPOSITIONS.create(p["decomposition"])
-            layer, keys = p["layer"], p.get("keys", "rebuilt")
-            reads = method.reads(adapter.rope) | ({"q"} if keys == "rotated" else set())
+            layer, key_latents = p["layer"], p.get("key_latents", "rebuilt")
+            reads = method.reads(adapter.rope) | ({"q"} if key_latents == "rotated" else set())
             results[step.name] = decompose_layer(
                 layer,
                 model_layer_weights(model, layer, reads),
@@ -316,7 +324,7 @@ def run_steps(
                 head_dim=shape.D,
                 group_size=p["group_size"],
                 decomposition=method,
-                keys=keys,
+                key_latents=key_latents,
             )
         elif step.kind == "summarize":
             layer = p["layer"]

@@ -175,15 +175,15 @@ def decompose_file(
     *,
     group_size: int,
     decomposition: str | Mapping[str, Any],
-    keys: str = "rebuilt",
+    key_latents: str = "rebuilt",
 ) -> dict:
-    """Full-spectrum factors of one layer (k and v, every group; with ``keys: rotated`` also the keys after
-    RoPE), written as safetensors."""
+    """Full-spectrum factors of one layer (k and v, every group; with ``key_latents: rotated`` also the keys
+    after RoPE), written as safetensors."""
     config = AutoConfig.from_pretrained(model_dir)
     adapter = get_adapter(config)
     shape = adapter.shape(config)
     method = DECOMPOSITIONS.create(decomposition)
-    reads = method.reads(adapter.rope) | ({"q"} if keys == "rotated" else set())
+    reads = method.reads(adapter.rope) | ({"q"} if key_latents == "rotated" else set())
     weights = read_layer_weights(model_dir, layer, reads)
     factors = decompose_layer(
         layer,
@@ -193,7 +193,7 @@ def decompose_file(
         head_dim=shape.D,
         group_size=group_size,
         decomposition=method,
-        keys=keys,
+        key_latents=key_latents,
     )
     save_layer_factors(factors, out_path)
     top = {kind: [float(f.sigma[0]) for f in factors.groups[kind]] for kind in ("k", "v")}

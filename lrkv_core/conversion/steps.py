@@ -132,7 +132,7 @@ def build_params(config: Any) -> dict[str, Any]:
         "cache": config.cache.to_dict(),
         "rotation": config.rotation.to_dict(),
     }
-    if config.keys == "rotated":  # (absent: the model's default attention)
+    if config.key_latents == "rotated":  # (absent: the model's default attention)
         params["attention"] = "rotated-keys"
     return params
 
@@ -167,9 +167,10 @@ def conversion_steps(
         if not stat.uses_factors and stat.name not in given:
             steps += _statistic_steps(stat, shards, rows, batch_size, ())
     decomposition = config.decomposition.to_dict()
-    decompose_needs = set(config.decomposition.needs) | ({"gram"} if config.keys == "rotated" else set())
+    rotated_keys = config.key_latents == "rotated"
+    decompose_needs = set(config.decomposition.needs) | ({"gram"} if rotated_keys else set())
     decompose_reads = tuple(statistic_step(n) for n in sorted(decompose_needs))
-    rotated = {"keys": "rotated"} if config.keys == "rotated" else {}  # (absent: the default, rebuilt)
+    rotated = {"key_latents": "rotated"} if rotated_keys else {}  # (absent: the default, rebuilt)
     for layer in layers:
         params = {"layer": layer, "group_size": config.group_size, "decomposition": decomposition, **rotated}
         steps.append(Step(decompose_step(layer), "decompose", params, decompose_reads))

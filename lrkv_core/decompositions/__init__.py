@@ -11,7 +11,7 @@ its options, ``needs`` the calibration statistics it reads) and its import below
 from . import pca, plain, whitened  # noqa: F401  (registration)
 from .base import (
     DECOMPOSITIONS,
-    KEYS,
+    KEY_LATENTS,
     KINDS,
     Decomposition,
     LayerFactors,
@@ -23,7 +23,7 @@ from .base import (
 
 __all__ = [
     "DECOMPOSITIONS",
-    "KEYS",
+    "KEY_LATENTS",
     "KINDS",
     "Decomposition",
     "LayerFactors",

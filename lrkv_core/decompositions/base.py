@@ -18,7 +18,8 @@ from ..system.files import save_tensors
 from .rope_equivariant import rotated_key_factors
 
 KINDS = ("k", "v")
-KEYS = ("rebuilt", "rotated")  # latents of the keys before RoPE (rebuilt at attention), or of rotated keys
+# latents of the keys before RoPE (keys rebuilt at attention), or of the keys after RoPE
+KEY_LATENTS = ("rebuilt", "rotated")
 
 Groups = dict[str, list[GroupFactors]]  # kind -> one GroupFactors per group
 
@@ -86,7 +87,7 @@ def decompose_layer(
     head_dim: int,
     group_size: int,
     decomposition: str | Mapping[str, Any] | Decomposition = "whitened",
-    keys: str = "rebuilt",
+    key_latents: str = "rebuilt",
 ) -> LayerFactors:
     """Factor k_proj and v_proj of one layer, group by group.
 
@@ -96,15 +97,15 @@ def decompose_layer(
     stats : the layer's calibration statistics by name, e.g. ``{"gram": G}`` with G (d, d) ``Σ x xᵀ`` of
         the k/v_proj input; data-free methods need none.
     decomposition : a registered decomposition: name, recipe form or instance.
-    keys : ``"rotated"`` also fits the keys after RoPE (``groups["k_rot"]``, from the Gram and q_proj:
+    key_latents : ``"rotated"`` also fits the keys after RoPE (``groups["k_rot"]``, from the Gram and q_proj:
         :func:`~lrkv_core.decompositions.rope_equivariant.rotated_key_factors`).
     """
-    if keys not in KEYS:
-        raise ValueError(f"keys must be one of {KEYS}, got {keys!r}")
+    if key_latents not in KEY_LATENTS:
+        raise ValueError(f"key_latents must be one of {KEY_LATENTS}, got {key_latents!r}")
     method = DECOMPOSITIONS.create(decomposition)
     slices = group_slices(n_kv_heads, head_dim, group_size)
     groups, info = method.fit(weights, stats or {}, slices, head_dim)
-    if keys == "rotated":
+    if key_latents == "rotated":
         gram = require_stat(stats or {}, "gram", "latents of rotated keys")
         if weights.q is None:
             raise ValueError("latents of rotated keys read q_proj: pass its weight")

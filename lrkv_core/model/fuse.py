@@ -178,7 +178,7 @@ def fuse_attention(
     keys = "k_rot" if kind is ROTATED_KEYS else "k"
     if keys not in factors.groups:
         raise ValueError(
-            f"layer {layer_idx}'s factors hold no keys fitted after RoPE: decompose with keys: rotated"
+            f"layer {layer_idx}'s factors hold no keys fitted after RoPE: decompose with key_latents: rotated"
         )
     k_parts = rotated_parts(factors.groups[keys], layout.ranks_k, rotation, layer_idx, "k")
     v_parts = rotated_parts(factors.groups["v"], layout.ranks_v, rotation, layer_idx, "v")

@@ -25,7 +25,7 @@ def rotated(model, group_size: int, ratio: float, *, cache: dict | None = None):
     """``model`` converted with latents of rotated keys (uniform ranks, multiples of 2)."""
     rows = torch.randint(3, model.config.vocab_size, (8, 24), generator=torch.Generator().manual_seed(5))
     config = CompressionConfig(
-        ratio=ratio, group_size=group_size, rank_multiple=2, allocator="uniform", keys="rotated",
+        ratio=ratio, group_size=group_size, rank_multiple=2, allocator="uniform", key_latents="rotated",
         cache=cache or "dense",
     )  # fmt: skip
     return plan_conversion(model, rows, config).apply(copy.deepcopy(model))
@@ -110,9 +110,9 @@ def test_models_it_cannot_serve_and_bad_options_are_refused() -> None:
         with pytest.raises(ValueError, match=why):
             rotated(tiny_model(arch, 4 if arch == "opt" else 2), 2, 1.0)
     with pytest.raises(ValueError, match="rank multiple must be even, got 3"):
-        CompressionConfig(keys="rotated", rank_multiple=3)
-    with pytest.raises(ValueError, match="keys must be one of rebuilt, rotated"):
-        CompressionConfig(keys="after-rope")
+        CompressionConfig(key_latents="rotated", rank_multiple=3)
+    with pytest.raises(ValueError, match="key_latents must be one of rebuilt, rotated"):
+        CompressionConfig(key_latents="after-rope")
     model = tiny_model("llama", 2)
     rows = ids_for(4, 16)
     plain = plan_conversion(model, rows, CompressionConfig(ratio=1.0, group_size=2, allocator="uniform"))
@@ -124,18 +124,19 @@ def test_models_it_cannot_serve_and_bad_options_are_refused() -> None:
 
 
 def test_the_step_graph_carries_the_option_only_when_asked() -> None:
-    """``keys: rotated``: each decompose step reads the Gram (a plain decomposition reads none) and says so,
-    the build names the attention; the default graph has no ``keys`` or ``attention`` parameters (its cache
-    keys stay)."""
+    """``key_latents: rotated``: each decompose step reads the Gram (a plain decomposition reads none) and
+    says so, the build names the attention; the default graph has no ``key_latents`` or ``attention``
+    parameters (its cache keys stay)."""
     from lrkv_core.conversion.steps import conversion_steps, statistic_step
 
     model_config = tiny_model("llama", 2).config
-    for keys in ("rebuilt", "rotated"):
-        config = CompressionConfig(ratio=0.5, decomposition="plain", allocator="uniform", keys=keys)
+    for key_latents in ("rebuilt", "rotated"):
+        options = dict(ratio=0.5, decomposition="plain", allocator="uniform")
+        config = CompressionConfig(**options, key_latents=key_latents)
         config = config.for_model(model_config)
         steps = {s.name: s for s in conversion_steps(config, 2).steps}
         decompose = [s for s in steps.values() if s.kind == "decompose"]
-        rotated = keys == "rotated"
-        assert all(("keys" in s.params) == rotated for s in decompose)
+        rotated = key_latents == "rotated"
+        assert all(("key_latents" in s.params) == rotated for s in decompose)
         assert all((statistic_step("gram") in s.inputs) == rotated for s in decompose)
         assert ("attention" in steps["build"].params) == rotated

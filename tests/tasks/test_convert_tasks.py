@@ -201,8 +201,8 @@ def test_an_export_that_does_not_match_the_built_hash_is_not_installed(tmp_path)
 
 
 def test_the_task_chain_builds_latents_of_rotated_keys(setup):
-    """``keys: rotated`` through the tasks: the decomposed layers' files hold the keys after RoPE too, the
-    build fuses them as rotated-key attention, and at full rank the model is the original's."""
+    """``key_latents: rotated`` through the tasks: the decomposed layers' files hold the keys after RoPE too,
+    the build fuses them as rotated-key attention, and at full rank the model is the original's."""
     from lrkv_core.decompositions import load_layer_factors
     from lrkv_core.model.attention_rotated import RotatedKeyAttention
 
@@ -211,9 +211,8 @@ def test_the_task_chain_builds_latents_of_rotated_keys(setup):
     calib = t.extract_calibration.fn(model, setup["data"], 8, 32, 0, store)
     gram = t.collect_statistic.fn(model, calib, {"name": "gram"}, "float32", 4, store)
     whitened = {"name": "whitened", "values": "projection", "keys": "projection"}
-    layers = [
-        t.decompose_layer.fn(model, {"gram": gram}, i, 2, whitened, store, keys="rotated") for i in range(2)
-    ]
+    decompose = t.decompose_layer.fn
+    layers = [decompose(model, {"gram": gram}, i, 2, whitened, store, key_latents="rotated") for i in (0, 1)]
     assert all(list(load_layer_factors(f.uri).groups) == ["k", "v", "k_rot"] for f in layers)
     summaries = [t.summarize_layer.fn(f, {}, [], store) for f in layers]
     plan = t.plan_ranks.fn(model, summaries, 1.0, 2, 8, {"name": "uniform"}, store)
