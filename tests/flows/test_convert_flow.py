@@ -169,6 +169,31 @@ def test_the_flow_and_the_in_memory_api_build_the_same_model(prefect_api, tmp_pa
         assert max_diff(model(ids).logits, load_compressed(tmp_path / "out")(ids).logits) < 1e-4
 
 
+def test_the_flow_builds_latents_of_rotated_keys_as_the_in_memory_api_does(prefect_api, tmp_path):
+    """``compression.key_latents: rotated`` from a recipe, through Prefect: the flow's model reads rotated
+    keys and equals the in-memory conversion's on the same rows."""
+    from lrkv_core.model.attention_rotated import RotatedKeyAttention
+
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    recipe = _recipe(
+        model_dir, data, tmp_path / "store", tmp_path / "out", f"sqlite:///{tmp_path / 'm.db'}", 0.5
+    )
+    options = {"ratio": 0.5, "allocator": "uniform", "key_latents": "rotated"}
+    options = {f"compression.{name}": value for name, value in options.items()}
+    comp = load_recipe(None, options).compression.model_copy(update={"group_size": 2, "rank_multiple": 8})
+    result = convert_flow(recipe.model_copy(update={"compression": comp}))
+    built = load_compressed(tmp_path / "out")
+    assert built.config.lrkv["rope"] == "rotated-keys"
+    assert isinstance(built.model.layers[0].self_attn, RotatedKeyAttention)
+    rows = read_token_rows(local_path(result.calibration.uri))
+    model, _ = load_model(model_dir)
+    conversion = plan_conversion(model, rows, comp.to_config(), batch_size=recipe.calibration.batch_size)
+    conversion.apply(model)
+    with torch.no_grad():
+        assert max_diff(model(rows[:4]).logits, built(rows[:4]).logits) < 1e-4
+
+
 def test_convert_flow_on_stories260k_is_exact_at_full_rank(prefect_api, tmp_path):
     model_dir = SHARED / "models" / "stories260k"
     if not model_dir.is_dir():
