@@ -326,10 +326,10 @@ def joined(groups: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.cat(groups, dim=-1)
 
 
-def set_fused_decode(model: nn.Module, value: bool | None) -> list[LatentAttention]:
-    """Set :attr:`LatentAttention.fused_decode` on every RoPE latent attention of ``model`` (None: the
-    default, the kernel on CUDA); returns those modules."""
-    modules = [m for m in model.modules() if isinstance(m, LatentAttention)]
+def set_fused_decode(model: nn.Module, value: bool | None) -> list[LatentAttentionBase]:
+    """Set ``fused_decode`` on every RoPE latent attention of ``model`` (:class:`LatentAttention`, and
+    ``RotatedKeyAttention``; None: the default, the kernel on CUDA); returns those modules."""
+    modules = [m for m in model.modules() if hasattr(m, "fused_decode")]
     for m in modules:
         m.fused_decode = value
     return modules

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from lrkv_kernels.latent_rope import apply_rope
+from lrkv_kernels.latent_rope import absorbed_decode_attention, additive_mask, apply_rope, triton_runs_on
 
-from ..cache import LatentCache
+from ..cache import LatentCache, LatentView
 from .adapters import ArchAdapter
-from .attention import LatentAttentionBase, LatentLayout
+from .attention import LatentAttention, LatentAttentionBase, LatentLayout, joined
 
 
 def check_rotated_keys(adapter: ArchAdapter, config: PretrainedConfig) -> None:
@@ -43,7 +43,17 @@ def check_rotated_keys(adapter: ArchAdapter, config: PretrainedConfig) -> None:
 
 
 class RotatedKeyAttention(LatentAttentionBase):
-    """Drop-in replacement for a RoPE attention module, caching latents of its rotated keys."""
+    """Drop-in replacement for a RoPE attention module, caching latents of its rotated keys.
+
+    A decode step (one query token) on CUDA goes through the absorbed flash-decoding kernel
+    (:func:`~lrkv_kernels.latent_rope.absorbed_decode_attention`: the whole layer in one launch, a quantized
+    cache's packed codes read in the kernel); ``fused_decode`` chooses as
+    :attr:`LatentAttention.fused_decode` does. Everything else calls the model's attention interface.
+    """
+
+    fused_decode: bool | None = None
+    k_norm = None  # no QK-norm (refused): the kernel layout's keys are not normed
+    decode_weights = LatentAttention.decode_weights  # the kernel's layout of k_up (its ranks and offsets)
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, adapter: ArchAdapter, layout: LatentLayout):
         super().__init__(config, layer_idx, adapter, layout)
@@ -73,11 +83,50 @@ class RotatedKeyAttention(LatentAttentionBase):
         h_k = self.k_down(k.transpose(1, 2).reshape(B, T, Hkv * D))  # (B, T, R_k): latents of rotated keys
         h_v = self.v_down(hidden_states)  # (B, T, R_v)
         view = self.cached_latents(h_k, h_v, None, past_key_values, cache)  # per group (B, S, r_g)
-        nq, outs = self.q_heads_per_group, []
-        for g, (hk_g, hv_g, up) in enumerate(zip(view.keys, view.values, self.k_up, strict=True)):
+        nq = self.q_heads_per_group
+        q_lats = []  # per group (B, s·n_rep, T, r_g): each query head's B_g rows absorbed
+        for g, up in enumerate(self.k_up):
             q_g = q[:, g * nq : (g + 1) * nq].unflatten(1, (s, nq // s))  # (B, s, n_rep, T, D)
             b_g = up.weight.view(s, D, -1)  # (s, D, r_g): B_g's rows of each local KV head
-            q_lat = torch.einsum("bsntd,sdr->bsntr", q_g, b_g).flatten(1, 2)  # (B, s·n_rep, T, r_g)
+            q_lats.append(torch.einsum("bsntd,sdr->bsntr", q_g, b_g).flatten(1, 2))
+        if self.decodes_fused(q):
+            return self.o_proj(self.fused_decode_attention(q_lats, view, attention_mask)), None
+        outs = []
+        for q_lat, hk_g, hv_g in zip(q_lats, view.keys, view.values, strict=True):
             k_g, v_g = hk_g.unsqueeze(1), hv_g.unsqueeze(1)  # (B, 1, S, r_g)
             outs.append(self.attend(q_lat, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_v)
         return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)
+
+    def decodes_fused(self, q: torch.Tensor) -> bool:
+        """Whether this forward (queries q (B, H, T, D)) takes the fused decode path."""
+        if q.shape[2] != 1 or self.training or self.fused_decode is False:
+            return False
+        if self.fused_decode is None and not (q.is_cuda and triton_runs_on(q.device)):
+            return False
+        return (
+            self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
+            and set(self._interface_kwargs) <= {"sliding_window"}  # the mask carries the window
+        )
+
+    def fused_decode_attention(
+        self, q_lats: list[torch.Tensor], view: LatentView, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One decode step's attention output (B, 1, Σ_g nq·r_v) in one launch of the absorbed kernel, from
+        the absorbed queries (per group (B, nq, 1, r_g)); a quantized cache's packed codes are read in the
+        kernel."""
+        if view.packed is not None:
+            h_k, h_v = view.packed  # PackedLatents of S tokens each
+            length = len(h_k)
+        else:
+            h_k, h_v = joined(view.keys), joined(view.values)  # (B, S, R_k), (B, S, R_v)
+            length = h_k.shape[1]
+        B, H = q_lats[0].shape[0], self.shape.H
+        q = q_lats[0].new_zeros(B, H, max(self.layout.ranks_k))  # each head's absorbed query, zero-padded
+        nq = self.q_heads_per_group
+        for g, q_lat in enumerate(q_lats):
+            q[:, g * nq : (g + 1) * nq, : q_lat.shape[-1]] = q_lat[:, :, 0]
+        weights = self.decode_weights(view.values[0].dtype if view.packed is None else h_v.dtype)
+        out = absorbed_decode_attention(
+            q, h_k, h_v, weights, self.scaling, additive_mask(attention_mask, length)
+        )  # (B, Σ_g nq·r_v)
+        return out.unsqueeze(1)

@@ -140,3 +140,35 @@ def test_the_step_graph_carries_the_option_only_when_asked() -> None:
         assert all(("key_latents" in s.params) == rotated for s in decompose)
         assert all((statistic_step("gram") in s.inputs) == rotated for s in decompose)
         assert ("attention" in steps["build"].params) == rotated
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [None, {"name": "quantized", "bits": 4}, {"name": "quantized", "bits": 3}],
+    ids=["dense", "4bit", "3bit"],
+)
+def test_a_decode_step_through_the_absorbed_kernel_is_the_unfused_step(monkeypatch, cache) -> None:
+    """The absorbed flash-decoding kernel (Triton's interpreter on the CPU, the GPU where there is one) gives
+    the unfused path's logits and tokens, over dense latents and over a quantized cache's packed codes."""
+    pytest.importorskip("triton", reason="the fused kernel needs Triton (installed by scripts/setup.sh)")
+    import lrkv_core.model.attention_rotated as rotated_module
+    from lrkv_core.model.attention import set_fused_decode
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    comp = rotated(tiny_model("llama", 2), 2, 0.5, cache=cache).to(device)
+    prompt, mask = left_padded((9, 4))
+    prompt, mask = prompt.to(device), mask.to(device)
+    unfused = greedy(comp, prompt, mask, output_scores=True, return_dict_in_generate=True)
+    calls = []
+    kernel = rotated_module.absorbed_decode_attention
+    monkeypatch.setattr(
+        rotated_module, "absorbed_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
+    assert set_fused_decode(comp, True)
+    try:
+        fused = greedy(comp, prompt, mask, output_scores=True, return_dict_in_generate=True)
+    finally:
+        set_fused_decode(comp, None)
+    assert len(calls) == 2 * 7  # every layer of every decode step after the prompt's
+    assert torch.equal(fused.sequences, unfused.sequences)
+    assert max_diff(torch.stack(fused.scores), torch.stack(unfused.scores)) <= 1e-4
