@@ -39,6 +39,10 @@ from transformers import StaticCache
 
 from ..cache import LatentView, cache_kwargs, cache_nbytes, output_cache
 from ..model.attention import LatentAttention, LatentAttentionBase
+from ..model.attention_rotated import RotatedKeyAttention
+
+# latent attentions with a decode path of their own (attend_latents over a view): keys rebuilt, or rotated
+DECODING_ATTENTIONS = (LatentAttention, RotatedKeyAttention)
 
 Progress = Callable[[int, int], None] | None
 
@@ -236,15 +240,22 @@ def latent_attention_cost(
     cache_bytes: int,
     weight_bytes: int,
     itemsize: int,
+    rotated_keys: bool = False,
 ) -> StepCost:
     """One decode step of latent attention (groups g of ``group_size`` KV heads, ranks r_g): read the cached
     latents as stored (``cache_bytes``), the key up-projections (``weight_bytes``) and the queries (B, H, D);
     write the output (B, Σ_g nq·r_v,g) with nq = H / G query heads per group. FLOPs: the keys rebuilt,
-    2·S·(s·D)·r_k,g per group; the scores, 2·S·D per query head; p·H_v, 2·S·r_v,g per query head."""
+    2·S·(s·D)·r_k,g per group; the scores, 2·S·D per query head; p·H_v, 2·S·r_v,g per query head. With
+    ``rotated_keys`` (latents of rotated keys, queries absorbed) no key is rebuilt: each query head absorbs
+    its ``B_k`` rows, 2·D·r_k,g, and scores the latents, 2·S·r_k,g."""
     groups = len(ranks_k)
     nq = heads // groups
-    rebuild = sum(2 * context * group_size * head_dim * r for r in ranks_k)
-    scores = 2 * heads * context * head_dim
+    if rotated_keys:
+        rebuild = sum(2 * nq * head_dim * r for r in ranks_k)  # the queries absorbed
+        scores = sum(2 * nq * context * r for r in ranks_k)
+    else:
+        rebuild = sum(2 * context * group_size * head_dim * r for r in ranks_k)
+        scores = 2 * heads * context * head_dim
     values = sum(2 * nq * context * r for r in ranks_v)
     io = batch * (heads * head_dim + nq * sum(ranks_v)) * itemsize
     return StepCost(bytes=cache_bytes + weight_bytes + io, flops=batch * (rebuild + scores + values))
@@ -327,8 +338,9 @@ def measure_attention(
 ) -> KernelPoint:
     """The first layer's decode attention alone, after a prefill of ``batch`` × ``context`` random tokens:
     torch SDPA over the original's dense K/V cache, or a compressed model's latent path as its decode step
-    takes it on this device (:meth:`~lrkv_core.model.attention.LatentAttention.attend_latents`: the flash
-    kernel on CUDA, else the unfused torch path), with random queries; the median of ``steps`` calls."""
+    takes it on this device (``attend_latents`` of :class:`~lrkv_core.model.attention.LatentAttention`, or
+    of ``RotatedKeyAttention`` for latents of rotated keys: the flash or the absorbed kernel on CUDA, else
+    the unfused torch path), with random queries; the median of ``steps`` calls."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(model.config.vocab_size, (batch, context), generator=gen).to(device)
@@ -338,7 +350,7 @@ def measure_attention(
         cache = output_cache(model(ids, use_cache=True, logits_to_keep=1))
     finally:
         model.train(was_training)
-    latent = next((m for m in model.modules() if isinstance(m, LatentAttention)), None)
+    latent = next((m for m in model.modules() if isinstance(m, DECODING_ATTENTIONS)), None)
     dtype = next(model.parameters()).dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     if latent is None:
@@ -357,11 +369,13 @@ def measure_attention(
         view = store.view()
         ups = [p for up in latent.k_up for p in up.parameters()]  # B_k and the k bias rows
         layout = latent.layout
+        rotated = isinstance(latent, RotatedKeyAttention)
         cost = latent_attention_cost(
             batch, view.keys[0].shape[1], H, D, layout.group_size, layout.ranks_k, layout.ranks_v,
-            view_nbytes(view), sum(p.numel() * p.element_size() for p in ups), itemsize,
+            view_nbytes(view), sum(p.numel() * p.element_size() for p in ups), itemsize, rotated,
         )  # fmt: skip
-        path = "triton flash" if latent.decodes_fused(q) else "torch unfused"
+        fused = "triton absorbed" if rotated else "triton flash"
+        path = fused if latent.decodes_fused(q) else "torch unfused"
 
         def step() -> torch.Tensor:  # a fresh view per step, as the model's decode step reads the store
             return latent.attend_latents(q, store.view(), None)
@@ -392,7 +406,7 @@ def measure_kernels(
     then :func:`measure_attention` at every context against it. A compressed model without RoPE gives no
     rows: its latent attention has no decode path of its own (``B_k`` is folded into ``q_proj``)."""
     latents = [m for m in model.modules() if isinstance(m, LatentAttentionBase)]
-    if latents and not any(isinstance(m, LatentAttention) for m in latents):
+    if latents and not any(isinstance(m, DECODING_ATTENTIONS) for m in latents):
         return []
     device = next(model.parameters()).device
     nbytes = copy_nbytes or (256 << 20 if device.type == "cuda" else 32 << 20)

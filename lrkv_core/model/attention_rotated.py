@@ -76,26 +76,34 @@ class RotatedKeyAttention(LatentAttentionBase):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
-        H, Hkv, D, s = self.shape.H, self.shape.Hkv, self.shape.D, self.layout.group_size
+        H, Hkv, D = self.shape.H, self.shape.Hkv, self.shape.D
         cos, sin = position_embeddings  # (B, T, D)
         q = apply_rope(self.q_proj(hidden_states).view(B, T, H, D).transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(self.k_proj(hidden_states).view(B, T, Hkv, D).transpose(1, 2), cos, sin)
         h_k = self.k_down(k.transpose(1, 2).reshape(B, T, Hkv * D))  # (B, T, R_k): latents of rotated keys
         h_v = self.v_down(hidden_states)  # (B, T, R_v)
         view = self.cached_latents(h_k, h_v, None, past_key_values, cache)  # per group (B, S, r_g)
-        nq = self.q_heads_per_group
-        q_lats = []  # per group (B, s·n_rep, T, r_g): each query head's B_g rows absorbed
+        return self.o_proj(self.attend_latents(q, view, attention_mask, **kwargs)), None  # (B, T, d)
+
+    def attend_latents(
+        self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None, **kwargs
+    ) -> torch.Tensor:
+        """The attention of queries q (B, H, T, D) (RoPE'd) over the cached latents ``view``, before
+        ``o_proj``: (B, T, Σ_g nq·r_v). Each query head absorbs its ``B_g`` rows; then the absorbed kernel
+        where :meth:`decodes_fused`, else the model's attention interface per group."""
+        s, D, nq = self.layout.group_size, self.shape.D, self.q_heads_per_group
+        q_lats = []  # per group (B, s·n_rep, T, r_g)
         for g, up in enumerate(self.k_up):
             q_g = q[:, g * nq : (g + 1) * nq].unflatten(1, (s, nq // s))  # (B, s, n_rep, T, D)
             b_g = up.weight.view(s, D, -1)  # (s, D, r_g): B_g's rows of each local KV head
             q_lats.append(torch.einsum("bsntd,sdr->bsntr", q_g, b_g).flatten(1, 2))
         if self.decodes_fused(q):
-            return self.o_proj(self.fused_decode_attention(q_lats, view, attention_mask)), None
+            return self.fused_decode_attention(q_lats, view, attention_mask)
         outs = []
         for q_lat, hk_g, hv_g in zip(q_lats, view.keys, view.values, strict=True):
             k_g, v_g = hk_g.unsqueeze(1), hv_g.unsqueeze(1)  # (B, 1, S, r_g)
             outs.append(self.attend(q_lat, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_v)
-        return self.o_proj(torch.cat(outs, dim=-1)), None  # (B, T, d)
+        return torch.cat(outs, dim=-1)
 
     def decodes_fused(self, q: torch.Tensor) -> bool:
         """Whether this forward (queries q (B, H, T, D)) takes the fused decode path."""

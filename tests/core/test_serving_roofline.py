@@ -130,3 +130,27 @@ def test_a_point_over_static_caches_holds_preallocated_buffers_and_can_compile_i
     assert compiled.kv_bytes == latent.kv_bytes and compiled.decode_ms > 0
     with pytest.raises(ValueError, match="needs a static cache"):
         serving.measure_point(comp, compiled=True, **kwargs)
+
+
+def test_attention_alone_over_latents_of_rotated_keys_counts_no_rebuilt_keys(compress) -> None:
+    """A rotated-keys conversion's decode attention is measured too: no positions read, and FLOPs that
+    absorb the queries and score the latents instead of rebuilding keys."""
+    from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+    from lrkv_core.model.attention_rotated import RotatedKeyAttention
+    from tests.support.models import tiny_model
+
+    model = tiny_model()
+    rows = torch.randint(3, 61, (4, 16), generator=torch.Generator().manual_seed(0))
+    options = dict(ratio=0.5, group_size=2, allocator="uniform", rank_multiple=2)
+    config = CompressionConfig(**options, key_latents="rotated")
+    comp = plan_conversion(model, rows, config).apply(model)
+    layer = next(m for m in comp.modules() if isinstance(m, RotatedKeyAttention))
+    cfg, (r_k,), (r_v,) = comp.config, layer.layout.ranks_k, layer.layout.ranks_v
+    point = serving.measure_attention(comp, context=12, batch=2, copy_bytes_per_s=1e9, steps=2, warmup=1)
+    H, D = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    cache = 2 * 12 * (r_k + r_v) * 4  # latents only: no positions
+    io = 2 * (H * D + H * r_v) * 4
+    up = layer.layout.group_size * D * r_k * 4  # B_k, which the queries absorb
+    assert point.path == "torch unfused" and point.bytes == cache + up + io
+    assert point.flops == 2 * (2 * H * D * r_k + 2 * H * 12 * r_k + 2 * H * 12 * r_v)
+    assert len(serving.measure_kernels(comp, [12], 2, steps=1, warmup=0, copy_nbytes=1 << 20)) == 1
