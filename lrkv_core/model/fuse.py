@@ -6,6 +6,9 @@ picks the attention kind (:data:`ATTENTION_KINDS`): its module class and how its
 
 - RoPE models: ``q_proj`` is copied, ``B_k`` (+ k bias) becomes ``k_up`` (keys rebuilt, then rotated); the
   per-head ``q_norm``/``k_norm`` of QK-norm models (Qwen3) are copied and act on queries and rebuilt keys.
+- Latents of rotated keys (RoPE models, ``attention="rotated-keys"``): ``q_proj`` and ``k_proj`` are copied,
+  the groups' ``A_k`` (fitted to rotated keys) fill ``k_down``'s diagonal and ``B_k`` becomes ``k_up``, which
+  the queries absorb (:mod:`lrkv_core.model.attention_rotated`).
 - Non-RoPE models: ``B_k`` is folded into ``q_proj`` (rows ``B_k,g,jᵀ W_q,h``, bias ``B_k,g,jᵀ b_q,h``);
   the k bias only adds ``q·b_k``, constant per query row, and is dropped (softmax cancels it).
 - All models: ``W_o,h B_v,g,j`` per query head h becomes ``o_proj``; ``W_o,h b_v,j`` joins its bias.
