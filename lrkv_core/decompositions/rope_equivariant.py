@@ -49,7 +49,7 @@ def pair_gram(gram: torch.Tensor, n_heads: int, head_dim: int, j: int) -> torch.
     half = head_dim // 2
     a = torch.tensor([h * head_dim + j for h in range(n_heads)])
     b = a + half
-    G = gram.to(torch.float64)
+    G = gram.to(torch.float64).cpu()
     C = (G[a][:, a] + G[b][:, b]) + 1j * (G[b][:, a] - G[a][:, b])
     return (C + C.mH) / 2
 
@@ -130,7 +130,7 @@ def rotated_key_factors(
     """Each group's full-rank RoPE-equivariant factors of the keys ``W_k x`` (Gram ``W_k G W_kᵀ`` from the
     layer input's Gram ``G``), weighted by the queries ``W_q x`` (each KV head's query heads summed) unless
     ``weighted`` is False (:func:`rope_equivariant_factors`)."""
-    G = gram.to(torch.float64)
+    G = gram.to(torch.float64).cpu()
     w_k, w_q = (w.detach().to(torch.float64).cpu() for w in (w_k, w_q))
     D, s = head_dim, group_size
     n_rep = w_q.shape[0] // (n_kv_heads * D)
