@@ -19,7 +19,7 @@ from . import dense, gear, quantized, tale  # noqa: F401
 from .argument import CACHE_ARG, cache_kwargs, either_cache, output_cache, pop_cache
 from .dense import DenseStorage, DenseStore
 from .gear import GearStorage, GearStore
-from .latent_cache import LatentCache, cache_nbytes
+from .latent_cache import LatentCache, LatentUpdates, cache_nbytes
 from .layer import LatentLayer
 from .quantized import QuantizedStorage, QuantizedStore
 from .static import StaticLatentCache, StaticLatentLayer
@@ -27,12 +27,10 @@ from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView, spli
 from .tale import TaleStorage, TaleStore
 from .window import FullWindow, SlidingWindow
 
-LATENT_CACHES = (LatentCache, StaticLatentCache)  # the caches a compressed model's attention writes to
-
 __all__ = [
     "CACHE_ARG",
     "CACHE_STORAGES",
-    "LATENT_CACHES",
+    "LatentUpdates",
     "CacheStorage",
     "DenseStorage",
     "DenseStore",

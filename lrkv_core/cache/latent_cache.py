@@ -27,7 +27,8 @@ from .storage import CACHE_STORAGES, CacheStorage, LatentView
 
 
 class LatentUpdates:
-    """What a compressed model's attention calls on its cache, dynamic or static: one layer's update."""
+    """What a compressed model's attention calls on its cache, dynamic (:class:`LatentCache`) or static
+    (``StaticLatentCache``): one layer's update. A compressed model takes any cache of this kind."""
 
     layers: list
 

@@ -4,11 +4,11 @@
 Every layer allocates, at its first update, buffers for ``max_cache_len`` tokens of whatever its storage keeps
 per token (dense latents; a quantized storage's packed codes, scales and zero-points) and the (B, S_max) int32
 positions, and writes each update's tokens in place at the next free slots (``index_copy_``), counting them in
-a tensor, never in Python. Attention reads all ``max_cache_len`` slots; the causal mask hides the unwritten
-ones (the layer announces ``(max_cache_len, 0)`` as the mask's sizes), so nothing about a step's shapes or
-addresses changes while the cache fills. A sliding-window layer holds its window only, slot for slot as
-transformers' ``StaticSlidingWindowLayer`` holds keys (filled in order, then rolled by one per decoded token),
-and announces the same mask sizes.
+a tensor (a sliding layer also in Python). Attention reads all ``max_cache_len`` slots; the causal mask hides
+the unwritten ones (the layer announces ``(max_cache_len, 0)`` as the mask's sizes), so nothing about a
+step's shapes or addresses changes while the cache fills. A sliding-window layer holds its window only, slot
+for slot as transformers' ``StaticSlidingWindowLayer`` holds keys (filled in order, then rolled by one per
+decoded token), and announces the same mask sizes.
 
 Only storages that encode each token on its own can be preallocated (:meth:`CacheStorage.check_static`):
 ``dense``, and ``quantized`` without a full-precision residual window. GEAR and TALE re-encode whole spans
@@ -81,14 +81,19 @@ class StaticLatentLayer(LatentLayerBase):
         self.store: LatentStore | None = None
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
 
-    def lazy_initialization(self, parts: dict[str, torch.Tensor], positions: torch.Tensor | None) -> None:
-        """Allocate (B, capacity, ...) buffers shaped like the first update's encoded ``parts`` and
-        ``positions`` (B, T)."""
+    def _create_store(self, dtype: torch.dtype, with_positions: bool) -> None:
+        """The storage's store for this layer's ranks, decoding to ``dtype``, with positions or without."""
         if self.ranks is None:
             raise ValueError(
                 "a static latent cache layer needs its per-group ranks: build the cache with "
                 "StaticLatentCache.from_config(model.config, max_cache_len) or ranks_k/ranks_v"
             )
+        self.store = self.storage.create_store(*self.ranks)
+        self.store.dtype, self.store._with_positions = dtype, with_positions
+
+    def lazy_initialization(self, parts: dict[str, torch.Tensor], positions: torch.Tensor | None) -> None:
+        """Allocate (B, capacity, ...) buffers shaped like the first update's encoded ``parts`` and
+        ``positions`` (B, T)."""
         first = next(iter(parts.values()))
         self.device, self.batch_size = first.device, first.shape[0]
 
@@ -118,9 +123,7 @@ class StaticLatentLayer(LatentLayerBase):
         self.ranks = agreed_ranks(self.ranks, ranks)
         B, T = h_k.shape[:2]
         if self.store is None:
-            self.store = self.storage.create_store(*self.ranks)
-            self.store.dtype = h_k.dtype
-            self.store._with_positions = position_ids is not None
+            self._create_store(h_k.dtype, position_ids is not None)
         parts = self.store.encode(h_k, h_v)  # name → (B, T, ...)
         positions = None
         if position_ids is not None:
@@ -129,41 +132,37 @@ class StaticLatentLayer(LatentLayerBase):
             self.lazy_initialization(parts, positions)
         if not is_torchdynamo_compiling():
             self._check_update(B, T, position_ids is not None)
-        if self.is_sliding:
-            return self._slide(parts, positions)
-        slots = torch.arange(T, device=self.device) + self.cumulative_length
-        self.cumulative_length.add_(T)
-        for name, t in parts.items():
-            self.store.parts[name].index_copy_(1, slots, t)
+        buffers, new = dict(self.store.parts), dict(parts)  # name → buffer, and the update's tokens
         if positions is not None:
-            self.store.positions.index_copy_(1, slots, positions)
+            buffers[_POSITIONS], new[_POSITIONS] = self.store.positions, positions
+        if self.is_sliding:
+            written, self.written = self.written, self.written + T
+            if written + T > self.capacity:
+                return self._slide(buffers, new, written)
+        slots = torch.arange(T, device=self.device) + self.cumulative_length  # the next free slots
+        self.cumulative_length.add_(T)
+        for name, t in new.items():
+            buffers[name].index_copy_(1, slots, t)
         return self.store.view()
 
-    def _slide(self, parts: dict[str, torch.Tensor], positions: torch.Tensor | None) -> LatentView:
-        """A sliding layer's update, slot for slot as transformers' ``StaticSlidingWindowLayer`` writes keys
-        (so the mask it announces, the same as that layer's, reads them right): fill the slots in order; once
-        they are full, roll them left by one per decoded token; a longer update (the prefill) is read whole
-        and its last ``capacity`` tokens kept."""
-        T, cap, written = next(iter(parts.values())).shape[1], self.capacity, self.written
-        self.written += T
-        buffers = dict(self.store.parts)
-        if positions is not None:
-            buffers[_POSITIONS], parts = self.store.positions, {**parts, _POSITIONS: positions}
-        if written + T <= cap:  # still room
-            slots = torch.arange(T, device=self.device) + self.cumulative_length
-            self.cumulative_length.add_(T)
-            for name, t in parts.items():
-                buffers[name].index_copy_(1, slots, t)
-            return self.store.view()
+    def _slide(
+        self, buffers: dict[str, torch.Tensor], new: dict[str, torch.Tensor], written: int
+    ) -> LatentView:
+        """A sliding layer's update past its slots (``written`` tokens before it), slot for slot as
+        transformers' ``StaticSlidingWindowLayer`` writes keys (so the mask it announces, the same as that
+        layer's, reads them right): a full layer rolls its slots left by one per decoded token; a longer
+        update (the prefill) is read whole and its last ``capacity`` tokens kept. (Until the slots are full,
+        tokens fill them in order, as a full layer's do.)"""
+        T, cap = next(iter(new.values())).shape[1], self.capacity
         if written >= cap and T == 1:  # full: the oldest token leaves
             last = torch.tensor([cap - 1], device=self.device)
-            for name, t in parts.items():
+            for name, t in new.items():
                 rolled = buffers[name].roll(-1, dims=1)
                 rolled.index_copy_(1, last, t)
                 buffers[name].copy_(rolled)  # in place: the buffers keep their addresses
             return self.store.view()
         old = slice(1, cap) if written >= cap else slice(0, written)  # the earlier tokens the update sees
-        whole = {name: torch.cat([buffers[name][:, old], t], dim=1) for name, t in parts.items()}
+        whole = {name: torch.cat([buffers[name][:, old], t], dim=1) for name, t in new.items()}
         for name, t in whole.items():
             buffers[name].copy_(t[:, -cap:])
         pos = whole.pop(_POSITIONS, None)
@@ -177,8 +176,14 @@ class StaticLatentLayer(LatentLayerBase):
             )
         if with_positions != self.store._with_positions:
             raise ValueError("updates must all come with position ids or all without")
+        if self.is_sliding:
+            return
+        if self.device.type != "cpu":  # checked on the device: reading the count back would stall every step
+            room = self.cumulative_length + tokens <= self.max_cache_len
+            torch._assert_async(room, f"a static latent cache of {self.max_cache_len} tokens is full")
+            return
         written = int(self.cumulative_length)
-        if not self.is_sliding and written + tokens > self.max_cache_len:
+        if written + tokens > self.max_cache_len:
             raise ValueError(
                 f"a static latent cache of {self.max_cache_len} tokens holds {written}: no room for {tokens} "
                 "more (make it with a larger max_cache_len)"

@@ -37,7 +37,7 @@ from lrkv_kernels.latent_rope import (
     triton_runs_on,
 )
 
-from ..cache import LATENT_CACHES, LatentCache, LatentView, either_cache
+from ..cache import LatentCache, LatentUpdates, LatentView, either_cache
 from .adapters import ArchAdapter, AttnShape
 
 
@@ -107,7 +107,7 @@ class LatentAttentionBase(nn.Module):
             B, T = h_k.shape[:2]
             pos = None if position_ids is None else position_ids.expand(B, T)
             return LatentView.from_latents(h_k, h_v, pos, layout.ranks_k, layout.ranks_v)
-        if not isinstance(past_key_values, LATENT_CACHES):
+        if not isinstance(past_key_values, LatentUpdates):
             raise TypeError(
                 "an lrkv-compressed model caches latents in a LatentCache or a StaticLatentCache, "
                 f"got {type(past_key_values).__name__}; "

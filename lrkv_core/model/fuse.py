@@ -29,7 +29,7 @@ from torch import nn
 from transformers import StaticCache
 
 from ..allocation import RankPlan
-from ..cache import CACHE_ARG, CACHE_STORAGES, LATENT_CACHES, LatentCache, StaticLatentCache, pop_cache
+from ..cache import CACHE_ARG, CACHE_STORAGES, LatentCache, LatentUpdates, StaticLatentCache, pop_cache
 from ..decompositions import LayerFactors
 from ..format import LrkvFormat
 from ..linalg import GroupFactors, truncate
@@ -306,7 +306,7 @@ def _latent_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tupl
     if past is None:
         if use_cache:
             kwargs[CACHE_ARG] = LatentCache.from_config(module.config)
-    elif isinstance(past, LATENT_CACHES):
+    elif isinstance(past, LatentUpdates):
         kwargs[CACHE_ARG] = past
     elif past.get_seq_length() != 0:
         raise TypeError(
