@@ -142,20 +142,37 @@ class LatentAttentionBase(nn.Module):
         return out.reshape(*out.shape[:2], -1)
 
 
-class LatentAttention(LatentAttentionBase):
+class FusedDecode:
+    """A latent attention with a decode kernel of its own. ``fused_decode`` chooses: None (default) on CUDA
+    tensors where Triton is installed, True always (on the CPU under ``TRITON_INTERPRET=1``, the tests),
+    False never."""
+
+    fused_decode: bool | None = None
+
+    def decodes_fused(self, q: torch.Tensor) -> bool:
+        """Whether this forward (queries q (B, H, T, D)) takes the fused decode path: one query token, not
+        training, allowed by ``fused_decode``, and a mask the kernel reads (eager/SDPA, the window in it)."""
+        if q.shape[2] != 1 or self.training or self.fused_decode is False:
+            return False
+        if self.fused_decode is None and not (q.is_cuda and triton_runs_on(q.device)):
+            return False
+        return (
+            self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
+            and set(self._interface_kwargs) <= {"sliding_window"}  # the mask carries the window
+        )
+
+
+class LatentAttention(FusedDecode, LatentAttentionBase):
     """Drop-in replacement for a RoPE attention module (Llama, Mistral, Qwen2, Qwen3), caching latents.
 
     A decode step (one query token) on CUDA goes through the flash-decoding kernel
     (:func:`~lrkv_kernels.latent_rope.latent_decode_attention`): the whole layer in one launch, keys rebuilt
     in registers (Palu's fused reconstruction), online softmax, and the attention-weighted value latents; a
-    quantized cache's packed codes are unpacked and dequantized in the kernel.
-    ``fused_decode`` chooses: None (default) on CUDA tensors where Triton is installed, True always (on the
-    CPU under ``TRITON_INTERPRET=1``, the tests), False never.
-    Everything else (prefill, training, a LoRA-wrapped ``k_up``, flash attention, a RoPE whose frequencies
-    change with the length) rebuilds the keys and calls the model's attention interface.
+    quantized cache's packed codes are unpacked and dequantized in the kernel (``fused_decode`` chooses:
+    :class:`FusedDecode`). Everything else (prefill, training, a LoRA-wrapped ``k_up``, flash attention, a
+    RoPE whose frequencies change with the length) rebuilds the keys and calls the model's attention
+    interface.
     """
-
-    fused_decode: bool | None = None
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, adapter: ArchAdapter, layout: LatentLayout):
         super().__init__(config, layer_idx, adapter, layout)
@@ -217,16 +234,13 @@ class LatentAttention(LatentAttentionBase):
         return super().projections() | {"k_up": list(self.k_up)}
 
     def decodes_fused(self, q: torch.Tensor) -> bool:
-        """Whether this forward (queries q (B, H, T, D)) takes the fused decode path."""
-        if q.shape[2] != 1 or self.training or self.fused_decode is False:
-            return False
-        if self.fused_decode is None and not (q.is_cuda and triton_runs_on(q.device)):
+        """Whether this forward (queries q (B, H, T, D)) takes the fused decode path: the shared conditions,
+        and a RoPE and key up-projections the kernel reproduces."""
+        if not super().decodes_fused(q):
             return False
         inv_freq, _, rope_type = self.rope_frequencies()
         return (
             2 * inv_freq.numel() == self.head_dim  # the kernel rotates all D (not partial RoPE: Phi-4-mini)
-            and self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
-            and set(self._interface_kwargs) <= {"sliding_window"}  # the mask carries the window
             and "dynamic" not in rope_type
             and rope_type != "longrope"  # both change inv_freq with the length
             and all(type(up) is nn.Linear for up in self.k_up)
@@ -327,9 +341,10 @@ def joined(groups: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def set_fused_decode(model: nn.Module, value: bool | None) -> list[LatentAttentionBase]:
-    """Set ``fused_decode`` on every RoPE latent attention of ``model`` (:class:`LatentAttention`, and
-    ``RotatedKeyAttention``; None: the default, the kernel on CUDA); returns those modules."""
-    modules = [m for m in model.modules() if hasattr(m, "fused_decode")]
+    """Set :attr:`FusedDecode.fused_decode` on every latent attention of ``model`` with a decode kernel
+    (:class:`LatentAttention`, ``RotatedKeyAttention``; None: the default, the kernel on CUDA); returns those
+    modules."""
+    modules = [m for m in model.modules() if isinstance(m, FusedDecode)]
     for m in modules:
         m.fused_decode = value
     return modules

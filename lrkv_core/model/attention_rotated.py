@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from lrkv_kernels.latent_rope import absorbed_decode_attention, additive_mask, apply_rope, triton_runs_on
+from lrkv_kernels.latent_rope import absorbed_decode_attention, additive_mask, apply_rope
 
 from ..cache import LatentCache, LatentView
 from .adapters import ArchAdapter
-from .attention import LatentAttention, LatentAttentionBase, LatentLayout, joined
+from .attention import FusedDecode, LatentAttention, LatentAttentionBase, LatentLayout, joined
 
 
 def check_rotated_keys(adapter: ArchAdapter, config: PretrainedConfig) -> None:
@@ -42,16 +42,15 @@ def check_rotated_keys(adapter: ArchAdapter, config: PretrainedConfig) -> None:
         )
 
 
-class RotatedKeyAttention(LatentAttentionBase):
+class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
     """Drop-in replacement for a RoPE attention module, caching latents of its rotated keys.
 
     A decode step (one query token) on CUDA goes through the absorbed flash-decoding kernel
     (:func:`~lrkv_kernels.latent_rope.absorbed_decode_attention`: the whole layer in one launch, a quantized
-    cache's packed codes read in the kernel); ``fused_decode`` chooses as
-    :attr:`LatentAttention.fused_decode` does. Everything else calls the model's attention interface.
+    cache's packed codes read in the kernel; ``fused_decode`` chooses: :class:`FusedDecode`). Everything else
+    calls the model's attention interface.
     """
 
-    fused_decode: bool | None = None
     k_norm = None  # no QK-norm (refused): the kernel layout's keys are not normed
     decode_weights = LatentAttention.decode_weights  # the kernel's layout of k_up (its ranks and offsets)
 
@@ -104,17 +103,6 @@ class RotatedKeyAttention(LatentAttentionBase):
             k_g, v_g = hk_g.unsqueeze(1), hv_g.unsqueeze(1)  # (B, 1, S, r_g)
             outs.append(self.attend(q_lat, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_v)
         return torch.cat(outs, dim=-1)
-
-    def decodes_fused(self, q: torch.Tensor) -> bool:
-        """Whether this forward (queries q (B, H, T, D)) takes the fused decode path."""
-        if q.shape[2] != 1 or self.training or self.fused_decode is False:
-            return False
-        if self.fused_decode is None and not (q.is_cuda and triton_runs_on(q.device)):
-            return False
-        return (
-            self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
-            and set(self._interface_kwargs) <= {"sliding_window"}  # the mask carries the window
-        )
 
     def fused_decode_attention(
         self, q_lats: list[torch.Tensor], view: LatentView, attention_mask: torch.Tensor | None
