@@ -66,7 +66,8 @@ def require_stat(stats: Mapping[str, Any], name: str, method: str) -> Any:
 @dataclass
 class LayerFactors:
     """Full-spectrum factors of one layer: ``groups["k"][g]``, ``groups["v"][g]``, and with latents of rotated
-    keys ``groups["k_rot"][g]``, the keys' RoPE-equivariant factors (ranks are planned on ``k``'s spectra)."""
+    keys ``groups["k_rot"][g]``, the keys' RoPE-equivariant factors; ``groups["k"]`` then holds the same basis
+    on the layer input (:func:`on_layer_input`), which ranks are planned on and priced with."""
 
     layer: int
     group_size: int
@@ -98,7 +99,9 @@ def decompose_layer(
         the k/v_proj input; data-free methods need none.
     decomposition : a registered decomposition: name, recipe form or instance.
     key_latents : ``"rotated"`` also fits the keys after RoPE (``groups["k_rot"]``, from the Gram and q_proj:
-        :func:`~lrkv_core.decompositions.rope_equivariant.rotated_key_factors`).
+        :func:`~lrkv_core.decompositions.rope_equivariant.rotated_key_factors`), and the keys' factors
+        ``groups["k"]`` are that basis on the layer input (:func:`on_layer_input`), so that every allocator
+        and the refinement price the keys the model will cache.
     """
     if key_latents not in KEY_LATENTS:
         raise ValueError(f"key_latents must be one of {KEY_LATENTS}, got {key_latents!r}")
@@ -110,7 +113,25 @@ def decompose_layer(
         if weights.q is None:
             raise ValueError("latents of rotated keys read q_proj: pass its weight")
         groups["k_rot"] = rotated_key_factors(weights.k, weights.q, gram, n_kv_heads, head_dim, group_size)
+        groups["k"] = on_layer_input(groups["k_rot"], weights.k, slices, groups["k"][0].down.dtype)
     return LayerFactors(layer=layer, group_size=group_size, method=method.name, groups=groups, info=info)
+
+
+def on_layer_input(
+    rotated: list[GroupFactors], w_k: torch.Tensor, slices: list[slice], dtype: torch.dtype
+) -> list[GroupFactors]:
+    """Each group's RoPE-equivariant key factors (``A`` acting on the group's keys) as factors of its slice
+    of ``k_proj``: ``(σ, A W_k,g, B)``. At an even rank r, ``B_r A_r W_k,g`` is the weight whose keys, once
+    rotated, are what the rotated-key latents rebuild (``B_r A_r`` commutes with RoPE); at full rank it is
+    ``W_k,g``. The allocators' features, the KL response and the refinement's cut weights read these like
+    any decomposition's factors (a bias of k_proj is left uncut there)."""
+    w_k = w_k.detach().to(torch.float64).cpu()
+    return [
+        GroupFactors(
+            f.sigma.to(dtype, copy=True), (f.down.double() @ w_k[sl]).to(dtype), f.up.to(dtype, copy=True)
+        )
+        for f, sl in zip(rotated, slices, strict=True)
+    ]
 
 
 def save_layer_factors(factors: LayerFactors, path: str | Path) -> None:

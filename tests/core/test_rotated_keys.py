@@ -12,6 +12,7 @@ import torch
 from lrkv_core import load_compressed, save_compressed
 from lrkv_core.cache import LatentCache, StaticLatentCache, cache_kwargs, cache_nbytes, output_cache
 from lrkv_core.conversion.convert import CompressionConfig, build_params, plan_conversion
+from lrkv_core.conversion.refine import PlanWeights
 from lrkv_core.model.adapters import get_adapter
 from lrkv_core.model.attention_rotated import RotatedKeyAttention
 from lrkv_core.model.fuse import attention_kind, compress_model
@@ -83,6 +84,31 @@ def test_a_decode_through_the_cache_matches_the_full_forward_at_half_key_rank(tm
     with torch.no_grad():
         assert max_diff(loaded(ids).logits, full) == 0
     assert torch.equal(greedy(loaded, prompt, mask), dynamic)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"], ids=["llama", "phi3-fused-qkv"])
+def test_plans_are_priced_on_the_keys_the_model_caches(arch) -> None:
+    """The keys' factors every allocator, the KL response and the refinement read are the rotated basis on
+    k_proj's input: the original with its k/v weights cut to a plan (the refinement's model) gives the
+    compressed model's logits, and full rank gives k_proj back."""
+    model = tiny_model(arch, 2)
+    rows = ids_for(8, 24)
+    config = CompressionConfig(
+        ratio=0.5, group_size=2, rank_multiple=2, allocator="uniform", key_latents="rotated"
+    )
+    conversion = plan_conversion(model, rows, config)
+    comp = conversion.apply(copy.deepcopy(model))
+    cut = copy.deepcopy(model)
+    weights = PlanWeights(cut, conversion.factors)
+    for (layer, kind), groups in weights.factors.items():
+        full = torch.cat([g.up.double() @ g.down.double() for g in groups])
+        torch.testing.assert_close(full, weights.original[(layer, kind)].double(), atol=1e-5, rtol=0)
+    weights.cut(conversion.plan.ranks)
+    ids = ids_for(2, 20)
+    with torch.no_grad():
+        served = comp(ids).logits
+        assert 1e-3 < max_diff(served, model(ids).logits)  # compressed: not the original
+        assert max_diff(cut(ids).logits, served) <= 1e-4
 
 
 def test_quantized_latents_of_rotated_keys() -> None:
