@@ -121,12 +121,21 @@ def test_a_static_cache_refuses_what_it_cannot_hold(compress) -> None:
     assert isinstance(output_cache(comp(ids, use_cache=True)), LatentCache)  # the default stays dynamic
 
 
-@pytest.mark.parametrize("storage", [None, QUANTIZED], ids=["dense", "quantized-4bit"])
-def test_a_decode_step_over_the_static_cache_compiles_whole(compress, storage) -> None:
+@pytest.mark.parametrize(
+    "arch, storage, overrides",
+    [
+        ("llama", None, {}),
+        ("llama", QUANTIZED, {}),
+        ("mistral", None, {"sliding_window": SLIDING_WINDOW}),
+        ("gemma3", None, {}),
+    ],
+    ids=["dense", "quantized-4bit", "mistral-sliding", "gemma3-qknorm-sliding"],
+)
+def test_a_decode_step_over_the_static_cache_compiles_whole(compress, arch, storage, overrides) -> None:
     """``fullgraph=True``: dynamo traces the whole step, cache writes included, without a graph break (the
-    ``eager`` backend runs the traced graph as is); then generate() compiles its decode steps (CPU allowed)
-    and gives the uncompiled tokens."""
-    comp = _compressed(compress, storage=storage)
+    ``eager`` backend runs the traced graph as is), sliding layers past their window too; then generate()
+    compiles its decode steps (CPU allowed) and gives the uncompiled tokens."""
+    comp = _compressed(compress, arch, storage, **overrides)
     ids, mask = left_padded((8, 5))
     cache = StaticLatentCache.from_config(comp.config, max_cache_len=16)
     pos = positions_for(mask)
