@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache
 
 from lrkv_core.cache import LatentCache, StaticLatentCache, cache_kwargs, cache_nbytes, output_cache
@@ -140,18 +141,22 @@ def test_a_decode_step_over_the_static_cache_compiles_whole(compress, arch, stor
     cache = StaticLatentCache.from_config(comp.config, max_cache_len=16)
     pos = positions_for(mask)
     torch._dynamo.reset()
+    counters.clear()
     step = torch.compile(comp.forward, backend="eager", fullgraph=True)
     with torch.no_grad():
         comp(ids, attention_mask=mask, position_ids=pos, use_cache=True, **cache_kwargs(cache))
         reference = output_cache(comp(ids, attention_mask=mask, position_ids=pos, use_cache=True))
-        token = ids_for(2, 3, seed=4)
-        for t in range(3):
+        token = ids_for(2, 6, seed=4)
+        for t in range(6):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
             args = dict(attention_mask=mask, position_ids=pos[:, -1:] + t + 1, use_cache=True)
             got = step(token[:, t : t + 1], **args, **cache_kwargs(cache)).logits
             want = comp(token[:, t : t + 1], **args, **cache_kwargs(reference)).logits
             assert max_diff(got, want) <= 1e-5
-    assert int(cache.get_seq_length()) == 11
+            if t == 2:  # a sliding layer's count is made dynamic by then: later steps reuse the graphs
+                graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert int(cache.get_seq_length()) == 14
 
     torch._dynamo.reset()
     ids, mask = left_padded((8, 5))
