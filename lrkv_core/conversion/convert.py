@@ -41,7 +41,7 @@ from ..decompositions import (
 )
 from ..linalg import group_slices
 from ..model.adapters import get_adapter
-from ..model.attention_rotated import check_rotated_keys
+from ..model.attention_rotated import check_rotated_keys, rotary_dims
 from ..model.fuse import compress_model
 from ..quant.rotation import RotationConfig
 from ..statistics import STATISTICS, LayerValue, Statistic
@@ -325,6 +325,7 @@ def run_steps(
                 group_size=p["group_size"],
                 decomposition=method,
                 key_latents=key_latents,
+                rotary_dim=rotary_dims(adapter, model.config) if key_latents == "rotated" else None,
             )
         elif step.kind == "summarize":
             layer = p["layer"]

@@ -31,6 +31,7 @@ from ..evaluation.hf_quantized_cache import HfQuantizedCacheSpec
 from ..evaluation.longcontext import LongContextProtocol, LongContextResult, evaluate_long_context
 from ..format import LrkvFormat
 from ..model.adapters import get_adapter
+from ..model.attention_rotated import rotary_dims
 from ..model.fuse import compress_model
 from ..model.io import model_card, save_compressed
 from ..model.loading import load_model, load_tokenizer, read_tensors
@@ -194,6 +195,7 @@ def decompose_file(
         group_size=group_size,
         decomposition=method,
         key_latents=key_latents,
+        rotary_dim=rotary_dims(adapter, config) if key_latents == "rotated" else None,
     )
     save_layer_factors(factors, out_path)
     top = {kind: [float(f.sigma[0]) for f in factors.groups[kind]] for kind in ("k", "v")}

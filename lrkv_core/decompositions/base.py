@@ -89,6 +89,7 @@ def decompose_layer(
     group_size: int,
     decomposition: str | Mapping[str, Any] | Decomposition = "whitened",
     key_latents: str = "rebuilt",
+    rotary_dim: int | None = None,
 ) -> LayerFactors:
     """Factor k_proj and v_proj of one layer, group by group.
 
@@ -102,6 +103,7 @@ def decompose_layer(
         :func:`~lrkv_core.decompositions.rope_equivariant.rotated_key_factors`), and the keys' factors
         ``groups["k"]`` are that basis on the layer input (:func:`on_layer_input`), so that every allocator
         and the refinement price the keys the model will cache.
+    rotary_dim : with ``"rotated"``, the dims of each head RoPE turns (None: all; partial rotary embeddings).
     """
     if key_latents not in KEY_LATENTS:
         raise ValueError(f"key_latents must be one of {KEY_LATENTS}, got {key_latents!r}")
@@ -112,7 +114,9 @@ def decompose_layer(
         gram = require_stat(stats or {}, "gram", "latents of rotated keys")
         if weights.q is None:
             raise ValueError("latents of rotated keys read q_proj: pass its weight")
-        groups["k_rot"] = rotated_key_factors(weights.k, weights.q, gram, n_kv_heads, head_dim, group_size)
+        groups["k_rot"] = rotated_key_factors(
+            weights.k, weights.q, gram, n_kv_heads, head_dim, group_size, rotary_dim=rotary_dim
+        )
         groups["k"] = on_layer_input(groups["k_rot"], weights.k, slices, groups["k"][0].down.dtype)
     return LayerFactors(layer=layer, group_size=group_size, method=method.name, groups=groups, info=info)
 

@@ -18,7 +18,10 @@ same before and after RoPE):
   ``Q_j`` the diagonal of each head's query energy at that frequency (its query heads summed).
 
 The components of every frequency are ranked together by the energy (score-weighted energy) they keep;
-each is one complex latent, i.e. two real latents ``(Re c, Im c)``, side by side.
+each is one complex latent, i.e. two real latents ``(Re c, Im c)``, side by side. With partial rotary
+embeddings (RoPE on the first R of each head's D dims) the other dims pass through RoPE, so any real map of
+them commutes with it: they get a real basis across the group's heads, its components paired into units of
+two latents ranked with the complex ones.
 :func:`rope_equivariant_factors` returns them all as real factors in that order, so a rank is a prefix of an
 even length.
 """
@@ -43,10 +46,12 @@ def _damped_roots(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     return (V * ev.sqrt()) @ V.mH, (V / ev.sqrt()) @ V.mH, m
 
 
-def pair_gram(gram: torch.Tensor, n_heads: int, head_dim: int, j: int) -> torch.Tensor:
-    """``C_j = Σ z zᴴ`` (s × s complex) of frequency ``j``'s pairs ``z_h = k_{h,j} + i·k_{h,j+D/2}`` from the
-    real Gram (s·D × s·D) of the group's keys (heads side by side)."""
-    half = head_dim // 2
+def pair_gram(
+    gram: torch.Tensor, n_heads: int, head_dim: int, j: int, rotary_dim: int | None = None
+) -> torch.Tensor:
+    """``C_j = Σ z zᴴ`` (s × s complex) of frequency ``j``'s pairs ``z_h = k_{h,j} + i·k_{h,j+R/2}`` from the
+    real Gram (s·D × s·D) of the group's keys (heads side by side); R the rotary dims (None: D)."""
+    half = (rotary_dim or head_dim) // 2
     a = torch.tensor([h * head_dim + j for h in range(n_heads)])
     b = a + half
     G = gram.to(torch.float64).cpu()
@@ -54,11 +59,77 @@ def pair_gram(gram: torch.Tensor, n_heads: int, head_dim: int, j: int) -> torch.
     return (C + C.mH) / 2
 
 
+def _complex_units(
+    key_gram: torch.Tensor, s: int, D: int, R: int, query_energy: torch.Tensor | None
+) -> list[tuple[float, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """One unit per component of every rotation frequency: its energy and its two real latents' (A row, B
+    column) pairs over the group's s·D key dims (the ``Re c`` latent, then ``Im c``)."""
+    half, heads = R // 2, torch.arange(s) * D
+    units = []
+    for j in range(half):
+        C = pair_gram(key_gram, s, D, j, R)
+        ja, jb = heads + j, heads + j + half
+        if query_energy is None:
+            ev, V = torch.linalg.eigh(C)
+            comps = [(float(ev[m]), V[:, m].conj(), V[:, m]) for m in range(s)]
+        else:
+            w = (query_energy[ja] + query_energy[jb]).to(torch.float64)
+            q_half, q_inv, q_scale = _damped_roots(torch.diag(w).to(torch.complex128))
+            k_half, k_inv, k_scale = _damped_roots(C)
+            U, sv, Vh = torch.linalg.svd(q_half @ k_half)
+            down, up = sv[:, None].to(Vh.dtype) * Vh @ k_inv, q_inv @ U  # M = up @ down
+            comps = [(float(sv[m]) ** 2 * q_scale * k_scale, down[m], up[:, m]) for m in range(s)]
+        for energy, a, b in comps:
+            re_a, im_a, re_b, im_b = (torch.zeros(s * D, dtype=torch.float64) for _ in range(4))
+            # c = a·z: Re c = Σ Re a·k_j − Im a·k_{j+½}, Im c = Σ Im a·k_j + Re a·k_{j+½}
+            re_a[ja], re_a[jb] = a.real, -a.imag
+            im_a[ja], im_a[jb] = a.imag, a.real
+            # z ≈ b c: k_j gets Re(b c) = Re b·Re c − Im b·Im c, k_{j+½} gets Im(b c) = Im b·Re c + Re b·Im c
+            re_b[ja], re_b[jb] = b.real, b.imag
+            im_b[ja], im_b[jb] = -b.imag, b.real
+            units.append((energy, [(re_a, re_b), (im_a, im_b)]))
+    return units
+
+
+def _pass_through_units(
+    key_gram: torch.Tensor, s: int, D: int, R: int, query_energy: torch.Tensor | None
+) -> list[tuple[float, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """With partial rotary embeddings, the dims RoPE leaves alone (``R..D−1`` of every head): any real map of
+    them commutes with RoPE, so their basis mixes them across the group's heads freely (PCA, or the oblique
+    map weighted by the queries); its components, most energetic first, are paired into units of two
+    latents so that every even rank keeps whole units."""
+    dims = torch.tensor([h * D + i for h in range(s) for i in range(R, D)], dtype=torch.long)
+    if dims.numel() == 0:
+        return []
+    G = key_gram.to(torch.float64).cpu()[dims][:, dims]
+    G = (G + G.T) / 2
+    if query_energy is None:
+        ev, V = torch.linalg.eigh(G)
+        comps = [(float(ev[m]), V[:, m], V[:, m]) for m in range(dims.numel())]
+    else:
+        q_half, q_inv, q_scale = _damped_roots(torch.diag(query_energy[dims].to(torch.float64)))
+        k_half, k_inv, k_scale = _damped_roots(G)
+        U, sv, Vh = torch.linalg.svd(q_half @ k_half)
+        down, up = sv[:, None] * Vh @ k_inv, q_inv @ U
+        comps = [(float(sv[m]) ** 2 * q_scale * k_scale, down[m], up[:, m]) for m in range(dims.numel())]
+    comps.sort(key=lambda c: c[0], reverse=True)
+    units = []
+    for first, second in zip(comps[0::2], comps[1::2], strict=True):
+        rows = []
+        for _, a, b in (first, second):
+            row, col = torch.zeros(s * D, dtype=torch.float64), torch.zeros(s * D, dtype=torch.float64)
+            row[dims], col[dims] = a, b
+            rows.append((row, col))
+        units.append((first[0] + second[0], rows))
+    return units
+
+
 def rope_equivariant_factors(
     key_gram: torch.Tensor,
     n_heads: int,
     head_dim: int,
     query_energy: torch.Tensor | None = None,
+    rotary_dim: int | None = None,
 ) -> GroupFactors:
     """Full-rank real factors of a RoPE-equivariant basis of one group's keys, most important first.
 
@@ -69,51 +140,32 @@ def rope_equivariant_factors(
     n_heads, head_dim : s and D (D even).
     query_energy : (s·D,) each key dim's query energy (the diagonal of the queries' Gram, each KV head's
         query heads summed), to weigh the scores' error; None for the unweighted basis.
+    rotary_dim : the dims of each head RoPE turns (the first R, paired ``(j, j + R/2)``); None: all D. The
+        other ``D − R`` pass through RoPE and get a real basis of their own (:func:`_pass_through_units`).
 
     Returns
     -------
     :class:`~lrkv_core.linalg.GroupFactors` with ``down`` A (s·D, s·D) acting on (rotated) keys, ``up`` B
-    (s·D, s·D) with ``B A = I``, and ``sigma`` the square root of each latent's share of its component's
-    (weighted) energy, the two latents of a component side by side. ``B_r A_r`` commutes with RoPE for every
-    even r.
+    (s·D, s·D) with ``B A = I``, and ``sigma`` the square root of each latent's half of its unit's (weighted)
+    energy: a unit is a complex component of one frequency or two pass-through components, two latents side
+    by side, units in descending energy. ``B_r A_r`` commutes with RoPE for every even r.
     """
     s, D = n_heads, head_dim
-    if D % 2:
-        raise ValueError(f"RoPE pairs need an even head dim, got {D}")
+    R = D if rotary_dim is None else rotary_dim
+    if D % 2 or R % 2 or not 0 < R <= D:
+        raise ValueError(f"RoPE pairs need an even head dim and rotary dims, got {D} and {R}")
     if key_gram.shape != (s * D, s * D):
         raise ValueError(f"a key Gram of shape {tuple(key_gram.shape)} for {s} heads of {D}")
-    half = D // 2
-    components = []  # (energy, j, complex A row (s,), complex B column (s,))
-    for j in range(half):
-        C = pair_gram(key_gram, s, D, j)
-        if query_energy is None:
-            ev, V = torch.linalg.eigh(C)
-            for m in range(s):
-                components.append((float(ev[m]), j, V[:, m].conj(), V[:, m]))
-            continue
-        idx = torch.tensor([h * D + j for h in range(s)])
-        w = (query_energy[idx] + query_energy[idx + half]).to(torch.float64)
-        q_half, q_inv, q_scale = _damped_roots(torch.diag(w).to(torch.complex128))
-        k_half, k_inv, k_scale = _damped_roots(C)
-        U, sv, Vh = torch.linalg.svd(q_half @ k_half)
-        down, up = sv[:, None].to(Vh.dtype) * Vh @ k_inv, q_inv @ U  # M = up @ down
-        for m in range(s):
-            components.append((float(sv[m]) ** 2 * q_scale * k_scale, j, down[m], up[:, m]))
-    components.sort(key=lambda c: c[0], reverse=True)
+    units = _complex_units(key_gram, s, D, R, query_energy)
+    units += _pass_through_units(key_gram, s, D, R, query_energy)
+    units.sort(key=lambda u: u[0], reverse=True)
     A = torch.zeros(s * D, s * D, dtype=torch.float64)
     B = torch.zeros(s * D, s * D, dtype=torch.float64)
     sigma = torch.zeros(s * D, dtype=torch.float64)
-    heads = torch.arange(s) * D
-    for n, (energy, j, a, b) in enumerate(components):
-        re, im = 2 * n, 2 * n + 1
-        ja, jb = heads + j, heads + j + half
-        # c = a·z: Re c = Σ Re a·k_j − Im a·k_{j+½}, Im c = Σ Im a·k_j + Re a·k_{j+½}
-        A[re, ja], A[re, jb] = a.real, -a.imag
-        A[im, ja], A[im, jb] = a.imag, a.real
-        # z ≈ b c: k_j gets Re(b c) = Re b·Re c − Im b·Im c, k_{j+½} gets Im(b c) = Im b·Re c + Re b·Im c
-        B[ja, re], B[jb, re] = b.real, b.imag
-        B[ja, im], B[jb, im] = -b.imag, b.real
-        sigma[re] = sigma[im] = max(energy, 0.0) ** 0.5 / 2**0.5
+    for n, (energy, rows) in enumerate(units):
+        for i, (row, col) in enumerate(rows):
+            A[2 * n + i], B[:, 2 * n + i] = row, col
+        sigma[2 * n : 2 * n + 2] = max(energy, 0.0) ** 0.5 / 2**0.5
     return GroupFactors(sigma, A, B)
 
 
@@ -126,10 +178,12 @@ def rotated_key_factors(
     group_size: int,
     *,
     weighted: bool = True,
+    rotary_dim: int | None = None,
 ) -> list[GroupFactors]:
     """Each group's full-rank RoPE-equivariant factors of the keys ``W_k x`` (Gram ``W_k G W_kᵀ`` from the
     layer input's Gram ``G``), weighted by the queries ``W_q x`` (each KV head's query heads summed) unless
-    ``weighted`` is False (:func:`rope_equivariant_factors`)."""
+    ``weighted`` is False, RoPE turning the first ``rotary_dim`` dims of each head (None: all;
+    :func:`rope_equivariant_factors`)."""
     G = gram.to(torch.float64).cpu()
     w_k, w_q = (w.detach().to(torch.float64).cpu() for w in (w_k, w_q))
     D, s = head_dim, group_size
@@ -139,5 +193,6 @@ def rotated_key_factors(
     for g in range(n_kv_heads // s):
         rows = slice(g * s * D, (g + 1) * s * D)
         key_gram = w_k[rows] @ G @ w_k[rows].T
-        factors.append(rope_equivariant_factors(key_gram, s, D, q_energy[rows] if weighted else None))
+        q = q_energy[rows] if weighted else None
+        factors.append(rope_equivariant_factors(key_gram, s, D, q, rotary_dim))
     return factors

@@ -29,17 +29,19 @@ from .attention import FusedDecode, LatentAttention, LatentAttentionBase, Latent
 
 
 def check_rotated_keys(adapter: ArchAdapter, config: PretrainedConfig) -> None:
-    """Raise ``ValueError`` unless the model's attention can read latents of rotated keys: RoPE over whole
-    heads, one RoPE for every layer, no QK-norm."""
+    """Raise ``ValueError`` unless the model's attention can read latents of rotated keys: one RoPE for
+    every layer (over whole heads or their first dims), no QK-norm."""
     if not adapter.rope:
         raise ValueError(f"{adapter.model_type} has no RoPE: latents of rotated keys are for RoPE models")
     if adapter.qk_norms(config) is not None:
         raise ValueError(f"{adapter.model_type}: latents of rotated keys do not support QK-norm yet")
-    rotary = adapter.rotary_embedding(config)
-    if adapter.rope_per_layer_type or 2 * rotary.inv_freq.numel() != adapter.shape(config).D:
-        raise ValueError(
-            f"{adapter.model_type}: latents of rotated keys need RoPE over the whole head, one per model"
-        )
+    if adapter.rope_per_layer_type:
+        raise ValueError(f"{adapter.model_type}: latents of rotated keys need one RoPE for every layer")
+
+
+def rotary_dims(adapter: ArchAdapter, config: PretrainedConfig) -> int:
+    """The dims of each head RoPE turns: the head dim, or fewer with partial rotary embeddings."""
+    return 2 * adapter.rotary_embedding(config).inv_freq.numel()
 
 
 class RotatedKeyAttention(FusedDecode, LatentAttentionBase):

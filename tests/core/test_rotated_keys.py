@@ -5,6 +5,7 @@ key rank with no positions cached, a saved model that loads as it was, and the m
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from lrkv_core.cache import LatentCache, StaticLatentCache, cache_kwargs, cache_
 from lrkv_core.conversion.convert import CompressionConfig, build_params, plan_conversion
 from lrkv_core.conversion.refine import PlanWeights
 from lrkv_core.model.adapters import get_adapter
-from lrkv_core.model.attention_rotated import RotatedKeyAttention
+from lrkv_core.model.attention_rotated import RotatedKeyAttention, check_rotated_keys
 from lrkv_core.model.fuse import attention_kind, compress_model
 from tests.support.inputs import greedy, ids_for, left_padded, max_diff
 from tests.support.models import SLIDING_WINDOW, tiny_model
@@ -40,8 +41,16 @@ def rotated(model, group_size: int, ratio: float, *, cache: dict | None = None):
         ("qwen2", 2, {}),
         ("mistral", 1, {"sliding_window": SLIDING_WINDOW}),
         ("phi3", 2, {}),
+        ("phi3_partial", 2, {}),
     ],
-    ids=["llama-per-head", "llama-joint", "qwen2-biases-sliding", "mistral-sliding", "phi3-fused-qkv"],
+    ids=[
+        "llama-per-head",
+        "llama-joint",
+        "qwen2-biases-sliding",
+        "mistral-sliding",
+        "phi3-fused-qkv",
+        "phi3-partial-rope",
+    ],  # fmt: skip
 )
 def test_full_rank_reproduces_the_original(arch, group_size, overrides) -> None:
     model = tiny_model(arch, 2, **overrides)
@@ -86,7 +95,9 @@ def test_a_decode_through_the_cache_matches_the_full_forward_at_half_key_rank(tm
     assert torch.equal(greedy(loaded, prompt, mask), dynamic)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"], ids=["llama", "phi3-fused-qkv"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "phi3", "phi3_partial"], ids=["llama", "phi3-fused-qkv", "phi3-partial-rope"]
+)
 def test_plans_are_priced_on_the_keys_the_model_caches(arch) -> None:
     """The keys' factors every allocator, the KL response and the refinement read are the rotated basis on
     k_proj's input: the original with its k/v weights cut to a plan (the refinement's model) gives the
@@ -125,16 +136,19 @@ def test_quantized_latents_of_rotated_keys() -> None:
 
 
 def test_models_it_cannot_serve_and_bad_options_are_refused() -> None:
-    """Before any work: QK-norm, RoPE per layer type, partial RoPE, no RoPE; odd ranks; factors without
-    rotated keys given to the rotated attention; a format naming an attention the model cannot take."""
+    """Before any work: QK-norm, RoPE per layer type, no RoPE; odd ranks; factors without rotated keys given
+    to the rotated attention; a format naming an attention the model cannot take."""
     for arch, why in [
         ("qwen3", "do not support QK-norm"),
         ("gemma3", "do not support QK-norm"),
-        ("phi3_partial", "RoPE over the whole head"),
         ("opt", "opt has no RoPE"),
     ]:
         with pytest.raises(ValueError, match=why):
             rotated(tiny_model(arch, 4 if arch == "opt" else 2), 2, 1.0)
+    gemma = tiny_model("gemma3", 2).config
+    without_norms = dataclasses.replace(get_adapter(gemma), qk_norm=None)  # Gemma 3's RoPE per layer type
+    with pytest.raises(ValueError, match="need one RoPE for every layer"):
+        check_rotated_keys(without_norms, gemma)
     with pytest.raises(ValueError, match="rank multiple must be even, got 3"):
         CompressionConfig(key_latents="rotated", rank_multiple=3)
     with pytest.raises(ValueError, match="key_latents must be one of rebuilt, rotated"):
