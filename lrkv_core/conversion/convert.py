@@ -85,7 +85,7 @@ class CompressionConfig:
     key_latents : ``"rebuilt"`` (the default: latents of the keys before RoPE, keys rebuilt and rotated at
         attention, Palu's form) or ``"rotated"`` (latents of the keys after RoPE in a RoPE-equivariant basis
         weighted by the queries, which absorb the key up-projection: no key rebuilt, no positions cached;
-        RoPE models without QK-norm, RoPE over whole heads). Ranks are planned and refined on the keys the
+        RoPE models without QK-norm, one RoPE for every layer). Ranks are planned and refined on the keys the
         model caches either way (with ``rotated``, the equivariant basis on k_proj's input).
     refine : how the allocator's plan is refined on calibration rows, a
         :class:`~lrkv_core.conversion.refine.RefineConfig` or its mapping form (``{"steps": 0}`` keeps the
