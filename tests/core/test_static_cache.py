@@ -25,17 +25,17 @@ def _compressed(compress, arch: str = "llama", storage: dict | None = None, **ov
     return comp
 
 
-@pytest.mark.parametrize(
-    "arch, storage, overrides",
-    [
-        ("llama", None, {}),
-        ("llama", QUANTIZED, {}),
-        ("mistral", None, {"sliding_window": SLIDING_WINDOW}),
-        ("gemma3", None, {}),
-        ("opt", None, {}),
-    ],
-    ids=["llama-dense", "llama-quantized-4bit", "mistral-sliding", "gemma3-qknorm-sliding", "opt-norope"],
-)
+MODELS = {  # id: (arch, cache storage, config overrides)
+    "llama-dense": ("llama", None, {}),
+    "llama-quantized-4bit": ("llama", QUANTIZED, {}),
+    "mistral-sliding": ("mistral", None, {"sliding_window": SLIDING_WINDOW}),
+    "gemma3-qknorm-sliding": ("gemma3", None, {}),
+    "opt-norope": ("opt", None, {}),
+}
+WITH_ROPE = {name: m for name, m in MODELS.items() if name != "opt-norope"}
+
+
+@pytest.mark.parametrize("arch, storage, overrides", list(MODELS.values()), ids=list(MODELS))
 def test_generate_through_a_static_latent_cache_gives_the_dynamic_caches_tokens(
     compress, arch, storage, overrides
 ) -> None:
@@ -122,16 +122,7 @@ def test_a_static_cache_refuses_what_it_cannot_hold(compress) -> None:
     assert isinstance(output_cache(comp(ids, use_cache=True)), LatentCache)  # the default stays dynamic
 
 
-@pytest.mark.parametrize(
-    "arch, storage, overrides",
-    [
-        ("llama", None, {}),
-        ("llama", QUANTIZED, {}),
-        ("mistral", None, {"sliding_window": SLIDING_WINDOW}),
-        ("gemma3", None, {}),
-    ],
-    ids=["dense", "quantized-4bit", "mistral-sliding", "gemma3-qknorm-sliding"],
-)
+@pytest.mark.parametrize("arch, storage, overrides", list(WITH_ROPE.values()), ids=list(WITH_ROPE))
 def test_a_decode_step_over_the_static_cache_compiles_whole(compress, arch, storage, overrides) -> None:
     """``fullgraph=True``: dynamo traces the whole step, cache writes included, without a graph break (the
     ``eager`` backend runs the traced graph as is), sliding layers past their window too; then generate()
