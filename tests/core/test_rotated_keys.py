@@ -135,6 +135,33 @@ def test_quantized_latents_of_rotated_keys() -> None:
     assert 0 < max_diff(out.logits, ref[:, 4:]) <= 0.05
 
 
+def _decoded(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of ``ids`` (B, T): the first ``prefill`` tokens at once, then one token a step through the
+    cache."""
+    with torch.no_grad():
+        out = model(ids[:, :prefill], use_cache=True)
+        steps = [out.logits]
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t : t + 1], use_cache=True, **cache_kwargs(output_cache(out)))
+            steps.append(out.logits)
+    return torch.cat(steps, dim=1)
+
+
+def test_the_tale_and_gear_storages_hold_latents_of_rotated_keys() -> None:
+    """TALE with every token at the full level gives the dense model's logits and with a low level cuts
+    them; GEAR's 8-bit codes stay close."""
+    model = tiny_model("llama", 2)
+    ids = ids_for(2, 60)
+    with torch.no_grad():
+        ref = rotated(model, 2, 0.5)(ids).logits
+    whole = rotated(model, 2, 0.5, cache={"name": "tale", "low": 0.5, "recent": 100})
+    assert max_diff(_decoded(whole, ids, 40), ref) <= 1e-4
+    cut = rotated(model, 2, 0.5, cache={"name": "tale", "low": 0.5})
+    assert max_diff(_decoded(cut, ids, 40), ref) > 1e-2
+    gear = rotated(model, 2, 0.5, cache={"name": "gear", "bits": 8})
+    assert 0 < max_diff(_decoded(gear, ids, 40), ref) <= 0.1
+
+
 def test_models_it_cannot_serve_and_bad_options_are_refused() -> None:
     """Before any work: QK-norm, RoPE per layer type, no RoPE; odd ranks; factors without rotated keys given
     to the rotated attention; a format naming an attention the model cannot take."""
