@@ -50,7 +50,7 @@ def rotated(model, group_size: int, ratio: float, *, cache: dict | None = None):
         "mistral-sliding",
         "phi3-fused-qkv",
         "phi3-partial-rope",
-    ],  # fmt: skip
+    ],
 )
 def test_full_rank_reproduces_the_original(arch, group_size, overrides) -> None:
     model = tiny_model(arch, 2, **overrides)
