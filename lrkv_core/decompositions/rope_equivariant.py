@@ -59,6 +59,23 @@ def pair_gram(
     return (C + C.mH) / 2
 
 
+def _components(
+    G: torch.Tensor, weight: torch.Tensor | None
+) -> list[tuple[float, torch.Tensor, torch.Tensor]]:
+    """``(energy, A row, B column)`` of each component of a map ``M = Σ_m b_m a_m`` on vectors with Hermitian
+    Gram ``G`` (n × n, real or complex): the eigenvectors of G (the energy they keep), or with ``weight``
+    (n,) the oblique map minimising ``‖W^½ (I − M) G^½‖_F`` for ``W = diag(weight)`` (the weighted energy)."""
+    n = G.shape[0]
+    if weight is None:
+        ev, V = torch.linalg.eigh(G)
+        return [(float(ev[m]), V[:, m].conj(), V[:, m]) for m in range(n)]
+    q_half, q_inv, q_scale = _damped_roots(torch.diag(weight.to(torch.float64)).to(G.dtype))
+    k_half, k_inv, k_scale = _damped_roots(G)
+    U, sv, Vh = torch.linalg.svd(q_half @ k_half)
+    down, up = sv[:, None].to(Vh.dtype) * Vh @ k_inv, q_inv @ U  # M = up @ down
+    return [(float(sv[m]) ** 2 * q_scale * k_scale, down[m], up[:, m]) for m in range(n)]
+
+
 def _complex_units(
     key_gram: torch.Tensor, s: int, D: int, R: int, query_energy: torch.Tensor | None
 ) -> list[tuple[float, list[tuple[torch.Tensor, torch.Tensor]]]]:
@@ -69,17 +86,8 @@ def _complex_units(
     for j in range(half):
         C = pair_gram(key_gram, s, D, j, R)
         ja, jb = heads + j, heads + j + half
-        if query_energy is None:
-            ev, V = torch.linalg.eigh(C)
-            comps = [(float(ev[m]), V[:, m].conj(), V[:, m]) for m in range(s)]
-        else:
-            w = (query_energy[ja] + query_energy[jb]).to(torch.float64)
-            q_half, q_inv, q_scale = _damped_roots(torch.diag(w).to(torch.complex128))
-            k_half, k_inv, k_scale = _damped_roots(C)
-            U, sv, Vh = torch.linalg.svd(q_half @ k_half)
-            down, up = sv[:, None].to(Vh.dtype) * Vh @ k_inv, q_inv @ U  # M = up @ down
-            comps = [(float(sv[m]) ** 2 * q_scale * k_scale, down[m], up[:, m]) for m in range(s)]
-        for energy, a, b in comps:
+        weight = None if query_energy is None else query_energy[ja] + query_energy[jb]
+        for energy, a, b in _components(C, weight):
             re_a, im_a, re_b, im_b = (torch.zeros(s * D, dtype=torch.float64) for _ in range(4))
             # c = a·z: Re c = Σ Re a·k_j − Im a·k_{j+½}, Im c = Σ Im a·k_j + Re a·k_{j+½}
             re_a[ja], re_a[jb] = a.real, -a.imag
@@ -103,15 +111,7 @@ def _pass_through_units(
         return []
     G = key_gram.to(torch.float64).cpu()[dims][:, dims]
     G = (G + G.T) / 2
-    if query_energy is None:
-        ev, V = torch.linalg.eigh(G)
-        comps = [(float(ev[m]), V[:, m], V[:, m]) for m in range(dims.numel())]
-    else:
-        q_half, q_inv, q_scale = _damped_roots(torch.diag(query_energy[dims].to(torch.float64)))
-        k_half, k_inv, k_scale = _damped_roots(G)
-        U, sv, Vh = torch.linalg.svd(q_half @ k_half)
-        down, up = sv[:, None] * Vh @ k_inv, q_inv @ U
-        comps = [(float(sv[m]) ** 2 * q_scale * k_scale, down[m], up[:, m]) for m in range(dims.numel())]
+    comps = _components(G, None if query_energy is None else query_energy[dims])
     comps.sort(key=lambda c: c[0], reverse=True)
     units = []
     for first, second in zip(comps[0::2], comps[1::2], strict=True):
