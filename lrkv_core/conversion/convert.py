@@ -41,7 +41,7 @@ from ..decompositions import (
 )
 from ..linalg import group_slices
 from ..model.adapters import get_adapter
-from ..model.attention_rotated import check_rotated_keys, rotary_dims
+from ..model.attention_rotated import check_rotated_keys, rotated_key_inputs
 from ..model.fuse import compress_model
 from ..quant.rotation import RotationConfig
 from ..statistics import STATISTICS, LayerValue, Statistic
@@ -315,17 +315,17 @@ def run_steps(
         elif step.kind == "decompose":
             method = DECOMPOSITIONS.create(p["decomposition"])
             layer, key_latents = p["layer"], p.get("key_latents", "rebuilt")
-            reads = method.reads(adapter.rope) | ({"q"} if key_latents == "rotated" else set())
+            extra, rotary_dim = rotated_key_inputs(adapter, model.config, key_latents)
             results[step.name] = decompose_layer(
                 layer,
-                model_layer_weights(model, layer, reads),
+                model_layer_weights(model, layer, method.reads(adapter.rope) | extra),
                 stats_of(step, layer),
                 n_kv_heads=shape.Hkv,
                 head_dim=shape.D,
                 group_size=p["group_size"],
                 decomposition=method,
                 key_latents=key_latents,
-                rotary_dim=rotary_dims(adapter, model.config) if key_latents == "rotated" else None,
+                rotary_dim=rotary_dim,
             )
         elif step.kind == "summarize":
             layer = p["layer"]

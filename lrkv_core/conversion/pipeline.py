@@ -31,7 +31,7 @@ from ..evaluation.hf_quantized_cache import HfQuantizedCacheSpec
 from ..evaluation.longcontext import LongContextProtocol, LongContextResult, evaluate_long_context
 from ..format import LrkvFormat
 from ..model.adapters import get_adapter
-from ..model.attention_rotated import rotary_dims
+from ..model.attention_rotated import rotated_key_inputs
 from ..model.fuse import compress_model
 from ..model.io import model_card, save_compressed
 from ..model.loading import load_model, load_tokenizer, read_tensors
@@ -184,8 +184,8 @@ def decompose_file(
     adapter = get_adapter(config)
     shape = adapter.shape(config)
     method = DECOMPOSITIONS.create(decomposition)
-    reads = method.reads(adapter.rope) | ({"q"} if key_latents == "rotated" else set())
-    weights = read_layer_weights(model_dir, layer, reads)
+    extra, rotary_dim = rotated_key_inputs(adapter, config, key_latents)
+    weights = read_layer_weights(model_dir, layer, method.reads(adapter.rope) | extra)
     factors = decompose_layer(
         layer,
         weights,
@@ -195,7 +195,7 @@ def decompose_file(
         group_size=group_size,
         decomposition=method,
         key_latents=key_latents,
-        rotary_dim=rotary_dims(adapter, config) if key_latents == "rotated" else None,
+        rotary_dim=rotary_dim,
     )
     save_layer_factors(factors, out_path)
     top = {kind: [float(f.sigma[0]) for f in factors.groups[kind]] for kind in ("k", "v")}

@@ -17,17 +17,17 @@ latent model), for each group and each rank r near its current r_P, to second or
     J(P with this group at r) − J(P) ≈ ∇J · Δ(r) + ½ Δ(r)ᵀ F Δ(r),   Δ(r) = (W_r − W_{r_P}) x
 
 where ∇J is the gradient of the cross-entropy against the rows' tokens or the original's probabilities (one
-backward pass) and F the Fisher of the cut model (a second pass, targets sampled from its own predictions,
-as :mod:`lrkv_core.statistics.response`, each row's from a generator seeded by the seed, the step and the
-row, so the micro-batch size does not change the draws). Both are latent prefix sums of
-:class:`LatentProducts`, so two passes price every (group, rank). The new plan minimises the summed prices
-within the budget and no narrower than P (the exact knapsack), each group moving at most ``radius`` rank
-steps; it is kept only if its measured J is lower (on the same rows, or with ``accept_rows`` on the
-calibration rows after them, which the step was not priced on), otherwise the radius halves. Cost per step:
-two gradient passes and one forward pass over the rows; the KL also needs the original's predictions, whose
-hidden states are computed once per row and kept (:class:`OriginalHidden`, up to a memory budget). J is
-that of the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not
-see.
+backward pass) and F the Fisher of the cut model (a second backward pass through the same forward pass,
+targets sampled from its own predictions, as :mod:`lrkv_core.statistics.response`, each row's from a
+generator seeded by the seed, the step and the row, so the micro-batch size does not change the draws).
+Both are latent prefix sums of :class:`LatentProducts`, so one forward and two backward passes price every
+(group, rank). The new plan minimises the summed prices within the budget and no narrower than P (the exact
+knapsack), each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower (on
+the same rows, or with ``accept_rows`` on the calibration rows after them, which the step was not priced
+on), otherwise the radius halves. Cost per step: two forward and two backward passes over the rows (one
+forward for the prices, one for the measured J); the KL also needs the original's predictions, whose hidden
+states are computed once per row and kept (:class:`OriginalHidden`, up to a memory budget). J is that of
+the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not see.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ from ..allocation.problem import KINDS, RankProblem, Ranks
 from ..model.adapters import get_adapter
 from ..registry import Section
 from ..statistics.gradients import (
-    kv_gradient_passes,
     last_hidden,
     next_token_log_probs,
     predicted_probabilities,
     row_seed,
     row_seeded_targets,
+    shared_gradient_passes,
 )
 from ..statistics.response import LatentProducts
 
@@ -288,25 +288,26 @@ def step_costs(
             r = ranks[kind][layer][j]
             quad[(layer, kind)][j] += (prefix - prefix[:, r : r + 1]).square().sum(0)
 
+    curvature = row_seeded_targets(seed)  # counts the rows it has drawn for, across the batches below
     if objective == "nll":  # the rows' own next tokens
         weights.cut(ranks)
-        kv_gradient_passes(model, rows, visit_gradient, batch_size=batch_size)
+        n, _ = shared_gradient_passes(
+            model, rows, [(visit_gradient, None), (visit_curvature, curvature)], batch_size=batch_size
+        )
     else:
         states = _original(model, weights, rows, batch_size, original)
+        n = 0
         for start in range(0, rows.shape[0], batch_size):  # one batch at a time: the original's predictions
             batch = rows[start : start + batch_size]
             kept = states(start)
             weights.cut(ranks)
-            kv_gradient_passes(
+            seen, _ = shared_gradient_passes(
                 model,
                 batch,
-                visit_gradient,
+                [(visit_gradient, predicted_probabilities(model, kept)), (visit_curvature, curvature)],
                 batch_size=batch_size,
-                targets=predicted_probabilities(model, kept),
             )
-    n, _ = kv_gradient_passes(
-        model, rows, visit_curvature, batch_size=batch_size, targets=row_seeded_targets(seed)
-    )
+            n += seen
     scale = (rows.shape[1] - 1) / (2 * n)
     costs = {}
     for key, groups in weights.factors.items():

@@ -44,6 +44,16 @@ def rotary_dims(adapter: ArchAdapter, config: PretrainedConfig) -> int:
     return 2 * adapter.rotary_embedding(config).inv_freq.numel()
 
 
+def rotated_key_inputs(
+    adapter: ArchAdapter, config: PretrainedConfig, key_latents: str
+) -> tuple[set[str], int | None]:
+    """What a layer's decomposition reads beyond its method's weights: for latents of rotated keys q_proj's
+    weight and the dims RoPE turns, for rebuilt keys nothing (``(set(), None)``)."""
+    if key_latents != "rotated":
+        return set(), None
+    return {"q"}, rotary_dims(adapter, config)
+
+
 class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
     """Drop-in replacement for a RoPE attention module, caching latents of its rotated keys.
 

@@ -22,7 +22,7 @@ logits (``benchmarks/pass_memory.py`` measures it).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -66,13 +66,22 @@ def row_seeded_targets(seed: int, first_row: int = 0) -> Targets:
         seen[0] += rows.shape[0]
 
         def draw(logits: torch.Tensor, _start: int) -> torch.Tensor:
-            probs = torch.softmax(logits.float(), dim=-1).cpu()  # (B, c, V)
-            drawn = [torch.multinomial(p, 1, generator=gen)[:, 0] for p, gen in zip(probs, gens, strict=True)]
-            return torch.stack(drawn)  # (B, c)
+            return torch.stack([inverse_cdf_draw(row, gen) for row, gen in zip(logits, gens, strict=True)])
 
         return draw
 
     return for_batch
+
+
+def inverse_cdf_draw(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per position (c,) drawn from ``softmax(logits)`` (c, V): one uniform number per position from
+    ``generator`` (consumed position by position, so chunks of a row draw what the whole row would), placed
+    in the running sum of the probabilities. A token of probability 0 is never drawn. (Fourteen times
+    faster than :func:`torch.multinomial` at SmolLM2's 49,152 tokens, which draws an exponential number per
+    token.)"""
+    cdf = torch.softmax(logits.float(), dim=-1).cpu().cumsum(-1)  # (c, V)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
 
 
 def given_probabilities(probs: torch.Tensor) -> Targets:
@@ -171,6 +180,24 @@ def kv_gradient_passes(
 
     Returns ``(rows seen, micro-batches)``.
     """
+    return shared_gradient_passes(model, rows, [(visit, targets)], batch_size=batch_size, progress=progress)
+
+
+def shared_gradient_passes(
+    model: nn.Module,
+    rows: torch.Tensor,
+    losses: Sequence[tuple[Visit, Targets | None]],
+    *,
+    batch_size: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[int, int]:
+    """:func:`kv_gradient_passes` for several losses of the same model on the same rows, one forward pass per
+    micro-batch: each ``(visit, targets)`` of ``losses`` gets its own backward pass, in order, through the
+    forward's graph (kept until the last). The same visits, bit for bit, as one :func:`kv_gradient_passes`
+    per loss (the same forward, the same loss gradients), at one forward pass less per extra loss; each
+    layer's input is kept until the last backward pass reaches it."""
+    if not losses:
+        raise ValueError("shared_gradient_passes needs at least one (visit, targets) loss")
     if rows.ndim != 2 or rows.shape[1] < 2:
         raise ValueError(f"rows must be (N, T) token ids with T ≥ 2, got {tuple(rows.shape)}")
     if int(rows.min()) < 0:
@@ -187,15 +214,19 @@ def kv_gradient_passes(
     parts = {kind: adapter.rows(model.config, kind) for kind in ("k", "v")}  # Phi-3: qkv_proj's k/v rows
     base, logits_of = adapter.base_model(model), _logits_of(model)
     device = next(model.parameters()).device
-    # a pass keeps each projection's input until the backward pass reaches its output's gradient, visits the
-    # pair there and drops them: no output, input or gradient of a later layer waits for the earlier layers
+    # a pass keeps each projection's input until the (last) backward pass reaches its output's gradient,
+    # visits the pair there and drops them: no output, input or gradient of a later layer waits for the
+    # earlier layers
     inputs: dict[tuple[int, str], torch.Tensor] = {}
     first: list[torch.Tensor] = []  # the first layer's outputs: what the backward pass is asked to reach
     first_layer = [-1]
     recording = [False]  # the forward pass records; a checkpointed layer's recomputation does not
+    current = [0]  # the loss whose backward pass is running
 
     def reached(i: int, kind: str, g: torch.Tensor) -> None:
-        visit(i, kind, inputs.pop((i, kind)), g[..., parts[kind]].detach())
+        last = current[0] == len(losses) - 1
+        x = inputs.pop((i, kind)) if last else inputs[(i, kind)]
+        losses[current[0]][0](i, kind, x, g[..., parts[kind]].detach())
 
     def make_hook(i: int, kind: str):
         def hook(_module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -227,11 +258,20 @@ def kv_gradient_passes(
                 with checkpointed(adapter.layers(model), long), mapped_allocations(long and MAP_LONG_ROWS):
                     hidden = base(input_ids=batch, use_cache=False)[0]  # (B, T, d)
                     recording[0] = False
-                    grad = _loss_gradient(hidden, batch, logits_of, targets)
-                    # every projection's output lies on the way from the loss to the first layer's, so its
-                    # hook sees its gradient on the way (the gradients returned here are not needed)
-                    torch.autograd.grad(hidden, first, grad_outputs=grad, allow_unused=True)
-                del hidden, grad
+                    for j, (_, targets) in enumerate(losses):
+                        current[0] = j
+                        grad = _loss_gradient(hidden, batch, logits_of, targets)
+                        # every projection's output lies on the way from the loss to the first layer's, so
+                        # its hook sees its gradient on the way (the gradients returned here are not needed)
+                        torch.autograd.grad(
+                            hidden,
+                            first,
+                            grad_outputs=grad,
+                            allow_unused=True,
+                            retain_graph=j < len(losses) - 1,
+                        )
+                        del grad
+                del hidden
                 first.clear()
                 inputs.clear()  # an output the loss does not depend on: nothing to visit
                 n_batches += 1

@@ -15,6 +15,7 @@ from lrkv_core.statistics.gradients import (
     next_token_log_probs,
     predicted_probabilities,
     row_seeded_targets,
+    shared_gradient_passes,
 )
 from lrkv_core.system.memory import peak_rss, release_freed
 from tests.support.fresh import run_fresh
@@ -103,6 +104,60 @@ def test_sampled_and_given_targets_do_not_depend_on_chunks_or_batches(make_tiny,
     got = _passes(model, rows[:1], 1, given_probabilities(probs))
     for key in given:
         torch.testing.assert_close(got[key], given[key], rtol=1e-4, atol=1e-6)
+
+
+def test_sampled_tokens_follow_the_models_distribution():
+    """The inverse-CDF draw: frequencies match the softmax's probabilities, a token of probability 0 is never
+    drawn, and drawing a row's positions in two chunks draws what one call would."""
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
+    logits = probs.log().expand(40_000, -1)  # -inf where the probability is 0
+    drawn = gradients.inverse_cdf_draw(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(drawn, minlength=5).double() / drawn.numel()
+    assert freq[1] == 0 and freq[4] == 0
+    torch.testing.assert_close(freq, probs.double(), atol=0.01, rtol=0)  # 4+ standard errors
+    whole = gradients.inverse_cdf_draw(logits[:9], torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(4)
+    parts = torch.cat(
+        [gradients.inverse_cdf_draw(logits[:4], gen), gradients.inverse_cdf_draw(logits[4:9], gen)]
+    )
+    assert torch.equal(whole, parts)
+    assert set(gradients.inverse_cdf_draw(torch.zeros(50, 3), gen).tolist()) <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunked-checkpointed"])
+def test_losses_sharing_a_forward_pass_visit_what_separate_passes_visit(
+    make_tiny, monkeypatch, one_thread, mode
+):
+    """Several losses through one forward pass per micro-batch (the refinement's gradient and curvature):
+    each visit sees, bit for bit, the inputs and gradients of a pass of its own, in its own order."""
+    model = make_tiny("llama")
+    rows = torch.randint(3, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(2))
+    if mode != "whole":
+        monkeypatch.setattr(gradients, "LOSS_CHUNK", 5)
+        monkeypatch.setattr(gradients, "CHECKPOINT_TOKENS", 1)
+
+    def recorder(into: list):
+        return lambda layer, kind, x, g: into.append((layer, kind, x.clone(), g.clone()))
+
+    alone: list[list] = [[], []]
+    kv_gradient_passes(model, rows, recorder(alone[0]), batch_size=2)
+    kv_gradient_passes(model, rows, recorder(alone[1]), batch_size=2, targets=row_seeded_targets(3))
+    shared: list[list] = [[], []]
+    n = shared_gradient_passes(
+        model,
+        rows,
+        [(recorder(shared[0]), None), (recorder(shared[1]), row_seeded_targets(3))],
+        batch_size=2,
+    )
+    assert n == (3, 2)
+    for one, other in zip(alone, shared, strict=True):
+        assert len(one) == len(other) == 2 * 2 * model.config.num_hidden_layers  # 2 batches × k, v per layer
+        for (layer, kind, x, g), (layer2, kind2, x2, g2) in zip(one, other, strict=True):
+            assert (layer, kind) == (layer2, kind2)
+            assert torch.equal(x, x2) and torch.equal(g, g2)
+    assert not torch.equal(alone[0][0][3], alone[1][0][3])  # the two losses' gradients differ
+    with pytest.raises(ValueError, match="at least one"):
+        shared_gradient_passes(model, rows, [])
 
 
 @pytest.mark.parametrize("arch", SUPPORTED)

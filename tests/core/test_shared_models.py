@@ -261,7 +261,8 @@ def test_shakespeare_save_load_keeps_the_tokenizer(shakespeare, compress, tmp_pa
 
 def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakespeare) -> None:
     """The second-order curves from one gradient pass against the KL measured by cutting one group in the
-    real model (measured with 64 rows: within 10–25 % per point; here 8 rows, 4 label draws).
+    real model (measured with 64 rows: within 10–25 % per point; here 8 rows, 16 label draws: with 4 the sum's
+    estimate ranged 0.97–1.40× the measured over two seeds).
     Second order holds for small cuts: layer 0's values cut to 16 of 64 (measured KL 0.11) it puts at 0.06."""
     from lrkv_core.conversion.convert import decompose_model
     from lrkv_core.conversion.refine import PlanWeights, measured_kl, single_cut
@@ -270,7 +271,7 @@ def test_kl_response_predicts_the_kl_of_cutting_one_group_of_shakespeare(shakesp
     model, rows = shakespeare.model, shakespeare.windows  # 8 × 256 tokens
     config = CompressionConfig(group_size=2)
     factors, _ = decompose_model(model, rows, config, statistics=shakespeare.stats)
-    curves, _ = collect_kl_response(model, rows, factors, batch_size=4, draws=4)
+    curves, _ = collect_kl_response(model, rows, factors, batch_size=4, draws=16)
     weights = PlanWeights(model, factors)
     estimated, measured = [], []
     try:

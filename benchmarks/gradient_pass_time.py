@@ -1,0 +1,129 @@
+"""What two savings in the gradient passes of a conversion are worth, on a real model and real text rows.
+
+1. Sharing one forward pass between the refinement's two losses: a refinement step prices its moves with a
+   gradient (the rows' own tokens, or the original's predictions) and a curvature (tokens sampled from the
+   cut model). Alternating ``--repeats`` times: two gradient passes of their own
+   (:func:`lrkv_core.statistics.gradients.kv_gradient_passes`, one per loss) against two backward passes
+   through one forward (:func:`~lrkv_core.statistics.gradients.shared_gradient_passes`). Printed: the
+   seconds (best of the repeats), their ratio, each one's peak RSS, and whether every visited input and
+   gradient is bit for bit the same.
+2. Drawing the sampled targets (the output Fisher, the KL response, the refinement's curvature) from the
+   model's logits of one row: :func:`torch.multinomial` against the inverse-CDF draw
+   (:func:`~lrkv_core.statistics.gradients.inverse_cdf_draw`), seconds per row (best of the repeats).
+
+    OMP_NUM_THREADS=1 python benchmarks/gradient_pass_time.py --threads 1 --rows 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from lrkv_core.data.datasets import calibration_windows
+from lrkv_core.model.loading import load_model
+from lrkv_core.statistics.gradients import (
+    inverse_cdf_draw,
+    kv_gradient_passes,
+    last_hidden,
+    next_token_log_probs,
+    row_seeded_targets,
+    shared_gradient_passes,
+)
+from lrkv_core.system.memory import peak_rss
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=os.path.expanduser("~/.cache/lrkv-assets/smollm2-135m"))
+    p.add_argument(
+        "--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/valid.txt")
+    )
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1, help="rows per pass (the flow's at 256 tokens: 1)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    for path in (args.model, args.text):
+        if not Path(path).exists():
+            p.error(f"{path} does not exist")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    rows = calibration_windows(
+        f"text:{args.text}[:80%]", tok, n_samples=args.rows, seq_len=args.seq_len, seed=0
+    )
+    print(
+        f"{Path(args.model).name}: {args.rows} rows of {args.seq_len} tokens, {args.batch_size} row(s) per "
+        f"pass, {torch.get_num_threads()} thread(s)",
+        flush=True,
+    )
+
+    def digest_visit(digest):
+        def visit(layer, kind, x, g):
+            digest.update(f"{layer}{kind}".encode())
+            digest.update(x.numpy().tobytes())
+            digest.update(g.numpy().tobytes())
+
+        return visit
+
+    def separate() -> list[str]:
+        digests = [hashlib.sha256(), hashlib.sha256()]
+        kv_gradient_passes(model, rows, digest_visit(digests[0]), batch_size=args.batch_size)
+        kv_gradient_passes(
+            model, rows, digest_visit(digests[1]), batch_size=args.batch_size, targets=row_seeded_targets(5)
+        )
+        return [d.hexdigest() for d in digests]
+
+    def shared() -> list[str]:
+        digests = [hashlib.sha256(), hashlib.sha256()]
+        losses = [(digest_visit(digests[0]), None), (digest_visit(digests[1]), row_seeded_targets(5))]
+        shared_gradient_passes(model, rows, losses, batch_size=args.batch_size)
+        return [d.hexdigest() for d in digests]
+
+    runs = {"two passes": separate, "one shared forward": shared}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    peaks: dict[str, float] = {name: 0.0 for name in runs}
+    digests = {}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            with peak_rss() as peak:
+                digests[name] = run()
+            seconds[name].append(time.perf_counter() - start)
+            peaks[name] = max(peaks[name], peak.peak / 2**30)
+            print(f"  {name}: {seconds[name][-1]:.1f} s", flush=True)
+    base = min(seconds["two passes"])
+    print("| gradient + curvature | seconds (best) | ratio | peak RSS, GiB |")
+    print("|---|---|---|---|")
+    for name in runs:
+        print(f"| {name} | {min(seconds[name]):.1f} | {min(seconds[name]) / base:.3f} | {peaks[name]:.2f} |")
+    print(f"identical inputs and gradients visited: {digests['two passes'] == digests['one shared forward']}")
+
+    with torch.no_grad():  # the log-probabilities' softmax is the logits' (both draws take the softmax)
+        logits = torch.cat([q for _, q in next_token_log_probs(model, last_hidden(model, rows[:1]))], 1)[0]
+    draws = {
+        "torch.multinomial": lambda gen: torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0],
+        "inverse CDF": lambda gen: inverse_cdf_draw(logits, gen),
+    }
+    best = {}
+    for name, draw in draws.items():
+        times = []
+        for _ in range(max(args.repeats, 3)):
+            start = time.perf_counter()
+            draw(torch.Generator().manual_seed(0))
+            times.append(time.perf_counter() - start)
+        best[name] = min(times)
+    print(f"| drawing {logits.shape[0]} positions × {logits.shape[1]} tokens | seconds (best) | ratio |")
+    print("|---|---|---|")
+    for name, seconds_ in best.items():
+        print(f"| {name} | {seconds_:.3f} | {seconds_ / best['torch.multinomial']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
