@@ -39,6 +39,9 @@ from lrkv_core.model.adapters import get_adapter
 
 Progress = Callable[[int, int], None] | None
 CacheFactory = Callable[[], Cache] | None
+# the most memory one forward pass's float32 logits (B, T, V) may take: the windows of a batch are scored a
+# few rows at a time below it (one row of 256 tokens over SmolLM2's 49,152-token vocabulary is 48 MiB)
+LOGITS_BYTES = 64 * 2**20
 
 
 def _with_cache(cache_factory: CacheFactory) -> dict[str, Any]:
@@ -62,6 +65,14 @@ def _check_windows(windows: torch.Tensor, min_len: int = 2) -> tuple[int, int]:
     if windows.dim() != 2 or windows.shape[0] == 0 or windows.shape[1] < min_len:
         raise ValueError(f"windows must be (N >= 1, T >= {min_len}) token ids, got {tuple(windows.shape)}")
     return windows.shape[0], windows.shape[1]
+
+
+def _rows_per_pass(model: nn.Module, seq_len: int, batch_size: int) -> int:
+    """The rows of a batch scored in one forward pass: at most ``batch_size``, and as many as keep the
+    pass's logits within :data:`LOGITS_BYTES` (at least one)."""
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+    return max(1, min(batch_size, LOGITS_BYTES // (seq_len * vocab * 4)))
 
 
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -105,6 +116,7 @@ def prefill_perplexity(
     n, t = _check_windows(windows)
     if not 1 <= score_from < t:
         raise ValueError(f"score_from must be in [1, {t - 1}], got {score_from}")
+    batch_size = _rows_per_pass(model, t, batch_size)
     total, n_batches = 0.0, math.ceil(n / batch_size)
     with _inference(model) as device:
         for b, start in enumerate(range(0, n, batch_size)):
@@ -256,6 +268,7 @@ def kl_and_agreement(
         ``tokens``, ``windows`` and ``protocol``.
     """
     n, t = _check_windows(windows, min_len=1)
+    batch_size = _rows_per_pass(model, t, batch_size)
     kl_sum, agree, n_batches = 0.0, 0, math.ceil(n / batch_size)
     with _inference(base_model) as base_device, _inference(model) as device:
         for b, start in enumerate(range(0, n, batch_size)):

@@ -75,12 +75,13 @@ def row_seeded_targets(seed: int, first_row: int = 0) -> Targets:
 
 def inverse_cdf_draw(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per position (c,) drawn from ``softmax(logits)`` (c, V): one uniform number per position from
-    ``generator`` (consumed position by position, so chunks of a row draw what the whole row would), placed
-    in the running sum of the probabilities. A token of probability 0 is never drawn. (Fourteen times
-    faster than :func:`torch.multinomial` at SmolLM2's 49,152 tokens, which draws an exponential number per
-    token.)"""
-    cdf = torch.softmax(logits.float(), dim=-1).cpu().cumsum(-1)  # (c, V)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    ``generator`` (a CPU generator, consumed position by position, so chunks of a row draw what the whole row
+    would), placed in the running sum of the probabilities on the logits' device. A token of probability 0 is
+    never drawn. The same tokens on every device, but for a uniform number within rounding of a boundary.
+    (Eighteen times faster than :func:`torch.multinomial` at SmolLM2's 49,152 tokens on the CPU, which draws
+    an exponential number per token: ``benchmarks/gradient_pass_time.py``.)"""
+    cdf = torch.softmax(logits.float(), dim=-1).cumsum(-1)  # (c, V)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
 
 

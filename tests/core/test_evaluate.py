@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from lrkv_core.data.datasets import eval_windows
+from lrkv_core.evaluation import metrics
 from lrkv_core.evaluation.metrics import (
     EvalResult,
     decode_perplexity,
@@ -121,6 +122,23 @@ def test_kv_bytes_of_plain_llama_are_keys_and_values_only(dtype: torch.dtype, el
     assert res["protocol"]["windows"] == 2 and res["protocol"]["tokens_prefilled"] == 32
     # the original model's own cache is the reference: compression 1
     assert res["dense_kv_bytes_per_token"] == res["kv_bytes_per_token"] and res["kv_compression_ratio"] == 1
+
+
+def test_a_logits_budget_scores_fewer_rows_per_pass_and_the_same_numbers(monkeypatch) -> None:
+    """Below ``LOGITS_BYTES`` a batch is scored a row (or a few) at a time: the same NLL and KL."""
+    base, other, windows = _tiny_llama(0), _tiny_llama(1), _windows(5, 20)
+    whole = prefill_perplexity(other, windows, batch_size=5), kl_and_agreement(base, other, windows)
+    calls = []
+    other.register_forward_pre_hook(
+        lambda _m, args, kwargs: calls.append(kwargs.get("input_ids", args[0] if args else None).shape[0]),
+        with_kwargs=True,
+    )
+    monkeypatch.setattr(metrics, "LOGITS_BYTES", 2 * 20 * 97 * 4)  # two rows' logits
+    rowwise = prefill_perplexity(other, windows, batch_size=5), kl_and_agreement(base, other, windows)
+    assert calls == [2, 2, 1, 2, 2, 1]  # prefill, then the KL: at most two rows per forward pass
+    assert rowwise[0]["nll"] == pytest.approx(whole[0]["nll"], abs=1e-6)
+    assert rowwise[1]["kl"] == pytest.approx(whole[1]["kl"], rel=1e-5)
+    assert rowwise[1]["top1_agreement"] == whole[1]["top1_agreement"]
 
 
 def test_kl_of_a_model_with_itself_is_zero() -> None:
