@@ -16,16 +16,13 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import os
 import time
 from pathlib import Path
 
 import torch
+from refine_time import load_rows, rows_parser  # benchmarks/, the script's own directory
 
-from lrkv_core.data.datasets import calibration_windows
-from lrkv_core.model.loading import load_model
 from lrkv_core.statistics.gradients import (
     inverse_cdf_draw,
     kv_gradient_passes,
@@ -38,26 +35,10 @@ from lrkv_core.system.memory import peak_rss
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=os.path.expanduser("~/.cache/lrkv-assets/smollm2-135m"))
-    p.add_argument(
-        "--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/valid.txt")
-    )
-    p.add_argument("--rows", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=1, help="rows per pass (the flow's at 256 tokens: 1)")
+    p = rows_parser(__doc__.splitlines()[0], 8, "calibration rows")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
-    for path in (args.model, args.text):
-        if not Path(path).exists():
-            p.error(f"{path} does not exist")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
-    rows = calibration_windows(
-        f"text:{args.text}[:80%]", tok, n_samples=args.rows, seq_len=args.seq_len, seed=0
-    )
+    model, rows = load_rows(p, args)
     print(
         f"{Path(args.model).name}: {args.rows} rows of {args.seq_len} tokens, {args.batch_size} row(s) per "
         f"pass, {torch.get_num_threads()} thread(s)",

@@ -26,20 +26,23 @@ from lrkv_core.data.datasets import calibration_windows
 from lrkv_core.model.loading import load_model
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def rows_parser(description: str, rows: int, help_rows: str) -> argparse.ArgumentParser:
+    """The options of a benchmark over calibration rows of a real model: --model, --text, --rows, --seq-len,
+    --batch-size, --threads (read by :func:`load_rows`)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=os.path.expanduser("~/.cache/lrkv-assets/smollm2-135m"))
     p.add_argument(
         "--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/valid.txt")
     )
-    p.add_argument("--rows", type=int, default=32, help="refinement rows (the default conversion: 128)")
+    p.add_argument("--rows", type=int, default=rows, help=help_rows)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=1, help="rows per pass (the flow's at 256 tokens: 1)")
-    p.add_argument("--ratio", type=float, default=0.5)
-    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args()
+    return p
+
+
+def load_rows(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model and ``--rows`` calibration windows of ``--seq-len`` tokens of ``--text`` ``[:80%]``."""
     for path in (args.model, args.text):
         if not Path(path).exists():
             p.error(f"{path} does not exist")
@@ -49,6 +52,16 @@ def main() -> None:
     rows = calibration_windows(
         f"text:{args.text}[:80%]", tok, n_samples=args.rows, seq_len=args.seq_len, seed=0
     )
+    return model, rows
+
+
+def main() -> None:
+    p = rows_parser(__doc__.splitlines()[0], 32, "refinement rows (the default conversion: 128)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args()
+    model, rows = load_rows(p, args)
     start = time.perf_counter()
     conv = plan_conversion(model, rows, CompressionConfig(ratio=args.ratio, allocator="uniform"))
     print(
