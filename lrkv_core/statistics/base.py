@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..model.adapters import get_adapter
 from ..registry import Method, Registry
 from ..system.files import save_tensors
 
@@ -223,16 +224,19 @@ def forward_rows(
     progress: Progress,
     after_batch: Callable[[], None] | None = None,
 ) -> None:
-    """Run ``model`` (eval mode, no cache) over ``rows`` in batches for its hooks to accumulate, calling
-    ``after_batch`` after each, reporting progress; the hooks in ``handles`` are removed and the train mode
-    restored, even on error."""
+    """Run ``model``'s decoder stack (eval mode, no cache) over ``rows`` in batches for its hooks inside the
+    layers to accumulate, calling ``after_batch`` after each, reporting progress; the hooks in ``handles``
+    are removed and the train mode restored, even on error. The output projection is not run: no
+    statistic reads the logits, whose full-vocabulary rows cost a fifth of a small model's forward pass
+    and the largest tensor of the batch."""
     device = next(model.parameters()).device
+    stack = get_adapter(model.config).base_model(model)
     was_training = model.training
     model.eval()
     try:
         n = rows.shape[0]
         for start in range(0, n, batch_size):
-            model(rows[start : start + batch_size].to(device), use_cache=False)
+            stack(input_ids=rows[start : start + batch_size].to(device), use_cache=False)
             if after_batch is not None:
                 after_batch()
             if progress:

@@ -8,7 +8,7 @@ import torch
 
 from lrkv_core.conversion.convert import CompressionConfig, decompose_model
 from lrkv_core.model.adapters import get_adapter
-from lrkv_core.statistics import STATISTICS, collect_attention_gram
+from lrkv_core.statistics import STATISTICS, collect_attention_gram, collect_gram
 from tests.support.models import SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,3 +84,36 @@ def test_values_attention_collects_the_statistic_and_whitens_the_values_with_it(
         assert got.info["value_whitening"] in ("cholesky", "cholesky+damping", "eigh")
     with pytest.raises(ValueError, match=r"need calibration statistics \['attention_gram'\]"):
         decompose_model(model, None, configs["attention"], statistics={"gram": stats["gram"]})
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "opt"])
+def test_the_forward_statistics_do_not_run_the_output_projection(arch: str) -> None:
+    """The Gram and attention-Gram passes run the decoder stack only (no statistic reads the logits), and
+    collect what hooks on a whole-model forward see."""
+    model = _model(arch)
+    rows = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    adapter = get_adapter(model.config)
+    inputs = {}
+    hooks = [
+        getattr(adapter.attention(model, i), adapter.k_name).register_forward_pre_hook(
+            lambda _m, args, i=i: inputs.__setitem__(i, args[0].reshape(-1, args[0].shape[-1]).double())
+        )
+        for i in range(2)
+    ]
+    with torch.no_grad():
+        model(rows, use_cache=False)
+    for h in hooks:
+        h.remove()
+
+    def refuse(*_):
+        raise AssertionError("a statistic's pass ran the output projection")
+
+    head = model.get_output_embeddings().register_forward_pre_hook(refuse)
+    try:
+        grams, n_tokens = collect_gram(model, rows, batch_size=1)
+        collect_attention_gram(model, rows, batch_size=2)
+    finally:
+        head.remove()
+    assert n_tokens == 20
+    for i in range(2):
+        torch.testing.assert_close(grams[i], inputs[i].T @ inputs[i])
