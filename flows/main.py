@@ -19,9 +19,12 @@ def _interrupted_while_loading(signum, frame) -> None:
 def main() -> None:
     previous = signal.signal(signal.SIGINT, _interrupted_while_loading)
     try:
+        from lrkv_core.system.memory import limit_malloc_arenas
+
         from .cli import app
     finally:
         signal.signal(signal.SIGINT, previous)
+    limit_malloc_arenas()  # before the flows' task threads start (and inherited by the workers it starts)
     app()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import os
 import resource
 import sys
 import threading
@@ -168,7 +169,35 @@ def release_freed() -> None:
         libc.malloc_trim(0)
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
+# allocator arenas a process running flows keeps (glibc's default: eight per core, one for each thread that
+# meets a busy arena)
+MALLOC_ARENAS = 2
+ARENAS_ENV = "MALLOC_ARENA_MAX"
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Let the C library keep at most ``arenas`` allocator arenas in this process, and in the processes it
+    starts (``MALLOC_ARENA_MAX``, e.g. Dask workers); a limit the user set in ``MALLOC_ARENA_MAX`` is kept.
+
+    A flow runs each task in a worker thread of its own, and glibc gives a thread that finds the arenas busy
+    a new one, up to eight per core: each keeps memory its thread freed (a model, activations) that the
+    next task, in another thread, cannot reuse. With two arenas a SmolLM2 conversion's steps peaked about
+    0.15–0.2 GiB lower (docs/long-context.md: calibration memory). Call it early, before the threads that
+    run tasks start. False where the C library is not glibc, or the user's value is not a number (nothing
+    set)."""
+    if arenas < 1:
+        raise ValueError(f"malloc arenas must be ≥ 1, got {arenas}")
+    libc = _libc()
+    if libc is None:
+        return False
+    try:
+        wanted = int(os.environ.setdefault(ARENAS_ENV, str(arenas)))
+    except ValueError:  # the user's setting, not a number: glibc ignores it, and so does this
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, wanted))
+
+
 # while mapping: allocations above this many bytes get a mapping of their own (glibc's initial threshold)
 MAPPED_ABOVE = 128 * 1024
 # after: allocations up to this many bytes come from the heap again, and free memory above the heap's top

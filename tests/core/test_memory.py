@@ -1,6 +1,9 @@
 """Peak RSS per block. The measurements run in a fresh process each (tests.support.fresh): in a long test
 session the allocator may serve a large tensor from memory it kept, and then no RSS moves at all."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -145,3 +148,52 @@ def test_an_idle_block_reports_about_the_memory_it_started_with():
 def test_the_high_water_mark_never_falls_below_the_current_rss():
     assert memory.high_water_mark() >= memory.current_rss() > 0
     assert memory.gib(3 * 2**29) == "1.50 GiB"
+
+
+_ARENAS = """
+import ctypes, sys, threading
+from lrkv_core.system import memory
+if sys.argv[1] != "none":
+    assert memory.limit_malloc_arenas(int(sys.argv[1]))
+together = threading.Barrier(8)
+def work():  # every thread allocates while the others hold the arenas they allocated from
+    blocks = [ctypes.create_string_buffer(4096) for _ in range(64)]
+    together.wait()
+    del blocks
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+ctypes.CDLL("libc.so.6").malloc_stats()  # one "Arena N:" block per arena, on standard error
+"""
+
+
+def _arenas(limit: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k != memory.ARENAS_ENV}
+    run = subprocess.run([sys.executable, "-c", _ARENAS, limit], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return sum(line.startswith("Arena ") for line in run.stderr.splitlines())
+
+
+@pytest.mark.skipif(memory._libc() is None, reason="the C library is not glibc: nothing to limit")
+def test_a_process_that_limits_its_malloc_arenas_keeps_that_many_while_threads_allocate():
+    """Eight threads that allocate get arenas of their own (glibc: up to eight per core), but not once the
+    process has limited them; the limit reaches processes it starts, and a user's own setting is kept."""
+    assert _arenas("none") > 2
+    assert _arenas("2") <= 2
+    assert _arenas("1") == 1
+
+
+def test_a_user_setting_of_the_malloc_arenas_is_kept(monkeypatch):
+    monkeypatch.setenv(memory.ARENAS_ENV, "3")
+    memory.limit_malloc_arenas()
+    assert os.environ[memory.ARENAS_ENV] == "3"
+    monkeypatch.setenv(memory.ARENAS_ENV, "many")
+    assert memory.limit_malloc_arenas() is False
+    monkeypatch.delenv(memory.ARENAS_ENV)
+    if memory._libc() is not None:
+        assert memory.limit_malloc_arenas() is True
+        assert os.environ[memory.ARENAS_ENV] == str(memory.MALLOC_ARENAS)
+    with pytest.raises(ValueError, match="≥ 1"):
+        memory.limit_malloc_arenas(0)
