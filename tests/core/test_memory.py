@@ -179,13 +179,15 @@ def _arenas(limit: str) -> int:
 @pytest.mark.skipif(memory._libc() is None, reason="the C library is not glibc: nothing to limit")
 def test_a_process_that_limits_its_malloc_arenas_keeps_that_many_while_threads_allocate():
     """Eight threads that allocate get arenas of their own (glibc: up to eight per core), but not once the
-    process has limited them; the limit reaches processes it starts, and a user's own setting is kept."""
+    process has limited them."""
     assert _arenas("none") > 2
     assert _arenas("2") <= 2
     assert _arenas("1") == 1
 
 
 def test_a_user_setting_of_the_malloc_arenas_is_kept(monkeypatch):
+    """The limit goes into the environment the processes it starts inherit, unless the user set one there
+    (a value that is not a number is left alone too); fewer than one arena is refused."""
     monkeypatch.setenv(memory.ARENAS_ENV, "3")
     memory.limit_malloc_arenas()
     assert os.environ[memory.ARENAS_ENV] == "3"
