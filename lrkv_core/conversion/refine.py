@@ -24,17 +24,23 @@ Both are latent prefix sums of :class:`LatentProducts`, so one forward and two b
 (group, rank). The new plan minimises the summed prices within the budget and no narrower than P (the exact
 knapsack), each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower (on
 the same rows, or with ``accept_rows`` on the calibration rows after them, which the step was not priced
-on), otherwise the radius halves. Cost per step: two forward and two backward passes over the rows (one
-forward for the prices, one for the measured J); the KL also needs the original's predictions, whose hidden
-states are computed once per row and kept (:class:`OriginalHidden`, up to a memory budget). J is that of
-the cut weights: a quantized latent cache adds its rounding on top, which the refinement does not see.
+on), otherwise the radius halves and the step is solved again on the same prices (a trust region).
+
+The pass that prices a plan measures its J on the way (the loss of its first backward pass is J, up to the
+original's entropy for the KL, which the pass adds up too). So on the pricing rows a candidate plan is
+measured by the pass that prices the step after it: kept, those are the next step's prices; rejected, they
+are dropped. Cost per step: one forward and two backward passes over the rows (the last step's candidate: a
+forward pass alone); with ``accept_rows``, a forward pass over those rows besides. The KL also needs the
+original's predictions, whose hidden states are computed once per row and kept (:class:`OriginalHidden`, up
+to a memory budget). J is that of the cut weights: a quantized latent cache adds its rounding on top, which
+the refinement does not see.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -47,9 +53,10 @@ from ..allocation.problem import KINDS, RankProblem, Ranks
 from ..model.adapters import get_adapter
 from ..registry import Section
 from ..statistics.gradients import (
+    Draw,
+    Targets,
     last_hidden,
     next_token_log_probs,
-    predicted_probabilities,
     row_seed,
     row_seeded_targets,
     shared_gradient_passes,
@@ -271,6 +278,52 @@ def step_costs(
     original (``objective="kl"``; its hidden states from ``original`` where it holds these rows) or the
     rows' own next-token loss (``"nll"``). ``seed`` seeds the curvature pass's draws, per row
     (:func:`~lrkv_core.statistics.gradients.row_seeded_targets`)."""
+    return priced_step(
+        model, weights, ranks, rows, batch_size=batch_size, seed=seed, objective=objective, original=original
+    )[0]
+
+
+def measuring_targets(
+    total: list[float], log_probs: Iterator[tuple[int, torch.Tensor]] | None = None
+) -> Targets:
+    """The gradient pass's targets for one micro-batch that add the objective of its rows to ``total[0]``
+    as the loss reaches each chunk: with ``log_probs`` (the original's next-token log-probabilities,
+    :func:`~lrkv_core.statistics.gradients.next_token_log_probs` of its hidden states) their probabilities,
+    adding ``Σ p (log p − log q)`` (the KL's sum); without, the rows' own next tokens, adding ``−Σ log q``
+    (the NLL's sum). The sums :func:`measured_kl` and :func:`measured_nll` take, chunk by chunk."""
+
+    def for_batch(batch: torch.Tensor) -> Draw:
+        def draw(logits: torch.Tensor, start: int) -> torch.Tensor:
+            q = torch.log_softmax(logits, dim=-1)
+            if log_probs is None:
+                wanted = batch[:, start + 1 : start + 1 + logits.shape[1]].to(q.device)
+                total[0] -= float(q.gather(-1, wanted[..., None]).sum())
+                return wanted
+            at, p = next(log_probs)
+            if at != start or p.shape[1] != logits.shape[1]:
+                raise RuntimeError(f"the original's chunk at {at} does not match the loss's at {start}")
+            total[0] += float((p.exp() * (p - q)).sum())
+            return p.exp()
+
+        return draw
+
+    return for_batch
+
+
+def priced_step(
+    model: nn.Module,
+    weights: PlanWeights,
+    ranks: Ranks,
+    rows: torch.Tensor,
+    *,
+    batch_size: int,
+    seed: int,
+    objective: str = "kl",
+    original: OriginalHidden | None = None,
+) -> tuple[dict[Key, torch.Tensor], float]:
+    """:func:`step_costs`, and J of ``ranks`` on ``rows`` measured by the same pass (what
+    :func:`measured_kl` or :func:`measured_nll` gives, up to the order of float sums): one forward and two
+    backward passes price a plan and measure it."""
     _check(objective)
     lin = {key: torch.zeros(len(g), g[0].max_rank, dtype=torch.float64) for key, g in weights.factors.items()}
     quad = {
@@ -289,10 +342,14 @@ def step_costs(
             quad[(layer, kind)][j] += (prefix - prefix[:, r : r + 1]).square().sum(0)
 
     curvature = row_seeded_targets(seed)  # counts the rows it has drawn for, across the batches below
+    total = [0.0]  # J's sum over the rows' scored positions
     if objective == "nll":  # the rows' own next tokens
         weights.cut(ranks)
         n, _ = shared_gradient_passes(
-            model, rows, [(visit_gradient, None), (visit_curvature, curvature)], batch_size=batch_size
+            model,
+            rows,
+            [(visit_gradient, measuring_targets(total)), (visit_curvature, curvature)],
+            batch_size=batch_size,
         )
     else:
         states = _original(model, weights, rows, batch_size, original)
@@ -301,11 +358,9 @@ def step_costs(
             batch = rows[start : start + batch_size]
             kept = states(start)
             weights.cut(ranks)
+            targets = measuring_targets(total, next_token_log_probs(model, kept))  # the original's
             seen, _ = shared_gradient_passes(
-                model,
-                batch,
-                [(visit_gradient, predicted_probabilities(model, kept)), (visit_curvature, curvature)],
-                batch_size=batch_size,
+                model, batch, [(visit_gradient, targets), (visit_curvature, curvature)], batch_size=batch_size
             )
             n += seen
     scale = (rows.shape[1] - 1) / (2 * n)
@@ -317,7 +372,7 @@ def step_costs(
         )
         at = torch.tensor(ranks[kind][layer])[:, None]
         costs[key] = prefix - prefix.gather(1, at) + scale * quad[key]
-    return costs
+    return costs, total[0] / (n * (rows.shape[1] - 1))
 
 
 def refine_plan(
@@ -331,6 +386,7 @@ def refine_plan(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     original_bytes: int = ORIGINAL_BYTES,
+    measure_while_pricing: bool = True,
 ) -> RankPlan:
     """The plan after up to ``config.steps`` accepted-or-rejected Gauss–Newton steps on the measured
     ``config.objective`` (``nll`` or ``kl``), priced on the first ``config.rows`` of ``rows`` (N, T) (see the
@@ -338,7 +394,10 @@ def refine_plan(
     left as it was. Its details gain ``refine``: the objective, and its measured value on the accepting rows
     before and after each step (under its name) and whether it was kept. Never above the plan's budget, never
     a higher measured objective on the accepting rows than the plan's. The KL objective keeps the original's
-    hidden states of up to ``original_bytes`` (:class:`OriginalHidden`): the same plan, fewer forwards."""
+    hidden states of up to ``original_bytes`` (:class:`OriginalHidden`): the same plan, fewer forwards.
+    ``measure_while_pricing`` (without ``accept_rows``): each candidate is measured by the pass that prices
+    the next step (the module doc); off, by a forward pass of its own and every step priced afresh (a step
+    after a rejection then draws its curvature anew): the same plan where every step is kept."""
     config = RefineConfig.create(config)
     if config.steps is None:
         raise ValueError("refine needs a number of steps (the conversion resolves the allocator's default)")
@@ -366,20 +425,30 @@ def refine_plan(
     )
     if objective != "kl":
         priced.budget = accepting.budget = 0  # the loss of the rows' own tokens never reads the original
+    shared = measure_while_pricing and accept is rows
+
+    def price(plan_ranks: Ranks, step: int) -> tuple[dict[Key, torch.Tensor], float]:
+        return priced_step(
+            model,
+            weights,
+            plan_ranks,
+            rows,
+            batch_size=batch_size,
+            seed=row_seed(seed, step),
+            objective=objective,
+            original=priced,
+        )
+
     try:
-        value = measure(model, weights, ranks, accept, batch_size, accepting)
+        costs: dict[Key, torch.Tensor] | None = None  # the prices of the current plan, where known
+        if shared:
+            costs, value = price(ranks, 0)
+        else:
+            value = measure(model, weights, ranks, accept, batch_size, accepting)
         history = [{objective: value}]
         for step in range(steps):
-            costs = step_costs(
-                model,
-                weights,
-                ranks,
-                rows,
-                batch_size=batch_size,
-                seed=row_seed(seed, step),
-                objective=objective,
-                original=priced,
-            )
+            if costs is None:
+                costs, _ = price(ranks, step)
             current = _flat(problem, ranks)
             bounded = []
             for spec, r in zip(problem.groups, current):
@@ -391,17 +460,22 @@ def refine_plan(
             if moved == 0:  # no move is estimated to help: a smaller radius offers none either
                 break
             candidate = problem.nest(flat)
-            new_value = measure(model, weights, candidate, accept, batch_size, accepting)
+            next_costs = None  # the candidate's prices: the next step's if it is kept
+            if shared and step + 1 < steps:
+                next_costs, new_value = price(candidate, step + 1)
+            else:
+                new_value = measure(model, weights, candidate, accept, batch_size, accepting)
             kept = new_value < value
             history.append(
                 {objective: new_value, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
             )
             if kept:
-                ranks, value = candidate, new_value
+                ranks, value, costs = candidate, new_value, next_costs
             elif radius == 1:
                 break
             else:
-                radius //= 2
+                radius //= 2  # shared: solved again on the current plan's prices; else priced afresh
+                costs = costs if shared else None
             if progress:
                 progress(step + 1, steps)
     finally:

@@ -287,3 +287,78 @@ def test_kept_original_states_give_the_same_plan_with_one_original_forward_per_b
     batches = [2, 1] if accept_rows else [2]  # micro-batches of 4: the 8 pricing rows (and 4 accepting)
     assert once == batches  # each computed once, at its first use
     assert all(r >= 2 * b for r, b in zip(recomputed, batches))  # the first value and a step's, at least
+
+
+@pytest.mark.parametrize("objective", ["kl", "nll"])
+def test_the_pass_that_prices_a_plan_measures_it(shakespeare, objective) -> None:
+    """The objective added up by the pricing pass's loss is the one a forward pass of its own measures, and
+    the prices are those :func:`step_costs` gives."""
+    from lrkv_core.conversion.refine import priced_step
+
+    model, rows, conv = shakespeare
+    measure = {"kl": measured_kl, "nll": measured_nll}[objective]
+    weights = PlanWeights(model, conv.factors)
+    try:
+        costs, value = priced_step(
+            model, weights, conv.plan.ranks, rows[:6], batch_size=4, seed=3, objective=objective
+        )
+        assert value == pytest.approx(measure(model, weights, conv.plan.ranks, rows[:6], 4), rel=1e-6)
+        assert value > 0
+        alone = step_costs(
+            model, weights, conv.plan.ranks, rows[:6], batch_size=4, seed=3, objective=objective
+        )
+        assert all(torch.equal(alone[key], costs[key]) for key in costs)
+    finally:
+        weights.restore()
+
+
+def _refined_with_forwards(model, conv, rows, config) -> dict[bool, tuple]:
+    """Each way of measuring candidates: (the refined plan, forwards of the decoder stack run)."""
+    forwards = [0]
+    hook = model.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    runs = {}
+    try:
+        for shared in (False, True):
+            forwards[0] = 0
+            plan = refine_plan(
+                model, conv.factors, conv.plan, rows, config, batch_size=4, measure_while_pricing=shared
+            )
+            runs[shared] = (plan, forwards[0])
+    finally:
+        hook.remove()
+    return runs
+
+
+@pytest.mark.parametrize("objective", ["kl", "nll"])
+def test_candidates_measured_while_pricing_give_the_same_plan_in_fewer_forwards(
+    shakespeare, objective
+) -> None:
+    """Where every step is kept, measuring each candidate in the pass that prices the next step gives the plan
+    and measured values that a forward pass of their own gives, in fewer decoder-stack forwards: two steps on
+    four micro-batches take 3 passes each (the start and the first candidate, priced and measured; the last
+    measured) instead of 5 (the start, then each step priced and its candidate measured)."""
+    model, rows, conv = shakespeare
+    runs = _refined_with_forwards(model, conv, rows[:16], {"steps": 2, "objective": objective, "rows": 16})
+    (alone, n_alone), (shared, n_shared) = runs[False], runs[True]
+    steps = alone.details["refine"]["steps"]
+    assert len(steps) == 3 and all(s["kept"] for s in steps[1:])  # the premise: every step kept
+    assert shared.ranks == alone.ranks and shared.ranks != conv.plan.ranks
+    for a, s in zip(steps, shared.details["refine"]["steps"], strict=True):
+        assert s[objective] == pytest.approx(a[objective], rel=1e-6)
+        assert {k: v for k, v in s.items() if k != objective} == {
+            k: v for k, v in a.items() if k != objective
+        }
+    original = 4 if objective == "kl" else 0  # the original's hidden states, kept: once per micro-batch
+    assert (n_alone, n_shared) == (4 * 5 + original, 4 * 3 + original)
+
+
+def test_a_step_after_a_rejection_is_solved_again_on_the_same_prices(shakespeare) -> None:
+    """The nll's second step from uniform's plan on these rows is rejected: measured while pricing, the third
+    step halves the radius on the prices it already has (no pass); each candidate priced and measured alone,
+    it prices the plan again (7 passes per micro-batch instead of 4)."""
+    model, rows, conv = shakespeare
+    runs = _refined_with_forwards(model, conv, rows[:8], {"steps": 3, "objective": "nll", "rows": 8})
+    for plan, _ in runs.values():
+        steps = plan.details["refine"]["steps"]
+        assert [s.get("kept") for s in steps[1:3]] == [True, False] and steps[3]["radius"] == 2
+    assert (runs[False][1], runs[True][1]) == (2 * 7, 2 * 4)
