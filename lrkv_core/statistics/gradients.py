@@ -90,18 +90,6 @@ def given_probabilities(probs: torch.Tensor) -> Targets:
     return lambda _rows: lambda logits, start: probs[:, start : start + logits.shape[1]]
 
 
-def predicted_probabilities(model: nn.Module, hidden: torch.Tensor) -> Targets:
-    """Targets that are ``model``'s predictions from its last hidden states ``hidden`` (B, T, d) of one
-    micro-batch (e.g. the original model's, taken before its weights were cut): each chunk's distributions
-    are computed when the loss reaches it, so the whole row's never exist at once."""
-    head = _logits_of(model)
-
-    def draw(logits: torch.Tensor, start: int) -> torch.Tensor:
-        return torch.softmax(head(hidden[:, start : start + logits.shape[1]]), dim=-1)
-
-    return lambda _rows: draw
-
-
 def last_hidden(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """The decoder stack's output (B, T, d) for ``batch`` (B, T), before the output projection."""
     return get_adapter(model.config).base_model(model)(input_ids=batch, use_cache=False)[0]

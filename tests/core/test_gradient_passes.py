@@ -13,7 +13,6 @@ from lrkv_core.statistics.gradients import (
     kv_gradient_passes,
     last_hidden,
     next_token_log_probs,
-    predicted_probabilities,
     row_seeded_targets,
     shared_gradient_passes,
 )
@@ -174,22 +173,31 @@ def test_chunked_log_probabilities_are_the_models_own(make_tiny, monkeypatch, on
     torch.testing.assert_close(torch.cat([q for _, q in chunks], dim=1), want, rtol=1e-5, atol=1e-5)
 
 
-def test_predicted_targets_are_the_given_models_probabilities(make_tiny, monkeypatch, one_thread):
-    """Targets computed from another model's last hidden states, chunk by chunk, give the gradients of the
-    cross-entropy against that model's whole-row probabilities."""
+def test_measuring_targets_are_the_original_models_probabilities_and_add_up_the_kl(
+    make_tiny, monkeypatch, one_thread
+):
+    """The refinement's KL targets, computed from another model's last hidden states chunk by chunk, give the
+    gradients of the cross-entropy against that model's whole-row probabilities, and add up the KL from
+    those to this model's predictions."""
+    from lrkv_core.conversion.refine import measuring_targets
+
     model, other = make_tiny("llama"), make_tiny("llama")
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
     rows = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        probs = torch.softmax(other(input_ids=rows, use_cache=False).logits[:, :-1].float(), dim=-1)
+        log_p = torch.log_softmax(other(input_ids=rows, use_cache=False).logits[:, :-1].float(), dim=-1)
+        log_q = torch.log_softmax(model(input_ids=rows, use_cache=False).logits[:, :-1].float(), dim=-1)
         hidden = last_hidden(other, rows)
     monkeypatch.setattr(gradients, "LOSS_CHUNK", 7)
-    want = _passes(model, rows, 1, given_probabilities(probs))
-    got = _passes(model, rows, 1, predicted_probabilities(other, hidden))
+    want = _passes(model, rows, 1, given_probabilities(log_p.exp()))
+    total = [0.0]
+    got = _passes(model, rows, 1, measuring_targets(total, next_token_log_probs(other, hidden)))
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6)
+    kl = float((log_p.exp() * (log_p - log_q)).sum())
+    assert kl > 0 and total[0] == pytest.approx(kl, rel=1e-4)
 
 
 def _long_row_peaks() -> None:
