@@ -262,27 +262,6 @@ def measured_kl(
     return total / n
 
 
-def step_costs(
-    model: nn.Module,
-    weights: PlanWeights,
-    ranks: Ranks,
-    rows: torch.Tensor,
-    *,
-    batch_size: int,
-    seed: int,
-    objective: str = "kl",
-    original: OriginalHidden | None = None,
-) -> dict[Key, torch.Tensor]:
-    """Per (layer, kind): (G, m + 1) float64, the estimated change of J when that group alone goes from its
-    rank in ``ranks`` to each rank r (0 at its own rank), every other group staying cut. J is the KL to the
-    original (``objective="kl"``; its hidden states from ``original`` where it holds these rows) or the
-    rows' own next-token loss (``"nll"``). ``seed`` seeds the curvature pass's draws, per row
-    (:func:`~lrkv_core.statistics.gradients.row_seeded_targets`)."""
-    return priced_step(
-        model, weights, ranks, rows, batch_size=batch_size, seed=seed, objective=objective, original=original
-    )[0]
-
-
 def measuring_targets(
     total: list[float], log_probs: Iterator[tuple[int, torch.Tensor]] | None = None
 ) -> Targets:
@@ -310,7 +289,7 @@ def measuring_targets(
     return for_batch
 
 
-def priced_step(
+def step_costs(
     model: nn.Module,
     weights: PlanWeights,
     ranks: Ranks,
@@ -321,9 +300,14 @@ def priced_step(
     objective: str = "kl",
     original: OriginalHidden | None = None,
 ) -> tuple[dict[Key, torch.Tensor], float]:
-    """:func:`step_costs`, and J of ``ranks`` on ``rows`` measured by the same pass (what
-    :func:`measured_kl` or :func:`measured_nll` gives, up to the order of float sums): one forward and two
-    backward passes price a plan and measure it."""
+    """The prices of a step from ``ranks``, and J of ``ranks`` on ``rows``, from one forward and two
+    backward passes. Prices: per (layer, kind), (G, m + 1) float64, the estimated change of J when that group
+    alone goes from its rank in ``ranks`` to each rank r (0 at its own rank), every other group staying cut.
+    J is the KL to the original (``objective="kl"``; its hidden states from ``original`` where it holds these
+    rows) or the rows' own next-token loss (``"nll"``), as :func:`measured_kl` or :func:`measured_nll` gives
+    it (up to the order of float sums), added up by the first backward pass's targets
+    (:func:`measuring_targets`). ``seed`` seeds the curvature pass's draws, per row
+    (:func:`~lrkv_core.statistics.gradients.row_seeded_targets`)."""
     _check(objective)
     lin = {key: torch.zeros(len(g), g[0].max_rank, dtype=torch.float64) for key, g in weights.factors.items()}
     quad = {
@@ -428,7 +412,7 @@ def refine_plan(
     shared = measure_while_pricing and accept is rows
 
     def price(plan_ranks: Ranks, step: int) -> tuple[dict[Key, torch.Tensor], float]:
-        return priced_step(
+        return step_costs(
             model,
             weights,
             plan_ranks,
