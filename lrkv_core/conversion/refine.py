@@ -278,11 +278,12 @@ def measuring_targets(
                 wanted = batch[:, start + 1 : start + 1 + logits.shape[1]].to(q.device)
                 total[0] -= float(q.gather(-1, wanted[..., None]).sum())
                 return wanted
-            at, p = next(log_probs)
-            if at != start or p.shape[1] != logits.shape[1]:
+            at, log_p = next(log_probs)
+            if at != start or log_p.shape[1] != logits.shape[1]:
                 raise RuntimeError(f"the original's chunk at {at} does not match the loss's at {start}")
-            total[0] += float((p.exp() * (p - q)).sum())
-            return p.exp()
+            p = log_p.exp()
+            total[0] += float((p * (log_p - q)).sum())
+            return p
 
         return draw
 
@@ -458,8 +459,9 @@ def refine_plan(
             elif radius == 1:
                 break
             else:
-                radius //= 2  # shared: solved again on the current plan's prices; else priced afresh
-                costs = costs if shared else None
+                radius //= 2  # shared: solved again on the current plan's prices
+                if not shared:
+                    costs = None  # priced afresh at the next step
             if progress:
                 progress(step + 1, steps)
     finally:
