@@ -34,7 +34,7 @@ from ..model.adapters import get_adapter
 from ..model.attention_rotated import rotated_key_inputs
 from ..model.fuse import compress_model
 from ..model.io import model_card, save_compressed
-from ..model.loading import load_model, load_tokenizer, read_tensors
+from ..model.loading import load_model, load_tokenizer, read_tensors, share_equal_weights
 from ..statistics import (
     STATISTICS,
     LayerValue,
@@ -377,6 +377,7 @@ def evaluate_dir(
     out = {"prefill": prefill, "decode": decode, "kv": kv}
     if base_dir is not None:
         base, _ = load_model(base_dir, dtype=dtype, device=device)
+        share_equal_weights(model, base)  # both held at once: the tensors they have in common, once
         out["kl"] = metrics.kl_and_agreement(base, model, windows, batch_size=batch_size, progress=progress)
     for result in out.values():
         result["protocol"]["dataset"] = dataset
@@ -412,7 +413,10 @@ def evaluate_long_dir(
     if isinstance(spec, str):
         spec = HfQuantizedCacheSpec.parse(spec)
     factory = None if spec is None else functools.partial(spec.make, model.config)
-    base = None if base_dir is None else load_model(base_dir, dtype=dtype, device=device)[0]
+    base = None
+    if base_dir is not None:
+        base = load_model(base_dir, dtype=dtype, device=device)[0]
+        share_equal_weights(model, base)
     used = storage.to_dict() if storage is not None else (spec.to_dict() if spec is not None else None)
     protocol = replace(protocol, dataset=dataset, cache=used)
     seqs = token_sequences(dataset, tokenizer)

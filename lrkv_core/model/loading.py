@@ -51,6 +51,25 @@ def parse_device(device: str | torch.device, *, here: bool = True) -> torch.devi
     return parsed
 
 
+def share_equal_weights(model: nn.Module, base: nn.Module) -> int:
+    """Make ``model`` use ``base``'s tensor for every parameter and buffer of the same name that is equal to
+    it (same shape, dtype, device and values), so that the two held side by side take little more memory than
+    one: a compressed model differs from its original in its attention projections only. Nothing either
+    model computes changes. Returns the bytes ``model`` no longer holds of its own."""
+    theirs = dict(base.named_parameters(remove_duplicate=False)) | dict(base.named_buffers())
+    freed, seen = 0, set()
+    for name, mine in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        other = theirs.get(name)
+        if id(mine) in seen or other is None or other.data_ptr() == mine.data_ptr():
+            continue
+        same_kind = (other.shape, other.dtype, other.device) == (mine.shape, mine.dtype, mine.device)
+        if same_kind and torch.equal(other, mine):
+            seen.add(id(mine))  # a tied tensor (the output projection and the embeddings) is shared once
+            freed += mine.numel() * mine.element_size()
+            mine.data = other.data
+    return freed
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
     """Content hash of the files that decide a model's behaviour (config, weights, tokenizer)."""
     return hash_dir(model_dir)

@@ -201,3 +201,33 @@ def test_shakespeare_decode_equals_prefill(shakespeare) -> None:
     dec = decode_perplexity(model, few, prefix_len=48)
     pre = prefill_perplexity(model, few, score_from=48)
     assert abs(dec["nll"] - pre["nll"]) < 1e-5 and dec["tokens"] == 3 * 48
+
+
+def test_a_compressed_model_shares_the_tensors_it_has_in_common_with_its_original(compress) -> None:
+    from lrkv_core.model.loading import share_equal_weights
+
+    base = _tiny_llama(tie_word_embeddings=True)
+    comp, _ = compress(base, group_size=1, ratio=0.5)
+    with torch.no_grad():
+        comp.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0  # one tensor that differs stays its own
+    ids = _windows(2, 12)
+    with torch.no_grad():
+        before = comp(ids).logits
+    theirs = dict(base.named_parameters(remove_duplicate=False)) | dict(base.named_buffers())
+    equal = {
+        n: p.numel() * p.element_size()
+        for n, p in [*comp.named_parameters(), *comp.named_buffers()]  # a tied tensor counts once
+        if n in theirs and p.shape == theirs[n].shape and torch.equal(p, theirs[n])
+    }
+    freed = share_equal_weights(comp, base)
+    mine = dict(comp.named_parameters(remove_duplicate=False))
+    shared = {n for n, p in mine.items() if n in theirs and p.data_ptr() == theirs[n].data_ptr()}
+    assert shared == {n for n in mine if n in equal or n == "lm_head.weight"}
+    assert all(b.data_ptr() == theirs[n].data_ptr() for n, b in comp.named_buffers() if n in equal)
+    assert "model.layers.0.mlp.down_proj.weight" in shared and "model.embed_tokens.weight" in shared
+    assert "model.layers.1.mlp.up_proj.weight" not in shared
+    assert not any(p in n for n in shared for p in ("k_proj", "v_proj", "o_proj"))  # what compression changed
+    assert freed == sum(equal.values()) > 0
+    with torch.no_grad():
+        assert torch.equal(comp(ids).logits, before)
+    assert share_equal_weights(comp, base) == 0  # a second call finds nothing left to share
