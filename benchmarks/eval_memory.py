@@ -1,11 +1,14 @@
-"""The resident memory the evaluation's prefill perplexity and KL to the original hold, by logits budget.
+"""The resident memory the evaluation's prefill perplexity and KL to the original hold, by logits budget and
+with or without the tensors the two models have in common held once.
 
-Each budget runs in a fresh process (one budget's freed memory does not count for the next): the original
-and a compressed model loaded, then :func:`lrkv_core.evaluation.metrics.prefill_perplexity` of the
-compressed model and :func:`~lrkv_core.evaluation.metrics.kl_and_agreement` against the original on
-``--windows`` held-out windows, batches of 8, with ``LOGITS_BYTES`` set to each budget (a budget above a
-batch's logits scores the whole batch in one pass). Printed: the RSS with both models loaded, each call's
-peak RSS, and its result (the same for every budget).
+Each setting runs in a fresh process (one setting's freed memory does not count for the next), in the order
+:func:`lrkv_core.conversion.pipeline.evaluate_dir` takes: the compressed model loaded and
+:func:`lrkv_core.evaluation.metrics.prefill_perplexity` of it on ``--windows`` held-out windows (batches of
+8), then the original loaded (with ``shared``, :func:`lrkv_core.model.loading.share_equal_weights`, as the
+evaluation does) and :func:`~lrkv_core.evaluation.metrics.kl_and_agreement` against it, with
+``LOGITS_BYTES`` set to each budget (a budget above a batch's logits scores the whole batch in one pass).
+Printed: the RSS with the compressed model loaded, each call's peak RSS, and its result (the same for every
+setting).
 
     python benchmarks/eval_memory.py --compressed smol-256 --budgets 64GiB,64MiB
 """
@@ -22,23 +25,25 @@ from pathlib import Path
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
-def measure(base_dir: str, compressed_dir: str, text: str, windows: int, budget: int) -> dict:
+def measure(base_dir: str, compressed_dir: str, text: str, windows: int, budget: int, share: bool) -> dict:
     import torch
 
     from lrkv_core.data.datasets import eval_windows
     from lrkv_core.evaluation import metrics
-    from lrkv_core.model.loading import load_model
+    from lrkv_core.model.loading import load_model, share_equal_weights
     from lrkv_core.system.memory import current_rss, peak_rss
 
     torch.set_num_threads(1)
     metrics.LOGITS_BYTES = budget
-    base, tok = load_model(base_dir)
-    comp, _ = load_model(compressed_dir)
+    comp, tok = load_model(compressed_dir)
     ids = eval_windows(text, tok, seq_len=256, max_windows=windows)
     loaded = current_rss()
     with peak_rss() as prefill:
         ppl = metrics.prefill_perplexity(comp, ids)["ppl"]
     with peak_rss() as kl:
+        base, _ = load_model(base_dir)
+        if share:
+            share_equal_weights(comp, base)
         res = metrics.kl_and_agreement(base, comp, ids)
     return {
         "loaded": loaded / 2**30,
@@ -63,27 +68,32 @@ def main() -> None:
     p.add_argument("--text", default=f"text:{default_text}[80%:90%]", help="evaluation data (a dataset spec)")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--budgets", default="64GiB,64MiB", help="comma list of LOGITS_BYTES (e.g. 64MiB)")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # a budget: measure in this process, print JSON
+    p.add_argument("--one", help=argparse.SUPPRESS)  # BUDGET,SHARE: measure in this process, print JSON
     args = p.parse_args()
     if args.one:
-        print(json.dumps(measure(args.model, args.compressed, args.text, args.windows, int(args.one))))
+        budget, share = args.one.split(",")
+        print(
+            json.dumps(
+                measure(args.model, args.compressed, args.text, args.windows, int(budget), share == "1")
+            )
+        )
         return
     print(
-        "| logits budget | both models loaded, GiB | prefill PPL peak | KL peak | PPL, KL, top-1 agreement |"
+        "| logits budget | tensors in common | compressed loaded | prefill peak | KL peak | PPL, KL, top-1 |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for budget in args.budgets.split(","):
-        out = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--one", str(parse_bytes(budget))],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        r = json.loads(out.strip().splitlines()[-1])
-        print(
-            f"| {budget} | {r['loaded']:.2f} | {r['prefill']:.2f} | {r['kl']:.2f} | {r['result']} |",
-            flush=True,
-        )
+        for share in (0, 1):
+            out = subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--one", f"{parse_bytes(budget)},{share}"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            held = "held once" if share else "held twice"
+            peaks = f"{r['loaded']:.2f} | {r['prefill']:.2f} | {r['kl']:.2f}"
+            print(f"| {budget} | {held} | {peaks} | {r['result']} |", flush=True)
 
 
 if __name__ == "__main__":
