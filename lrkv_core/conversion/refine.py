@@ -218,10 +218,11 @@ def measured_nll(
     rows: torch.Tensor,
     batch_size: int,
     original: OriginalHidden | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> float:
     """Mean per-token negative log-likelihood of ``rows``' own next tokens, the model cut to ranks, nats
     (the full-vocabulary log-probabilities of a few hundred positions at a time). ``original`` is not read
-    (the signature of every objective)."""
+    (the signature of every objective). ``progress(rows done, rows)`` after each micro-batch."""
     total, n = 0.0, 0
     device = next(model.parameters()).device
     weights.cut(ranks)
@@ -231,6 +232,8 @@ def measured_nll(
             for at, q in next_token_log_probs(model, last_hidden(model, batch)):
                 total -= float(q.gather(-1, batch[:, at + 1 : at + 1 + q.shape[1], None]).sum())
             n += batch.shape[0] * (batch.shape[1] - 1)
+            if progress:
+                progress(start + batch.shape[0], rows.shape[0])
     return total / n
 
 
@@ -241,10 +244,11 @@ def measured_kl(
     rows: torch.Tensor,
     batch_size: int,
     original: OriginalHidden | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> float:
     """Mean per-token ``KL(original ‖ cut to ranks)`` over ``rows`` (N, T), nats (each model's last hidden
     states, the original's from ``original`` where it holds these rows, then both distributions a few
-    hundred positions at a time)."""
+    hundred positions at a time). ``progress(rows done, rows)`` after each micro-batch."""
     total, n = 0.0, 0
     device = next(model.parameters()).device
     states = _original(model, weights, rows, batch_size, original)
@@ -259,6 +263,8 @@ def measured_kl(
             ):
                 total += float((p.exp() * (p - q)).sum())
             n += batch.shape[0] * (batch.shape[1] - 1)
+            if progress:
+                progress(start + batch.shape[0], rows.shape[0])
     return total / n
 
 
@@ -300,6 +306,7 @@ def step_costs(
     seed: int,
     objective: str = "kl",
     original: OriginalHidden | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[Key, torch.Tensor], float]:
     """The prices of a step from ``ranks``, and J of ``ranks`` on ``rows``, from one forward and two
     backward passes. Prices: per (layer, kind), (G, m + 1) float64, the estimated change of J when that group
@@ -308,7 +315,8 @@ def step_costs(
     rows) or the rows' own next-token loss (``"nll"``), as :func:`measured_kl` or :func:`measured_nll` gives
     it (up to the order of float sums), added up by the first backward pass's targets
     (:func:`measuring_targets`). ``seed`` seeds the curvature pass's draws, per row
-    (:func:`~lrkv_core.statistics.gradients.row_seeded_targets`)."""
+    (:func:`~lrkv_core.statistics.gradients.row_seeded_targets`). ``progress(rows done, rows)`` after each
+    micro-batch."""
     _check(objective)
     lin = {key: torch.zeros(len(g), g[0].max_rank, dtype=torch.float64) for key, g in weights.factors.items()}
     quad = {
@@ -335,6 +343,7 @@ def step_costs(
             rows,
             [(visit_gradient, measuring_targets(total)), (visit_curvature, curvature)],
             batch_size=batch_size,
+            progress=progress,
         )
     else:
         states = _original(model, weights, rows, batch_size, original)
@@ -348,6 +357,8 @@ def step_costs(
                 model, batch, [(visit_gradient, targets), (visit_curvature, curvature)], batch_size=batch_size
             )
             n += seen
+            if progress:
+                progress(start + batch.shape[0], rows.shape[0])
     scale = (rows.shape[1] - 1) / (2 * n)
     costs = {}
     for key, groups in weights.factors.items():
@@ -382,7 +393,9 @@ def refine_plan(
     hidden states of up to ``original_bytes`` (:class:`OriginalHidden`): the same plan, fewer forwards.
     ``measure_while_pricing`` (without ``accept_rows``): each candidate is measured by the pass that prices
     the next step (the module doc); off, by a forward pass of its own and every step priced afresh (a step
-    after a rejection then draws its curvature anew): the same plan where every step is kept."""
+    after a rejection then draws its curvature anew): the same plan where every step is kept.
+    ``progress(rows done, rows planned)`` after each micro-batch of every pass, over the rows of the passes
+    all ``config.steps`` would make (fewer when a step stops the search early)."""
     config = RefineConfig.create(config)
     if config.steps is None:
         raise ValueError("refine needs a number of steps (the conversion resolves the allocator's default)")
@@ -411,6 +424,21 @@ def refine_plan(
     if objective != "kl":
         priced.budget = accepting.budget = 0  # the loss of the rows' own tokens never reads the original
     shared = measure_while_pricing and accept is rows
+    # progress counts the rows of every pass a run of all the steps makes: one pricing pass each and a
+    # measuring one each, the start's included (shared: one pass each, the start's pricing included)
+    planned = (steps + 1) * len(rows) if shared else steps * len(rows) + (steps + 1) * len(accept)
+    done = [0]
+
+    def rows_done() -> Callable[[int, int], None] | None:  # for the pass that starts now
+        if progress is None:
+            return None
+        before = done[0]
+
+        def report(rows_of_pass: int, _: int) -> None:
+            done[0] = before + rows_of_pass
+            progress(min(done[0], planned), planned)
+
+        return report
 
     def price(plan_ranks: Ranks, step: int) -> tuple[dict[Key, torch.Tensor], float]:
         return step_costs(
@@ -422,6 +450,7 @@ def refine_plan(
             seed=row_seed(seed, step),
             objective=objective,
             original=priced,
+            progress=rows_done(),
         )
 
     try:
@@ -429,7 +458,7 @@ def refine_plan(
         if shared:
             costs, value = price(ranks, 0)
         else:
-            value = measure(model, weights, ranks, accept, batch_size, accepting)
+            value = measure(model, weights, ranks, accept, batch_size, accepting, rows_done())
         history = [{objective: value}]
         for step in range(steps):
             if costs is None:
@@ -449,7 +478,7 @@ def refine_plan(
             if shared and step + 1 < steps:
                 next_costs, new_value = price(candidate, step + 1)
             else:
-                new_value = measure(model, weights, candidate, accept, batch_size, accepting)
+                new_value = measure(model, weights, candidate, accept, batch_size, accepting, rows_done())
             kept = new_value < value
             history.append(
                 {objective: new_value, "estimate": estimate, "radius": radius, "moved": moved, "kept": kept}
@@ -462,8 +491,6 @@ def refine_plan(
                 radius //= 2  # shared: solved again on the current plan's prices
                 if not shared:
                     costs = None  # priced afresh at the next step
-            if progress:
-                progress(step + 1, steps)
     finally:
         weights.restore()
     record = {

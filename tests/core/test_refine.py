@@ -306,17 +306,25 @@ def test_the_pass_that_prices_a_plan_measures_it(shakespeare, objective) -> None
 
 
 def _refined_with_forwards(model, conv, rows, config) -> dict[bool, tuple]:
-    """Each way of measuring candidates: (the refined plan, forwards of the decoder stack run)."""
+    """Each way of measuring candidates: (the refined plan, forwards of the decoder stack run, the progress
+    reports)."""
     forwards = [0]
     hook = model.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     runs = {}
     try:
         for shared in (False, True):
-            forwards[0] = 0
+            forwards[0], reports = 0, []
             plan = refine_plan(
-                model, conv.factors, conv.plan, rows, config, batch_size=4, measure_while_pricing=shared
+                model,
+                conv.factors,
+                conv.plan,
+                rows,
+                config,
+                batch_size=4,
+                measure_while_pricing=shared,
+                progress=lambda done, total, seen=reports: seen.append((done, total)),
             )
-            runs[shared] = (plan, forwards[0])
+            runs[shared] = (plan, forwards[0], reports)
     finally:
         hook.remove()
     return runs
@@ -332,7 +340,7 @@ def test_candidates_measured_while_pricing_give_the_same_plan_in_fewer_forwards(
     measured) instead of 5 (the start, then each step priced and its candidate measured)."""
     model, rows, conv = shakespeare
     runs = _refined_with_forwards(model, conv, rows[:16], {"steps": 2, "objective": objective, "rows": 16})
-    (alone, n_alone), (shared, n_shared) = runs[False], runs[True]
+    (alone, n_alone, _), (shared, n_shared, _) = runs[False], runs[True]
     steps = alone.details["refine"]["steps"]
     assert len(steps) == 3 and all(s["kept"] for s in steps[1:])  # the premise: every step kept
     assert shared.ranks == alone.ranks and shared.ranks != conv.plan.ranks
@@ -343,6 +351,9 @@ def test_candidates_measured_while_pricing_give_the_same_plan_in_fewer_forwards(
         }
     original = 4 if objective == "kl" else 0  # the original's hidden states, kept: once per micro-batch
     assert (n_alone, n_shared) == (4 * 5 + original, 4 * 3 + original)
+    # progress after each micro-batch of 4 rows of each pass, over the 16 rows × the passes of both steps
+    assert runs[True][2] == [(4 * i, 48) for i in range(1, 13)]
+    assert runs[False][2] == [(4 * i, 80) for i in range(1, 21)]
 
 
 def test_a_step_after_a_rejection_is_solved_again_on_the_same_prices(shakespeare) -> None:
@@ -351,7 +362,10 @@ def test_a_step_after_a_rejection_is_solved_again_on_the_same_prices(shakespeare
     it prices the plan again (7 passes per micro-batch instead of 4)."""
     model, rows, conv = shakespeare
     runs = _refined_with_forwards(model, conv, rows[:8], {"steps": 3, "objective": "nll", "rows": 8})
-    for plan, _ in runs.values():
+    for plan, _, _ in runs.values():
         steps = plan.details["refine"]["steps"]
         assert [s.get("kept") for s in steps[1:3]] == [True, False] and steps[3]["radius"] == 2
     assert (runs[False][1], runs[True][1]) == (2 * 7, 2 * 4)
+    # progress: the rows of every pass, one report per micro-batch of 4 rows, up to the rows all passes hold
+    assert runs[True][2] == [(4 * i, 32) for i in range(1, 9)]  # 4 passes over 8 rows
+    assert runs[False][2] == [(4 * i, 56) for i in range(1, 15)]  # 7 passes
