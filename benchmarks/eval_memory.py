@@ -4,7 +4,7 @@ with or without the tensors the two models have in common held once.
 Each setting runs in a fresh process (one setting's freed memory does not count for the next), in the order
 :func:`lrkv_core.conversion.pipeline.evaluate_dir` takes: the compressed model loaded and
 :func:`lrkv_core.evaluation.metrics.prefill_perplexity` of it on ``--windows`` held-out windows (batches of
-8), then the original loaded (with ``shared``, :func:`lrkv_core.model.loading.share_equal_weights`, as the
+8), then the original loaded (with ``share``, :func:`lrkv_core.model.loading.share_equal_weights`, as the
 evaluation does) and :func:`~lrkv_core.evaluation.metrics.kl_and_agreement` against it, with
 ``LOGITS_BYTES`` set to each budget (a budget above a batch's logits scores the whole batch in one pass).
 Printed: the RSS with the compressed model loaded, each call's peak RSS, and its result (the same for every
