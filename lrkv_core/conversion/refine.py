@@ -436,7 +436,7 @@ def refine_plan(
 
         def report(rows_of_pass: int, _: int) -> None:
             done[0] = before + rows_of_pass
-            progress(min(done[0], planned), planned)
+            progress(done[0], planned)
 
         return report
 

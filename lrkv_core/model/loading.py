@@ -57,14 +57,13 @@ def share_equal_weights(model: nn.Module, base: nn.Module) -> int:
     one: a compressed model differs from its original in its attention projections only. Nothing either
     model computes changes. Returns the bytes ``model`` no longer holds of its own."""
     theirs = dict(base.named_parameters(remove_duplicate=False)) | dict(base.named_buffers())
-    freed, seen = 0, set()
-    for name, mine in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+    freed = 0
+    for name, mine in [*model.named_parameters(), *model.named_buffers()]:  # a tied tensor once, by one name
         other = theirs.get(name)
-        if id(mine) in seen or other is None or other.data_ptr() == mine.data_ptr():
+        if other is None or other.data_ptr() == mine.data_ptr():
             continue
         same_kind = (other.shape, other.dtype, other.device) == (mine.shape, mine.dtype, mine.device)
         if same_kind and torch.equal(other, mine):
-            seen.add(id(mine))  # a tied tensor (the output projection and the embeddings) is shared once
             freed += mine.numel() * mine.element_size()
             mine.data = other.data
     return freed
