@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest -q --durations=25 "$@"
+# Two workers by default (LRKV_TEST_WORKERS=N for another count, 0 for none), each test file on one worker so
+# its module fixtures are built once and its tests keep their order; tests/conftest.py gives each one thread.
+python -m pytest -q -n "${LRKV_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"

@@ -2,14 +2,34 @@
 
 Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads ``TRITON_INTERPRET``
 when it is first imported (transformers' model modules import it), so it is set before any other import.
+
+Under pytest-xdist (``scripts/test.sh`` runs two workers) each worker and every process its tests start
+use one intra-op thread: two processes of two threads each on two cores slow each other far more than
+they gain. Tests that do not choose an ``LRKV_HOME`` of their own share one per session, in a temporary
+directory, so a run never writes into the user's ``~/.cache/lrkv`` and two workers never share one.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[_name] = "1"
+if "LRKV_HOME" not in os.environ:
+    os.environ["LRKV_HOME"] = os.environ["LRKV_TEST_HOME"] = tempfile.mkdtemp(prefix="lrkv-test-home-")
+    atexit.register(shutil.rmtree, os.environ["LRKV_HOME"], ignore_errors=True)
+if _WORKER and os.environ["LRKV_HOME"] == os.environ.get("LRKV_TEST_HOME"):
+    os.environ["LRKV_HOME"] = os.path.join(os.environ["LRKV_HOME"], _WORKER)  # not the controller's: a worker's own
 
 import torch
 
+if _WORKER:
+    torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
