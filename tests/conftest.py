@@ -23,8 +23,8 @@ if _WORKER:
 if "LRKV_HOME" not in os.environ:
     os.environ["LRKV_HOME"] = os.environ["LRKV_TEST_HOME"] = tempfile.mkdtemp(prefix="lrkv-test-home-")
     atexit.register(shutil.rmtree, os.environ["LRKV_HOME"], ignore_errors=True)
-if _WORKER and os.environ["LRKV_HOME"] == os.environ.get("LRKV_TEST_HOME"):
-    os.environ["LRKV_HOME"] = os.path.join(os.environ["LRKV_HOME"], _WORKER)  # not the controller's: a worker's own
+if _WORKER and os.environ["LRKV_HOME"] == os.environ.get("LRKV_TEST_HOME"):  # the controller's: a worker each
+    os.environ["LRKV_HOME"] = os.path.join(os.environ["LRKV_HOME"], _WORKER)
 
 import torch
 
@@ -43,6 +43,13 @@ from transformers import PreTrainedModel
 from lrkv_core.allocation import RankPlan
 from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
 from tests.support.models import tiny_model
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """tests/flows first: its files run real processes and servers for minutes each, so two workers that
+    start with them end together, with the many short files filling in, instead of one worker running the
+    last long file alone."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/flows/"))
 
 
 @pytest.fixture(scope="module")
