@@ -1,10 +1,14 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
-# Prefect reads these when it starts; results persist under a per-session temporary directory.
+# Prefect reads these when it starts; results persist under a per-session temporary directory (removed at
+# exit).
 os.environ["PREFECT_LOCAL_STORAGE_PATH"] = tempfile.mkdtemp(prefix="lrkv-prefect-results-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_LOCAL_STORAGE_PATH"], ignore_errors=True)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
