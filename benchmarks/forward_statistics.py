@@ -18,7 +18,7 @@ from unittest import mock
 import torch
 from refine_time import load_rows, rows_parser  # benchmarks/, the script's own directory
 
-from lrkv_core.statistics import attention_gram, gram
+from lrkv_core.statistics import attention_gram, gram, joint
 from lrkv_core.statistics.base import forward_rows
 from lrkv_core.system.memory import peak_rss, release_freed
 
@@ -48,7 +48,7 @@ def main() -> None:
     )
     print("| statistic | pass | seconds | ratio | peak RSS, GiB |")
     print("|---|---|---|---|---|")
-    statistics = ((gram, gram.collect_gram), (attention_gram, attention_gram.collect_attention_gram))
+    statistics = ((joint, gram.collect_gram), (joint, attention_gram.collect_attention_gram))
     for module, collect in statistics:
         best, peak, values = {}, {}, {}
         for _ in range(args.repeats):

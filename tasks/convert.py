@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,54 @@ def _collect(
                 factors=[_local(f) for f in layers or ()],
             ),
         )
+
+
+@task(
+    name="collect_statistics",
+    task_run_name="collect_statistics[{label}]",
+    cache_key_fn=TASK_KEY,
+    **CACHED,
+)
+def collect_statistics(
+    model: ArtifactRef,
+    calib: ArtifactRef,
+    statistics: list[dict],
+    label: str,
+    dtype: str,
+    batch_size: int,
+    store: str,
+) -> dict[str, ArtifactRef]:
+    """Several calibration statistics of every layer from one pass over their rows (``label``: their names,
+    for the run's name); each statistic's file in the store, by name."""
+    st = open_store(store)
+    with model_pass(), step(f"collect {label} (one pass)") as advance, ExitStack() as stack:
+        tmps = [stack.enter_context(st.staging(".safetensors")) for _ in statistics]
+        metas = pipeline.statistics_files(
+            _local(model),
+            _local(calib),
+            statistics,
+            [str(t) for t in tmps],
+            dtype=dtype,
+            device=task_device(),
+            batch_size=batch_size,
+            progress=advance,
+        )
+        refs = {}
+        for stat, tmp, meta in zip(statistics, tmps, metas, strict=True):
+            path, digest = st.put(tmp, "statistics")
+            refs[stat["name"]] = ArtifactRef(kind="statistic", uri=path, sha256=digest, meta=meta)
+    return refs
+
+
+@task(
+    name="pick_statistic",
+    task_run_name="pick_statistic[{name}]",
+    cache_key_fn=TASK_KEY,
+    **CACHED,
+)
+def pick_statistic(collected: dict[str, ArtifactRef], name: str) -> ArtifactRef:
+    """One statistic's file among those a joint pass collected."""
+    return collected[name]
 
 
 @task(
@@ -396,6 +445,10 @@ class StepContext:
 def step_label(step: Step) -> str:
     """The name a step's task run has in the flow's timings and the Prefect UI."""
     p = step.params
+    if step.kind == "statistics":
+        return f"collect_statistics[{','.join(r['name'] for r in p['statistics'])}]"
+    if step.kind == "pick":
+        return f"pick_statistic[{p['statistic']['name']}]"
     if step.kind in ("statistic", "statistic_shard", "merge_statistic"):
         name = p["statistic"]["name"]
         if step.kind == "statistic_shard":
@@ -418,6 +471,13 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
         return stored(collect_statistic).submit(
             ctx.model, ctx.calib, p["statistic"], ctx.dtype, ctx.batch_size, ctx.store, layers=inputs or None
         )
+    if step.kind == "statistics":
+        label = ",".join(r["name"] for r in p["statistics"])
+        return stored(collect_statistics).submit(
+            ctx.model, ctx.calib, p["statistics"], label, ctx.dtype, ctx.batch_size, ctx.store
+        )
+    if step.kind == "pick":
+        return stored(pick_statistic).submit(inputs[0], p["statistic"]["name"])
     if step.kind == "statistic_shard":
         args = (p["shard"], p["count"], ctx.dtype, ctx.batch_size, ctx.store)
         shard = stored(collect_statistic_shard)

@@ -45,6 +45,7 @@ from ..model.attention_rotated import check_rotated_keys, rotated_key_inputs
 from ..model.fuse import compress_model
 from ..quant.rotation import RotationConfig
 from ..statistics import STATISTICS, LayerValue, Statistic
+from ..statistics.joint import collect_joint
 from .refine import RefineConfig, refine_plan
 from .steps import (
     Step,
@@ -297,7 +298,15 @@ def run_steps(
 
     for step in steps:
         p = step.params
-        if step.kind in ("statistic", "statistic_shard", "merge_statistic"):
+        if step.kind == "statistics":
+            stats = [STATISTICS.create(r) for r in p["statistics"]]
+            _require_rows(calibration, stats)
+            kw = dict(batch_size=batch_size, progress=progress)
+            collected = collect_joint(stats, model, calibration, **kw)
+            results[step.name] = {s.name: values for s, (values, _) in zip(stats, collected, strict=True)}
+        elif step.kind == "pick":
+            results[step.name] = results[step.inputs[0]][p["statistic"]["name"]]
+        elif step.kind in ("statistic", "statistic_shard", "merge_statistic"):
             stat = STATISTICS.create(p["statistic"])
             _require_rows(calibration, [stat])
             if step.kind == "merge_statistic":
@@ -362,8 +371,13 @@ def decompose_model(
     config = (config or CompressionConfig()).for_model(model.config)
     n_layers = get_adapter(model.config).shape(model.config).L
     graph = conversion_steps(config, n_layers, given=list(statistics or {}))
-    wanted = {decompose_step(layer) for layer in range(n_layers)}
-    wanted |= {s for name in wanted for s in graph[name].inputs}
+    wanted, reading = set(), [decompose_step(layer) for layer in range(n_layers)]
+    present = set(graph.names)  # (a given statistic has no step)
+    while reading:  # the decompositions and every step they read, through joint collections
+        name = reading.pop()
+        if name in present and name not in wanted:
+            wanted.add(name)
+            reading += graph[name].inputs
     todo = [s for s in graph if s.name in wanted]
     kw = dict(batch_size=batch_size, progress=progress)
     results = run_steps(model, calibration, todo, _given(statistics), **kw)

@@ -45,6 +45,7 @@ from ..statistics import (
     save_statistic,
     shard_span,
 )
+from ..statistics.joint import collect_joint
 from .refine import RefineConfig, refine_plan
 
 Progress = Callable[[int, int], None] | None
@@ -81,6 +82,36 @@ def statistic_file(
     model, extra = _statistic_model(model_dir, stat, factors, dtype=dtype, device=device)
     values, meta = stat.collect(model, rows, batch_size=batch_size, progress=progress, **extra)
     return _save_statistic(stat, values, meta, out_path)
+
+
+def statistics_files(
+    model_dir: str,
+    calib_path: str,
+    statistics: Sequence[str | Mapping[str, Any]],
+    out_paths: Sequence[str],
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    batch_size: int = 8,
+    progress: Progress = None,
+) -> list[dict]:
+    """Several calibration statistics of every layer from one pass over their rows
+    (:func:`~lrkv_core.statistics.joint.collect_joint`), each saved to its file of ``out_paths`` as
+    :func:`statistic_file` saves it."""
+    if len(statistics) != len(out_paths):
+        raise ValueError(f"{len(statistics)} statistics need as many files, got {len(out_paths)}")
+    stats = [STATISTICS.create(s) for s in statistics]
+    for stat in stats:
+        if stat.uses_factors:
+            raise ValueError(f"statistic {stat.name} reads the factors: it does not share a pass")
+    model, _ = load_model(model_dir, dtype=dtype, device=device)
+    collected = collect_joint(
+        stats, model, read_token_rows(calib_path), batch_size=batch_size, progress=progress
+    )
+    return [
+        _save_statistic(stat, values, meta, out)
+        for stat, (values, meta), out in zip(stats, collected, out_paths, strict=True)
+    ]
 
 
 def statistic_shard_file(

@@ -12,7 +12,10 @@ it reads, so independent steps run at once). Neither lists the steps itself.
 
 A statistic whose collection can be split (:attr:`~lrkv_core.statistics.Statistic.shardable`) becomes
 ``shards`` steps over disjoint slices of the calibration rows plus one step that merges them, so several
-workers share a whole-model pass; the merged value equals the one-pass value.
+workers share a whole-model pass; the merged value equals the one-pass value. Statistics collected in one
+pass each that can share it (:attr:`~lrkv_core.statistics.Statistic.joint`, the same rows) are collected
+together instead: one ``statistics`` step (:mod:`lrkv_core.statistics.joint`) and, for each of them, a
+``pick`` step named as its own collection would be, which takes its value from the joint step's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from ..allocation import statistics_for
 
 KINDS = (
     "statistic",
+    "statistics",
+    "pick",
     "statistic_shard",
     "merge_statistic",
     "decompose",
@@ -101,14 +106,48 @@ class StepGraph:
         return self["build"].inputs[-1]
 
 
+def joint_step(names: Sequence[str]) -> str:
+    """The name of the step that collects the statistics ``names`` in one pass."""
+    return f"statistics[{','.join(names)}]"
+
+
+def _shard_count(stat: Any, shards: int, rows: int | None, batch_size: int) -> int:
+    """How many shards ``stat`` is collected in (never more than its rows split into:
+    :meth:`~lrkv_core.statistics.Statistic.max_shards`)."""
+    n = min(shards, stat.max_shards(rows, batch_size)) if rows is not None else shards
+    return n if stat.shardable else 1
+
+
+def _collection_steps(
+    stats: Sequence[Any], shards: int, rows: int | None, batch_size: int, factor_inputs: tuple[str, ...]
+) -> list[Step]:
+    """The steps collecting ``stats``: those that can share one pass over the same rows (each collected in
+    one pass) in a joint step with a pick step each, every other one by :func:`_statistic_steps`."""
+    groups: dict[Any, list[Any]] = {}
+    for stat in stats:
+        if stat.joint and not stat.uses_factors and _shard_count(stat, shards, rows, batch_size) <= 1:
+            groups.setdefault(stat.n_samples, []).append(stat)
+    joined = {s.name for group in groups.values() if len(group) > 1 for s in group}
+    steps: list[Step] = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        joint = joint_step([s.name for s in group])
+        steps.append(Step(joint, "statistics", {"statistics": [s.to_dict() for s in group]}, factor_inputs))
+        steps += [Step(statistic_step(s.name), "pick", {"statistic": s.to_dict()}, (joint,)) for s in group]
+    for stat in stats:
+        if stat.name not in joined:
+            steps += _statistic_steps(stat, shards, rows, batch_size, factor_inputs)
+    return steps
+
+
 def _statistic_steps(
     stat: Any, shards: int, rows: int | None, batch_size: int, factor_inputs: tuple[str, ...]
 ) -> list[Step]:
     """The steps collecting one statistic: one step, or ``shards`` shard steps and their merge (never more
     shards than its rows split into: :meth:`~lrkv_core.statistics.Statistic.max_shards`)."""
     name = stat.name
-    n = min(shards, stat.max_shards(rows, batch_size)) if rows is not None else shards
-    n = n if stat.shardable else 1
+    n = _shard_count(stat, shards, rows, batch_size)
     if n <= 1:
         return [Step(statistic_step(name), "statistic", {"statistic": stat.to_dict()}, factor_inputs)]
     recipe = stat.to_dict()
@@ -163,9 +202,9 @@ def conversion_steps(
     needed = config.needed_statistics()
     layers = range(n_layers)
     steps: list[Step] = []
-    for stat in needed:  # those the factors do not depend on come first
-        if not stat.uses_factors and stat.name not in given:
-            steps += _statistic_steps(stat, shards, rows, batch_size, ())
+    # those the factors do not depend on come first
+    first = [s for s in needed if not s.uses_factors and s.name not in given]
+    steps += _collection_steps(first, shards, rows, batch_size, ())
     decomposition = config.decomposition.to_dict()
     rotated_keys = config.key_latents == "rotated"
     decompose_needs = set(config.decomposition.needs) | ({"gram"} if rotated_keys else set())
@@ -175,9 +214,8 @@ def conversion_steps(
         params = {"layer": layer, "group_size": config.group_size, "decomposition": decomposition, **rotated}
         steps.append(Step(decompose_step(layer), "decompose", params, decompose_reads))
     factors = tuple(decompose_step(layer) for layer in layers)
-    for stat in needed:
-        if stat.uses_factors and stat.name not in given:
-            steps += _statistic_steps(stat, shards, rows, batch_size, factors)
+    later = [s for s in needed if s.uses_factors and s.name not in given]
+    steps += _collection_steps(later, shards, rows, batch_size, factors)
     features = sorted(config.features())
     feature_reads = tuple(statistic_step(n) for n in sorted(statistics_for(features)))
     for layer in layers:

@@ -64,6 +64,9 @@ class Statistic(Method, ABC):
     uses_factors: ClassVar[bool] = False
     # its sums add up across shards of the rows (``collect_shard`` + ``merge``); one whose do not sets False
     shardable: ClassVar[bool] = True
+    # how it shares one pass over the rows with other statistics (lrkv_core.statistics.joint): "forward"
+    # (hooks on the forward pass), "gradient" (one loss of a shared gradient pass), None (passes of its own)
+    joint: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         if self.n_samples is not None and self.n_samples < 1:
@@ -98,6 +101,12 @@ class Statistic(Method, ABC):
     @abstractmethod
     def finish(self, sums: list[LayerValue], counts: Counts) -> tuple[list[LayerValue], dict[str, Any]]:
         """The per-layer values and metadata from the sums and counts over all the statistic's rows."""
+
+    def observer(self, model: nn.Module, *, first_row: int, recording: list[bool]) -> Any:
+        """This statistic's part of a joint pass over rows starting at ``first_row`` (a
+        :class:`lrkv_core.statistics.joint.Observer`; its hooks count only while ``recording[0]``): for a
+        statistic with ``joint`` set."""
+        raise NotImplementedError(f"statistic {self.name} cannot share a pass")
 
     def unit(self, batch_size: int) -> int:
         """Rows a shard boundary may not split (1: any row boundary will do)."""

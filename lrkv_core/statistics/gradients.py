@@ -179,12 +179,17 @@ def shared_gradient_passes(
     *,
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
+    recording: list[bool] | None = None,
 ) -> tuple[int, int]:
     """:func:`kv_gradient_passes` for several losses of the same model on the same rows, one forward pass per
     micro-batch: each ``(visit, targets)`` of ``losses`` gets its own backward pass, in order, through the
     forward's graph (kept until the last). The same visits, bit for bit, as one :func:`kv_gradient_passes`
     per loss (the same forward, the same loss gradients), at one forward pass less per extra loss; each
-    layer's input is kept until the last backward pass reaches it."""
+    layer's input is kept until the last backward pass reaches it.
+
+    ``recording``: a flag the pass sets (``recording[0]``) while its forward pass runs, not while a
+    checkpointed layer is recomputed in the backward pass: forward hooks of other statistics that observe
+    the same pass (:mod:`lrkv_core.statistics.joint`) count only what it marks."""
     if not losses:
         raise ValueError("shared_gradient_passes needs at least one (visit, targets) loss")
     if rows.ndim != 2 or rows.shape[1] < 2:
@@ -209,7 +214,9 @@ def shared_gradient_passes(
     inputs: dict[tuple[int, str], torch.Tensor] = {}
     first: list[torch.Tensor] = []  # the first layer's outputs: what the backward pass is asked to reach
     first_layer = [-1]
-    recording = [False]  # the forward pass records; a checkpointed layer's recomputation does not
+    # the forward pass records; a checkpointed layer's recomputation does not
+    recording = [False] if recording is None else recording
+    recording[0] = False
     current = [0]  # the loss whose backward pass is running
 
     def reached(i: int, kind: str, g: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """``gram``: the Gram matrix ``Σ x xᵀ`` of every layer's k/v_proj input, collected while streaming data.
 
 Both projections read the same normed hidden state; the Gram is accumulated in float64 through forward
-pre-hooks, and activations are never kept.
+pre-hooks, and activations are never kept. It can observe another statistic's pass over the same rows
+(:mod:`lrkv_core.statistics.joint`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import torch
 from torch import nn
 
 from ..model.adapters import get_adapter
-from .base import STATISTICS, Counts, LayerValue, Progress, Statistic, forward_rows
+from .base import STATISTICS, Counts, LayerValue
+from .joint import JointStatistic, Observer, accumulate_joint
 
 
-@torch.no_grad()
 def collect_gram(
     model: nn.Module,
     rows: torch.Tensor,
@@ -36,6 +37,14 @@ def collect_gram(
     grams : L tensors (d, d) float64, ``Σ_tokens x xᵀ``.
     n_tokens : number of token vectors accumulated per layer.
     """
+    [(grams, counts)] = accumulate_joint(
+        [Gram()], model, rows, first_row=0, batch_size=batch_size, progress=progress
+    )
+    return grams, counts["n_tokens"]
+
+
+def gram_observer(model: nn.Module, recording: list[bool]) -> Observer:
+    """Forward pre-hooks on every layer's k_proj adding ``x xᵀ`` (float64) while ``recording[0]``."""
     adapter = get_adapter(model.config)
     shape = adapter.shape(model.config)
     device = next(model.parameters()).device
@@ -44,38 +53,32 @@ def collect_gram(
 
     def make_hook(i: int):
         def hook(_module: nn.Module, args: tuple) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float64)  # (B·T, d)
-            grams[i].addmm_(x.T, x)
+            if not recording[0]:
+                return
+            with torch.no_grad():
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)  # (B·T, d)
+                grams[i].addmm_(x.T, x)
             counts[i] += x.shape[0]
 
         return hook
 
-    handles = [
+    hooks = [
         getattr(adapter.attention(model, i), adapter.k_name).register_forward_pre_hook(make_hook(i))
         for i in range(shape.L)
     ]
-    forward_rows(model, rows, handles, batch_size=batch_size, progress=progress)
-    return [g.cpu() for g in grams], counts[0]
+    return Observer(lambda: ([g.cpu() for g in grams], {"n_tokens": counts[0]}), hooks)
 
 
 @STATISTICS.register
 @dataclass(frozen=True)
-class Gram(Statistic):
+class Gram(JointStatistic):
     """Σ x xᵀ of each layer's k/v_proj input (float64): what whitened SVD and PCA read"""
 
     name: ClassVar[str] = "gram"
+    joint: ClassVar[str | None] = "forward"
 
-    def accumulate(
-        self,
-        model: nn.Module,
-        rows: torch.Tensor,
-        *,
-        first_row: int,
-        batch_size: int,
-        progress: Progress,
-    ) -> tuple[list[LayerValue], Counts]:
-        grams, n_tokens = collect_gram(model, rows, batch_size=batch_size, progress=progress)
-        return grams, {"n_tokens": n_tokens}
+    def observer(self, model: nn.Module, *, first_row: int, recording: list[bool]) -> Observer:
+        return gram_observer(model, recording)
 
     def finish(self, sums: list[LayerValue], counts: Counts) -> tuple[list[LayerValue], dict[str, Any]]:
         return sums, {"n_tokens": counts["n_tokens"]}  # sums: they add up across shards as they are

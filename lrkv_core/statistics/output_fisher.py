@@ -13,7 +13,8 @@ later layers they take (what ``whitened`` with ``keys="fisher"`` reads).
 
 Each gradient is that of the row's summed loss (the batch-mean loss's gradient times the B·(T − 1) scored
 positions), so batches of any size add up alike; accumulated in float64. Cost: one forward and backward
-pass over the calibration rows.
+pass over the calibration rows, whose forward pass the Gram and the attention Gram can observe
+(:mod:`lrkv_core.statistics.joint`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import torch
 from torch import nn
 
 from ..model.adapters import get_adapter
-from .base import STATISTICS, Counts, LayerValue, Progress, Statistic
-from .gradients import kv_gradient_passes, row_seeded_targets
+from .base import STATISTICS, Counts, LayerValue
+from .gradients import row_seeded_targets
+from .joint import JointStatistic, Observer, accumulate_joint
 from .response import KINDS, LABELS
 
 
@@ -44,28 +46,41 @@ def collect_output_fisher(
     """``fisher[layer]["k"|"v"]`` (Hkv·D, Hkv·D) float64, ``Σ_t g_t g_tᵀ`` over every scored position of
     ``rows`` (N, T); and the number of positions summed. See the module docstring. Sampled targets are
     drawn per row, seeded by ``seed`` and the row's index (counted from ``first_row``)."""
+    stat = OutputFisher(labels="sampled" if sampled else "data", seed=seed)
+    [(sums, counts)] = accumulate_joint(
+        [stat], model, rows, first_row=first_row, batch_size=batch_size, progress=progress
+    )
+    return sums, counts["n_tokens"]
+
+
+def output_fisher_observer(model: nn.Module, *, sampled: bool, seed: int, first_row: int) -> Observer:
+    """The loss of one backward pass (targets drawn per row from ``seed`` and the row's index, or the rows'
+    own tokens) and the sums ``Σ g gᵀ`` its visits add up."""
     shape = get_adapter(model.config).shape(model.config)
     sums = [
         {kind: torch.zeros(shape.kv_width, shape.kv_width, dtype=torch.float64) for kind in KINDS}
         for _ in range(shape.L)
     ]
+    scored_positions = [0]
 
     def visit(layer: int, kind: str, _x: torch.Tensor, g: torch.Tensor) -> None:
         scored = g.shape[0] * (g.shape[1] - 1)  # the loss is the mean over B·(T − 1) positions
+        if layer == 0 and kind == KINDS[0]:
+            scored_positions[0] += scored
         g = g.reshape(-1, g.shape[-1]).double() * scored
         sums[layer][kind] += (g.T @ g).cpu()
 
     targets = row_seeded_targets(seed, first_row) if sampled else None
-    n, _ = kv_gradient_passes(model, rows, visit, batch_size=batch_size, progress=progress, targets=targets)
-    return sums, n * (rows.shape[1] - 1)
+    return Observer(lambda: (sums, {"n_tokens": scored_positions[0]}), loss=(visit, targets))
 
 
 @STATISTICS.register
 @dataclass(frozen=True)
-class OutputFisher(Statistic):
+class OutputFisher(JointStatistic):
     """Σ g gᵀ of the loss gradient at each k/v_proj output (float64): what keys='fisher' weighs keys by"""
 
     name: ClassVar[str] = "output_fisher"
+    joint: ClassVar[str | None] = "gradient"
     labels: str = "sampled"  # targets drawn from the model's predictions (true Fisher), or "data"
     seed: int = 0
 
@@ -74,25 +89,9 @@ class OutputFisher(Statistic):
         if self.labels not in LABELS:
             raise ValueError(f"output_fisher labels must be one of {LABELS}, got {self.labels!r}")
 
-    def accumulate(
-        self,
-        model: nn.Module,
-        rows: torch.Tensor,
-        *,
-        first_row: int,
-        batch_size: int,
-        progress: Progress,
-    ) -> tuple[list[LayerValue], Counts]:
-        sums, n_tokens = collect_output_fisher(
-            model,
-            rows,
-            batch_size=batch_size,
-            sampled=self.labels == "sampled",
-            seed=self.seed,
-            first_row=first_row,
-            progress=progress,
-        )
-        return sums, {"n_tokens": n_tokens}
+    def observer(self, model: nn.Module, *, first_row: int, recording: list[bool]) -> Observer:
+        sampled = self.labels == "sampled"
+        return output_fisher_observer(model, sampled=sampled, seed=self.seed, first_row=first_row)
 
     def finish(self, sums: list[LayerValue], counts: Counts) -> tuple[list[LayerValue], dict[str, Any]]:
         return sums, {"n_tokens": counts["n_tokens"], "labels": self.labels}  # sums: added as they are

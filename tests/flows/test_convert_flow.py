@@ -15,6 +15,8 @@ from lrkv_tasks.store.artifact_store import local_path
 from tests.support.inputs import full_rank_kl_bound, max_diff
 from tests.support.models import SHARED, tiny_model_dir, token_parquet
 
+JOINT = "collect_statistics[attention_gram,gram,output_fisher]"
+
 
 def _recipe(model, data, store, out, mlflow_uri, ratio=1.0, group_size=2, **extra):
     return load_recipe(
@@ -47,7 +49,8 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     states = {row["task"]: row["state"] for row in first.timings}
     assert set(states.values()) == {"Completed"}, states
     expected = {
-        "collect_statistic[gram]",
+        JOINT,  # the statistics the decomposition reads, in one pass
+        "pick_statistic[gram]",
         "decompose_layer[1]",
         "summarize_layer[1]",
         "build_model",
@@ -58,7 +61,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     seconds = {row["task"]: row["seconds"] for row in first.timings}
     assert all(s is not None and s > 0 for s in seconds.values()), seconds  # each task's own run time
     peaks = {row["task"]: row["peak_rss_bytes"] for row in first.timings}
-    assert peaks["collect_statistic[gram]"] > 50 * 2**20 and peaks["build_model"] > 50 * 2**20, peaks
+    assert peaks[JOINT] > 50 * 2**20 and peaks["build_model"] > 50 * 2**20, peaks
     assert peaks["summarize_layer[1]"] is None  # a step that loads no model logs no peak
 
     # the exported model is exact at full rank
@@ -113,7 +116,7 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     comp = comp.model_copy(update={"group_size": 2, "rank_multiple": 8})
     half = convert_flow(recipe.model_copy(update={"compression": comp}))
     states = {row["task"]: row["state"] for row in half.timings}
-    assert states["collect_statistic[gram]"] == "Cached" and states["decompose_layer[0]"] == "Cached"
+    assert states[JOINT] == "Cached" and states["decompose_layer[0]"] == "Cached"
     assert states["collect_statistic[fisher]"] == "Completed" and states["plan_ranks"] == "Completed"
     assert states["summarize_layer[0]"] == "Completed"  # the error curves are new features
     assert half.plan.meta["achieved_ratio"] == 0.5

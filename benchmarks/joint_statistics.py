@@ -1,0 +1,77 @@
+"""How long the default decomposition's three statistics take collected in one pass against one pass each.
+
+The default conversion reads the Gram, the attention Gram and the output Fisher of the same calibration
+rows. Collected apart they cost two forward passes and a gradient pass per row; in one pass
+(:func:`lrkv_core.statistics.joint.collect_joint`, what the conversion does) one gradient pass, which the
+forward statistics observe. This script collects them both ways on ``--rows`` rows of a real model,
+alternating, ``--repeats`` times, and prints each way's seconds (best of the repeats), their ratio, the peak
+RSS, and how far each joint statistic lies from its own pass's (relative to its largest entry; the output
+Fisher also as the relative Frobenius distance: a pass with the attention Gram runs eager attention, whose
+rounding can move a target drawn from the model's predictions, so its value may differ by a few draws):
+
+    OMP_NUM_THREADS=2 python benchmarks/joint_statistics.py --threads 2 --rows 32
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from refine_time import load_rows, rows_parser  # benchmarks/, the script's own directory
+
+from lrkv_core.statistics import STATISTICS
+from lrkv_core.statistics.joint import collect_joint
+from lrkv_core.system.memory import gib, peak_rss, release_freed
+
+NAMES = ("attention_gram", "gram", "output_fisher")
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    return [v for value in values for v in ([value] if isinstance(value, torch.Tensor) else value.values())]
+
+
+def main() -> None:
+    p = rows_parser(__doc__.splitlines()[0], 32, "calibration rows")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    model, rows = load_rows(p, args)
+    stats = [STATISTICS.create(n) for n in NAMES]
+    ways = {
+        "one pass each": lambda: [s.collect(model, rows, batch_size=args.batch_size) for s in stats],
+        "one joint pass": lambda: collect_joint(stats, model, rows, batch_size=args.batch_size),
+    }
+    print(
+        f"{len(rows)} rows of {args.seq_len} tokens, {args.batch_size} row(s) per pass, "
+        f"{torch.get_num_threads()} thread(s), best of {args.repeats}",
+        flush=True,
+    )
+    best: dict[str, float] = {}
+    peak: dict[str, int] = {}
+    values: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for name, run in ways.items():
+            release_freed()
+            with peak_rss() as watch:
+                start = time.perf_counter()
+                values[name] = run()
+                seconds = time.perf_counter() - start
+            best[name] = min(best.get(name, seconds), seconds)
+            peak[name] = max(peak.get(name, 0), watch.peak)
+            print(f"  {name}: {seconds:.1f} s", flush=True)
+    base = best["one pass each"]
+    print("| collection | seconds | ratio | peak RSS, GiB |")
+    print("|---|---|---|---|")
+    for name in ways:
+        print(f"| {name} | {best[name]:.1f} | {best[name] / base:.3f} | {gib(peak[name])} |")
+    print("| statistic | largest entry gap (relative) | Frobenius gap (relative) |")
+    print("|---|---|---|")
+    apart, together = values["one pass each"], values["one joint pass"]
+    for s, (alone, _), (joint, _) in zip(stats, apart, together, strict=True):
+        pairs = list(zip(_tensors(joint), _tensors(alone), strict=True))
+        entry = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+        frob = max(float((a - b).norm() / b.norm()) for a, b in pairs)
+        print(f"| {s.name} | {entry:.2e} | {frob:.2e} |")
+
+
+if __name__ == "__main__":
+    main()
