@@ -16,6 +16,9 @@ from lrkv_tasks.recipes.convert_recipe import load_recipe
 from lrkv_tasks.records import ALLOWED_CLASSES
 from tests.support.models import tiny_model_dir, token_parquet
 
+# the default decomposition's statistics, collected in one pass over the 8 calibration rows
+PROGRESS_LINE = "collect attention_gram,gram,output_fisher (one pass): 8/8"
+
 
 def _recipe(tmp_path: Path):
     model_dir = tiny_model_dir(tmp_path)
@@ -75,10 +78,10 @@ def test_results_are_json_and_stale_or_unsafe_records_are_recomputed(prefect_api
         while True:
             logs = client.read_logs(LogFilter(flow_run_id={"any_": [flow_run_id]}), limit=200, offset=0)
             messages = [entry.message for entry in logs]
-            if "collect gram: 8/8" in messages or time.monotonic() > deadline:
+            if PROGRESS_LINE in messages or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert "collect gram: 8/8" in messages, messages
+        assert PROGRESS_LINE in messages, messages
         # the client's read_artifacts sends null filters, this server (fastapi pin) rejects: ask plainly
         body = {
             "artifacts": {"key": {"any_": ["lrkv-convert"]}},

@@ -94,7 +94,7 @@ def test_progress_lines_are_printed_as_they_come_when_the_output_is_not_a_termin
     steps = [message for _, message in lines]
     expected = [
         f"extract calibration from {data}[:90%]: started",
-        "collect gram: 8/8",
+        "collect attention_gram,gram,output_fisher (one pass): 8/8",
         "decompose layer 1: done in",
         "build model: done in",
         "evaluate compressed: started",
