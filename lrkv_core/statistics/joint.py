@@ -83,7 +83,6 @@ def accumulate_joint(
     try:
         for s in stats:
             observers.append(s.observer(model, first_row=first_row, recording=recording))
-        handles = [h for o in observers for h in o.hooks]
         losses = [o.loss for o in observers if o.loss is not None]
         eager = "eager" if any(o.attention_weights for o in observers) else None
         with attention_implementation(model, eager):
@@ -93,8 +92,8 @@ def accumulate_joint(
                 )
             else:
                 with torch.no_grad():
-                    forward_rows(model, rows, handles, batch_size=batch_size, progress=progress)
-    finally:
+                    forward_rows(model, rows, [], batch_size=batch_size, progress=progress)
+    finally:  # the hooks of every observer made, whatever the pass did
         for o in observers:
             for h in o.hooks:
                 h.remove()

@@ -16,8 +16,9 @@ import torch
 from lrkv_core.conversion import pipeline
 from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
 from lrkv_core.conversion.steps import conversion_steps, joint_step, statistic_step
-from lrkv_core.statistics import STATISTICS, LayerValue, gradients, load_statistic, read_header
+from lrkv_core.statistics import STATISTICS, gradients, load_statistic, read_header
 from lrkv_core.statistics.joint import collect_joint
+from tests.support.inputs import max_relative_gap
 from tests.support.models import tiny_model_dir, token_parquet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,16 +26,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ROWS, T, BATCH = 6, 12, 2
 JOINED = ("attention_gram", "gram", "output_fisher")
 TOLERANCE = {"attention_gram": 1e-10, "gram": 1e-6, "output_fisher": 1e-5}
-
-
-def _tensors(values: list[LayerValue]) -> list[torch.Tensor]:
-    return [v for value in values for v in ([value] if isinstance(value, torch.Tensor) else value.values())]
-
-
-def _max_gap(got: list[LayerValue], want: list[LayerValue]) -> float:
-    a, b = _tensors(got), _tensors(want)
-    assert len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
-    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
 
 
 def _setup(make_tiny):
@@ -72,7 +63,7 @@ def test_one_pass_gives_each_statistics_own_values(make_tiny, monkeypatch, label
     assert separate_calls == 3 * batches and calls[0] == batches
     for s, (values, meta), (want, want_meta) in zip(stats, joint, alone, strict=True):
         assert meta == want_meta, s.name
-        assert _max_gap(values, want) <= TOLERANCE[s.name], s.name
+        assert max_relative_gap(values, want) <= TOLERANCE[s.name], s.name
     assert model.config._attn_implementation != "eager"  # the pass's eager attention is undone
 
 
@@ -84,7 +75,7 @@ def test_forward_statistics_alone_share_one_forward_pass(make_tiny) -> None:
     handle.remove()
     assert calls[0] == ROWS // BATCH
     for s, (values, _) in zip(stats, joint, strict=True):
-        assert _max_gap(values, s.collect(model, rows, batch_size=BATCH)[0]) <= TOLERANCE[s.name]
+        assert max_relative_gap(values, s.collect(model, rows, batch_size=BATCH)[0]) <= TOLERANCE[s.name]
 
 
 def test_a_joint_pass_refuses_what_it_cannot_share(make_tiny) -> None:
@@ -148,7 +139,7 @@ def test_statistics_files_write_each_statistics_file(tmp_path) -> None:
         alone = str(tmp_path / f"alone-{spec['name']}.safetensors")
         assert meta == pipeline.statistic_file(str(model_dir), str(calib), spec, alone, batch_size=2)
         assert read_header(out) == read_header(alone)
-        gap = _max_gap(load_statistic(out), load_statistic(alone))
+        gap = max_relative_gap(load_statistic(out), load_statistic(alone))
         assert gap <= 1e-4, spec  # a float32 model: rounding of eager against fused attention
     with pytest.raises(ValueError, match="as many files"):
         pipeline.statistics_files(str(model_dir), str(calib), specs, outs[:1])

@@ -21,12 +21,12 @@ from lrkv_core.conversion import pipeline
 from lrkv_core.conversion.convert import CompressionConfig, decompose_model
 from lrkv_core.statistics import (
     STATISTICS,
-    LayerValue,
     load_partial,
     load_statistic,
     read_header,
     shard_span,
 )
+from tests.support.inputs import max_relative_gap, statistic_tensors
 from tests.support.models import SHARED
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,17 +62,6 @@ def _extra(stat, factors) -> dict:
     return {"factors": factors} if stat.uses_factors else {}
 
 
-def _tensors(values: list[LayerValue]) -> list[torch.Tensor]:
-    return [v for value in values for v in ([value] if isinstance(value, torch.Tensor) else value.values())]
-
-
-def _max_gap(got: list[LayerValue], want: list[LayerValue]) -> float:
-    """The largest difference of two statistics' values, relative to each tensor's largest entry."""
-    a, b = _tensors(got), _tensors(want)
-    assert len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
-    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-300)) for x, y in zip(a, b))
-
-
 def _tolerance(stat) -> float:
     """1e-5 for the gradient statistics, which round through float32 (see the module docstring), or 1e-10."""
     return 1e-5 if stat.name in GRADIENT_STATISTICS else 1e-10
@@ -100,9 +89,9 @@ def test_merged_shards_equal_one_collect(make_tiny, spec) -> None:
         merged, merged_meta = stat.merge(parts[::-1])
         assert merged_meta == meta
         if count == 1:
-            assert _max_gap(merged, values) == 0.0
+            assert max_relative_gap(merged, values) == 0.0
         else:
-            assert _max_gap(merged, values) <= _tolerance(stat)
+            assert max_relative_gap(merged, values) <= _tolerance(stat)
     sizes = [b - a for a, b in (p.span for p in parts)]
     assert len(set(sizes)) > 1, sizes  # the 3 shards are uneven
 
@@ -119,11 +108,13 @@ def test_shards_own_values_averaged_unweighted_are_not_the_statistic(make_tiny, 
     extra = _extra(stat, factors)
     values, _ = stat.collect(model, rows, batch_size=BATCH, **extra)
     parts = [stat.collect_shard(model, rows, shard=(i, 3), batch_size=BATCH, **extra) for i in range(3)]
-    own = [_tensors(stat.finish(p.sums, p.counts)[0]) for p in parts]
+    own = [statistic_tensors(stat.finish(p.sums, p.counts)[0]) for p in parts]
     unweighted = [sum(ts) / len(ts) for ts in zip(*own)]
-    gap = max(float((u - v).abs().max() / v.abs().max()) for u, v in zip(unweighted, _tensors(values)))
+    gap = max(
+        float((u - v).abs().max() / v.abs().max()) for u, v in zip(unweighted, statistic_tensors(values))
+    )
     assert gap > 1e3 * _tolerance(stat), gap
-    assert _max_gap(stat.merge(parts)[0], values) <= _tolerance(stat)
+    assert max_relative_gap(stat.merge(parts)[0], values) <= _tolerance(stat)
 
 
 def test_shard_spans_cover_the_rows_in_order_and_refuse_empty_shards() -> None:
@@ -187,8 +178,8 @@ def test_sampled_draws_depend_on_the_row_not_on_the_batch(make_tiny) -> None:
         one, _ = stat.collect(model, rows, batch_size=1, **extra)
         three, _ = stat.collect(model, rows, batch_size=3, **extra)
         other, _ = STATISTICS.create({**spec, "seed": 1}).collect(model, rows, batch_size=3, **extra)
-        assert _max_gap(three, one) <= _tolerance(stat)
-        assert _max_gap(other, one) > 1e-3
+        assert max_relative_gap(three, one) <= _tolerance(stat)
+        assert max_relative_gap(other, one) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -232,7 +223,9 @@ def test_shard_files_merge_into_the_statistic_file(tmp_path, stories_factors, na
     merged = tmp_path / "merged.safetensors"
     assert pipeline.merge_statistic_files(paths[::-1], str(merged)) == summary
     assert read_header(merged) == read_header(whole)
-    assert _max_gap(load_statistic(merged), load_statistic(whole)) <= _tolerance(STATISTICS.create(spec))
+    assert max_relative_gap(load_statistic(merged), load_statistic(whole)) <= _tolerance(
+        STATISTICS.create(spec)
+    )
     assert load_partial(paths[1]).span == shard_span(5, (1, 3))
     with pytest.raises(ValueError, match="partial sums of .*: merge the shards"):
         load_statistic(paths[0])

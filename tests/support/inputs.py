@@ -71,3 +71,15 @@ def full_rank_kl_bound(base_logits: torch.Tensor, max_logit_diff: float) -> floa
     u = torch.finfo(torch.float32).eps / 2
     lse = torch.logsumexp(base_logits.double(), dim=-1).abs().max().item()
     return max_logit_diff**2 / 2 + 4 * u * (base_logits.abs().max().item() + lse)
+
+
+def statistic_tensors(values) -> list[torch.Tensor]:
+    """Every tensor of a statistic's per-layer values (a tensor or a dict of tensors per layer), in order."""
+    return [v for value in values for v in ([value] if isinstance(value, torch.Tensor) else value.values())]
+
+
+def max_relative_gap(got, want) -> float:
+    """The largest difference of two statistics' values, relative to each tensor's largest entry."""
+    a, b = statistic_tensors(got), statistic_tensors(want)
+    assert len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-300)) for x, y in zip(a, b))
