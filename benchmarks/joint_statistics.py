@@ -15,6 +15,8 @@ rounding can move a target drawn from the model's predictions, so its value may 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from refine_time import load_rows, rows_parser  # benchmarks/, the script's own directory
@@ -28,6 +30,25 @@ NAMES = ("attention_gram", "gram", "output_fisher")
 
 def _tensors(values) -> list[torch.Tensor]:
     return [v for value in values for v in ([value] if isinstance(value, torch.Tensor) else value.values())]
+
+
+def alternate(ways: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict, dict, dict]:
+    """Run each of ``ways`` in turn, ``repeats`` times, printing each run's seconds; by name, the best
+    seconds, the peak RSS (bytes) and the last run's values."""
+    best: dict[str, float] = {}
+    peak: dict[str, int] = {}
+    values: dict[str, Any] = {}
+    for _ in range(repeats):
+        for name, run in ways.items():
+            release_freed()
+            with peak_rss() as watch:
+                start = time.perf_counter()
+                values[name] = run()
+                seconds = time.perf_counter() - start
+            best[name] = min(best.get(name, seconds), seconds)
+            peak[name] = max(peak.get(name, 0), watch.peak)
+            print(f"  {name}: {seconds:.1f} s", flush=True)
+    return best, peak, values
 
 
 def main() -> None:
@@ -45,19 +66,7 @@ def main() -> None:
         f"{torch.get_num_threads()} thread(s), best of {args.repeats}",
         flush=True,
     )
-    best: dict[str, float] = {}
-    peak: dict[str, int] = {}
-    values: dict[str, list] = {}
-    for _ in range(args.repeats):
-        for name, run in ways.items():
-            release_freed()
-            with peak_rss() as watch:
-                start = time.perf_counter()
-                values[name] = run()
-                seconds = time.perf_counter() - start
-            best[name] = min(best.get(name, seconds), seconds)
-            peak[name] = max(peak.get(name, 0), watch.peak)
-            print(f"  {name}: {seconds:.1f} s", flush=True)
+    best, peak, values = alternate(ways, args.repeats)
     base = best["one pass each"]
     print("| collection | seconds | ratio | peak RSS, GiB |")
     print("|---|---|---|---|")

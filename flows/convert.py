@@ -106,7 +106,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> ConvertResult:
     graph = conversion_steps(
         config, model.meta["shape"]["L"], shards=cal.shards, rows=cal.n_samples, batch_size=cal.rows_per_pass
     )
-    ctx = t.StepContext(model, calib, recipe.dtype, cal.rows_per_pass, store, stored)
+    ctx = t.StepContext(model, calib, recipe.dtype, cal.rows_per_pass, store, stored, cal.precision)
     futures: dict[str, Any] = {}
     for s in graph:  # every step submitted before any is awaited: independent ones run at once
         futures[s.name] = t.submit_step(s, futures, ctx)

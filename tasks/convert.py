@@ -24,6 +24,7 @@ from prefect.futures import PrefectFuture
 from lrkv_core.conversion import pipeline
 from lrkv_core.conversion.steps import Step, statistic_inputs
 from lrkv_core.model.loading import model_fingerprint, resolve_model_dir
+from lrkv_core.statistics.precision import calibration_precision
 from lrkv_core.system.fingerprint import hash_dir
 
 from .device import model_pass, task_device
@@ -147,18 +148,22 @@ def collect_statistic(
     batch_size: int,
     store: str,
     layers: list[ArtifactRef] | None = None,
+    precision: str = "float32",
 ) -> ArtifactRef:
-    """One calibration statistic of every layer (Gram, Fisher, ...; ``layers``: the factors it reads)."""
+    """One calibration statistic of every layer (Gram, Fisher, ...; ``layers``: the factors it reads;
+    ``precision``: the passes' decoder stack's, :mod:`lrkv_core.statistics.precision`)."""
     return _collect(
-        model, calib, statistic, dtype, batch_size, store, layers, "statistic", pipeline.statistic_file
-    )
+        model, calib, statistic, dtype, batch_size, store, layers, "statistic", pipeline.statistic_file,
+        precision=precision,
+    )  # fmt: skip
 
 
 def _collect(
-    model, calib, statistic, dtype, batch_size, store, layers, kind, write, label="", **where
+    model, calib, statistic, dtype, batch_size, store, layers, kind, write, label="", *, precision, **where
 ) -> ArtifactRef:
     """Run ``write`` (a pipeline statistic writer, with ``where``: its shard) into the store."""
-    with model_pass(), step(f"collect {statistic['name']}{label}") as advance:
+    pass_in = calibration_precision(precision)
+    with model_pass(), pass_in, step(f"collect {statistic['name']}{label}") as advance:
         return _stored(
             store,
             kind,
@@ -193,11 +198,13 @@ def collect_statistics(
     dtype: str,
     batch_size: int,
     store: str,
+    precision: str = "float32",
 ) -> dict[str, ArtifactRef]:
     """Several calibration statistics of every layer from one pass over their rows (``label``: their names,
     for the run's name); each statistic's file in the store, by name."""
     st = open_store(store)
-    with model_pass(), step(f"collect {label} (one pass)") as advance, ExitStack() as stack:
+    pass_in = calibration_precision(precision)
+    with model_pass(), pass_in, step(f"collect {label} (one pass)") as advance, ExitStack() as stack:
         tmps = [stack.enter_context(st.staging(".safetensors")) for _ in statistics]
         metas = pipeline.statistics_files(
             _local(model),
@@ -243,13 +250,14 @@ def collect_statistic_shard(
     batch_size: int,
     store: str,
     layers: list[ArtifactRef] | None = None,
+    precision: str = "float32",
 ) -> ArtifactRef:
     """The sums of one calibration statistic over shard ``shard`` of ``count`` of its rows."""
     label = f" (shard {shard + 1} of {count})"
     write = pipeline.statistic_shard_file
     return _collect(
         model, calib, statistic, dtype, batch_size, store, layers, "statistic-shard", write, label,
-        shard=shard, count=count,
+        precision=precision, shard=shard, count=count,
     )  # fmt: skip
 
 
@@ -369,10 +377,11 @@ def refine_plan(
     dtype: str,
     batch_size: int,
     store: str,
+    precision: str = "float32",
 ) -> ArtifactRef:
     """Refine the allocator's plan on its measured objective over calibration rows (Gauss–Newton steps; the
     options of :class:`lrkv_core.conversion.refine.RefineConfig`)."""
-    with model_pass(), step("refine plan") as advance:
+    with model_pass(), calibration_precision(precision), step("refine plan") as advance:
         refined = _stored(
             store,
             "plan",
@@ -440,6 +449,7 @@ class StepContext:
     batch_size: int
     store: str
     stored: Callable[[Any], Any]
+    precision: str = "float32"  # what the passes over the calibration rows compute the decoder stack in
 
 
 def step_label(step: Step) -> str:
@@ -469,19 +479,22 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
     stored = ctx.stored
     if step.kind == "statistic":
         return stored(collect_statistic).submit(
-            ctx.model, ctx.calib, p["statistic"], ctx.dtype, ctx.batch_size, ctx.store, layers=inputs or None
-        )
+            ctx.model, ctx.calib, p["statistic"], ctx.dtype, ctx.batch_size, ctx.store, layers=inputs or None,
+            precision=ctx.precision,
+        )  # fmt: skip
     if step.kind == "statistics":
         label = ",".join(r["name"] for r in p["statistics"])
         return stored(collect_statistics).submit(
-            ctx.model, ctx.calib, p["statistics"], label, ctx.dtype, ctx.batch_size, ctx.store
+            ctx.model, ctx.calib, p["statistics"], label, ctx.dtype, ctx.batch_size, ctx.store, ctx.precision
         )
     if step.kind == "pick":
         return stored(pick_statistic).submit(inputs[0], p["statistic"]["name"])
     if step.kind == "statistic_shard":
         args = (p["shard"], p["count"], ctx.dtype, ctx.batch_size, ctx.store)
         shard = stored(collect_statistic_shard)
-        return shard.submit(ctx.model, ctx.calib, p["statistic"], *args, layers=inputs or None)
+        return shard.submit(
+            ctx.model, ctx.calib, p["statistic"], *args, layers=inputs or None, precision=ctx.precision
+        )
     if step.kind == "merge_statistic":
         return stored(merge_statistic).submit(p["statistic"], inputs, ctx.store)
     if step.kind == "decompose":
@@ -495,7 +508,7 @@ def submit_step(step: Step, results: Mapping[str, Any], ctx: StepContext) -> Pre
         return stored(plan_ranks).submit(ctx.model, inputs, *args)
     if step.kind == "refine":
         *layers, plan = inputs
-        args = (p, ctx.dtype, ctx.batch_size, ctx.store)
+        args = (p, ctx.dtype, ctx.batch_size, ctx.store, ctx.precision)
         return stored(refine_plan).submit(ctx.model, ctx.calib, layers, plan, *args)
     if step.kind == "build":
         *layers, plan = inputs

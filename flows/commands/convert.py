@@ -49,6 +49,7 @@ CONVERT_FLAGS = (
     RecipeFlag("compression.rotation.name", name="rotation"),
     RecipeFlag("calibration.n_samples"),
     SEQ_LEN_FLAG,
+    RecipeFlag("calibration.precision", name="calibration-precision"),
     RecipeFlag("tracking.mlflow_uri"),
 )
 

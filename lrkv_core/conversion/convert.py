@@ -46,6 +46,7 @@ from ..model.fuse import compress_model
 from ..quant.rotation import RotationConfig
 from ..statistics import STATISTICS, LayerValue, Statistic
 from ..statistics.joint import collect_joint
+from ..statistics.precision import calibration_precision
 from .refine import RefineConfig, refine_plan
 from .steps import (
     Step,
@@ -285,11 +286,24 @@ def run_steps(
     *,
     batch_size: int = 8,
     progress: Progress = None,
+    precision: str = "float32",
 ) -> dict[str, Any]:
     """Run ``steps`` (of a :func:`~lrkv_core.conversion.steps.conversion_steps` graph, in its order) in memory
     and return every step's result by name, ``results`` (those already at hand) included. A ``build`` step is
-    not run here: :meth:`Conversion.apply` fuses."""
-    results = dict(results or {})
+    not run here: :meth:`Conversion.apply` fuses. ``precision``: what the passes over the calibration rows
+    compute the decoder stack in (:mod:`lrkv_core.statistics.precision`)."""
+    with calibration_precision(precision):
+        return _run_steps(model, calibration, steps, dict(results or {}), batch_size, progress)
+
+
+def _run_steps(
+    model: nn.Module,
+    calibration: torch.Tensor | None,
+    steps: Sequence[Step],
+    results: dict[str, Any],
+    batch_size: int,
+    progress: Progress,
+) -> dict[str, Any]:
     adapter = get_adapter(model.config)
     shape = adapter.shape(model.config)
 
@@ -363,6 +377,7 @@ def decompose_model(
     statistics: Mapping[str, list[LayerValue]] | None = None,
     batch_size: int = 8,
     progress: Progress = None,
+    precision: str = "float32",
 ) -> tuple[list[LayerFactors], dict[str, list[LayerValue]]]:
     """Every layer's full-spectrum factors, and the statistics by name: those given plus those the
     decomposition reads (collected here). The allocator's statistics are not collected: a plan needs them
@@ -379,7 +394,7 @@ def decompose_model(
             wanted.add(name)
             reading += graph[name].inputs
     todo = [s for s in graph if s.name in wanted]
-    kw = dict(batch_size=batch_size, progress=progress)
+    kw = dict(batch_size=batch_size, progress=progress, precision=precision)
     results = run_steps(model, calibration, todo, _given(statistics), **kw)
     factors = [results[decompose_step(layer)] for layer in range(n_layers)]
     names = set(statistics or {}) | set(config.decomposition.needs)
@@ -394,6 +409,7 @@ def plan_conversion(
     statistics: Mapping[str, list[LayerValue]] | None = None,
     batch_size: int = 8,
     progress: Progress = None,
+    precision: str = "float32",
 ) -> Conversion:
     """Statistics, factors, summaries and the rank plan of ``model``, without changing it: the steps of
     :func:`~lrkv_core.conversion.steps.conversion_steps` but the last, run in memory.
@@ -402,11 +418,13 @@ def plan_conversion(
     ----------
     calibration : (N, T) token ids, or None for data-free methods.
     statistics : already collected statistics by name (those given are not collected again).
+    precision : what the passes over the calibration rows compute the decoder stack in, ``"float32"`` or
+        ``"bfloat16"`` (:mod:`lrkv_core.statistics.precision`).
     """
     config = (config or CompressionConfig()).for_model(model.config)
     n_layers = get_adapter(model.config).shape(model.config).L
     graph = conversion_steps(config, n_layers, given=list(statistics or {}))
-    kw = dict(batch_size=batch_size, progress=progress)
+    kw = dict(batch_size=batch_size, progress=progress, precision=precision)
     results = run_steps(model, calibration, graph, _given(statistics), **kw)
     factors = [results[decompose_step(layer)] for layer in range(n_layers)]
     summaries = [results[summarize_step(layer)] for layer in range(n_layers)]

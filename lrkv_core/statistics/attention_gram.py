@@ -23,6 +23,7 @@ from torch import nn
 from ..model.adapters import get_adapter
 from .base import STATISTICS, Counts, LayerValue
 from .joint import JointStatistic, Observer, accumulate_joint
+from .precision import full_precision
 
 
 def collect_attention_gram(
@@ -75,7 +76,7 @@ def attention_gram_observer(model: nn.Module, recording: list[bool]) -> Observer
                 raise RuntimeError(
                     f"layer {i}'s attention returned no attention weights under eager attention"
                 )
-            with torch.no_grad():
+            with torch.no_grad(), full_precision(weights):
                 p = weights.detach().float()  # (B, H, T, T); C in float32, no float64 copy of the weights
                 x = inputs.pop(i).to(torch.float64)  # (B, T, d)
                 mix = torch.einsum("bhmt,bhms->bts", p, p).double()  # C = Σ_h P_hᵀ P_h, (B, T, T)

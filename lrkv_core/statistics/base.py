@@ -29,6 +29,7 @@ from torch import nn
 from ..model.adapters import get_adapter
 from ..registry import Method, Registry
 from ..system.files import save_tensors
+from .precision import stack_precision
 
 Progress = Callable[[int, int], None] | None
 LayerValue = torch.Tensor | dict[str, torch.Tensor]
@@ -245,7 +246,8 @@ def forward_rows(
     try:
         n = rows.shape[0]
         for start in range(0, n, batch_size):
-            stack(input_ids=rows[start : start + batch_size].to(device), use_cache=False)
+            with stack_precision(model):
+                stack(input_ids=rows[start : start + batch_size].to(device), use_cache=False)
             if after_batch is not None:
                 after_batch()
             if progress:

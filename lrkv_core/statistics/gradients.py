@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..model.adapters import get_adapter
 from ..system.memory import mapped_allocations
+from .precision import stack_precision
 
 Visit = Callable[[int, str, torch.Tensor, torch.Tensor], None]  # (layer, "k"|"v", x (B,T,d), g (B,T,out))
 # Given one micro-batch's rows (B, T), a function called for consecutive chunks of its scored positions, in
@@ -91,8 +92,10 @@ def given_probabilities(probs: torch.Tensor) -> Targets:
 
 
 def last_hidden(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """The decoder stack's output (B, T, d) for ``batch`` (B, T), before the output projection."""
-    return get_adapter(model.config).base_model(model)(input_ids=batch, use_cache=False)[0]
+    """The decoder stack's output (B, T, d) for ``batch`` (B, T), before the output projection (in the
+    calibration precision, :mod:`lrkv_core.statistics.precision`)."""
+    with stack_precision(model):
+        return get_adapter(model.config).base_model(model)(input_ids=batch, use_cache=False)[0]
 
 
 def next_token_log_probs(model: nn.Module, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
@@ -252,7 +255,8 @@ def shared_gradient_passes(
                 recording[0] = True
                 long = batch.numel() > CHECKPOINT_TOKENS
                 with checkpointed(adapter.layers(model), long), mapped_allocations(long and MAP_LONG_ROWS):
-                    hidden = base(input_ids=batch, use_cache=False)[0]  # (B, T, d)
+                    with stack_precision(model):  # the loss and the backward call outside autocast
+                        hidden = base(input_ids=batch, use_cache=False)[0]  # (B, T, d)
                     recording[0] = False
                     for j, (_, targets) in enumerate(losses):
                         current[0] = j

@@ -39,6 +39,7 @@ from lrkv_core.lora.config import Role  # noqa: F401  (the recipe's roles, re-ex
 from lrkv_core.quant.rotation import RotationConfig
 from lrkv_core.registry import Method
 from lrkv_core.statistics import STATISTICS
+from lrkv_core.statistics.precision import PRECISIONS
 
 from ..store.artifacts import STORE_FORMS, is_s3, local_dir
 from .registered import registered
@@ -76,6 +77,13 @@ class CalibrationRecipe(Strict):
         ge=1,
         description="slices of the rows each whole-model statistic is collected over, one task each, merged "
         "after (the same values); default: one per worker of a Dask task runner, else 1",
+    )
+    precision: Literal[PRECISIONS] = Field(  # type: ignore[valid-type]
+        "float32",
+        description="what the passes over the calibration rows (statistics, KL response, refinement) compute "
+        "the decoder stack in: bfloat16 runs its matrix products under autocast (0.8 of the time where the "
+        "hardware multiplies bfloat16 natively), a plan of comparable quality, not the same; "
+        "the weights, decompositions and the built model are unchanged",
     )
 
     @property

@@ -172,6 +172,34 @@ def test_the_flow_and_the_in_memory_api_build_the_same_model(prefect_api, tmp_pa
         assert max_diff(model(ids).logits, load_compressed(tmp_path / "out")(ids).logits) < 1e-4
 
 
+def test_the_flow_calibrates_in_bfloat16_as_the_in_memory_api_does(prefect_api, tmp_path):
+    """``calibration.precision: bfloat16`` reaches every pass of the flow (the joint statistics, the KL
+    response, the refinement): its model is the in-memory conversion's in bfloat16, not the float32 one."""
+    model_dir = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    recipe = _recipe(
+        model_dir, data, tmp_path / "store", tmp_path / "out", f"sqlite:///{tmp_path / 'm.db'}", 0.5
+    )
+    cal = recipe.calibration.model_copy(update={"precision": "bfloat16"})
+    result = convert_flow(recipe.model_copy(update={"calibration": cal}))
+    assert {JOINT, "collect_statistic[kl_response]", "refine_plan"} <= {row["task"] for row in result.timings}
+    rows = read_token_rows(local_path(result.calibration.uri))
+    built = load_compressed(tmp_path / "out")
+    ids = rows[:4]
+    gaps = {}
+    for precision in ("bfloat16", "float32"):
+        model, _ = load_model(model_dir)
+        conversion = plan_conversion(
+            model, rows, recipe.compression.to_config(), batch_size=cal.batch_size, precision=precision
+        )
+        if precision == "bfloat16":
+            assert conversion.plan.ranks == RankPlan.load(local_path(result.plan.uri)).ranks
+        conversion.apply(model)
+        with torch.no_grad():
+            gaps[precision] = max_diff(model(ids).logits, built(ids).logits)
+    assert gaps["bfloat16"] < 1e-4 < gaps["float32"], gaps
+
+
 def test_the_flow_builds_latents_of_rotated_keys_as_the_in_memory_api_does(prefect_api, tmp_path):
     """``compression.key_latents: rotated`` from a recipe, through Prefect: the flow's model reads rotated
     keys and equals the in-memory conversion's on the same rows."""
