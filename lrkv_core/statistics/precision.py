@@ -6,8 +6,9 @@ stack of every such pass runs under ``torch.autocast``: its matrix products (the
 attention's products) in bfloat16, while the residual stream, the norms, the softmax, the output projection,
 the loss and every statistic's sums stay in float32/float64. Where the hardware multiplies bfloat16 natively
 (CPUs with AVX-512 BF16 or AMX, GPUs since Ampere) a pass takes less time (0.8 of its float32 time for
-SmolLM2 on an AVX-512 BF16 CPU, ``benchmarks/calibration_precision.py``). The values are those of a bfloat16 forward pass, not the float32
-ones: a plan of comparable quality, not the same plan (docs/long-context.md, calibration time).
+SmolLM2 on an AVX-512 BF16 CPU, ``benchmarks/calibration_precision.py``). The values are those of a
+bfloat16 forward pass, not the float32 ones: a plan of comparable quality, not the same plan
+(docs/long-context.md, calibration time).
 
 Only what the passes compute changes: the model's weights, the decompositions (which read the weights and
 the statistics), the fused model and its evaluation are untouched. A model whose own dtype is not float32
@@ -27,7 +28,7 @@ PRECISIONS = ("float32", "bfloat16")
 _LOWER = {"bfloat16": torch.bfloat16}
 
 # the dtype the passes' decoder stack computes in while a calibration_precision block is open (None: the
-# model's own); a context variable, so each thread (each task of a flow) has its own
+# model's own); a context variable: a block holds for the code it runs, not for other threads' tasks
 _PASS_DTYPE: ContextVar[torch.dtype | None] = ContextVar("lrkv_pass_dtype", default=None)
 
 
