@@ -19,7 +19,7 @@ import functools
 import time
 
 import torch
-from joint_statistics import NAMES, _tensors, alternate  # benchmarks/, the script's own directory
+from joint_statistics import NAMES, alternate, frobenius_gap  # benchmarks/, the script's own directory
 from refine_time import load_rows, rows_parser
 
 from lrkv_core.statistics import STATISTICS
@@ -27,11 +27,6 @@ from lrkv_core.statistics.gradients import row_seeded_targets, shared_gradient_p
 from lrkv_core.statistics.joint import collect_joint
 from lrkv_core.statistics.precision import PRECISIONS, calibration_precision
 from lrkv_core.system.memory import gib
-
-
-def _gap(got, want) -> float:
-    pairs = list(zip(_tensors(got), _tensors(want), strict=True))
-    return max(float((a - b).norm() / b.norm()) for a, b in pairs)
 
 
 def main() -> None:
@@ -65,8 +60,8 @@ def main() -> None:
     print("| statistic | bfloat16 from float32 (relative Frobenius, largest matrix) |")
     print("|---|---|")
     for s, low, full in zip(stats, values["bfloat16"], values["float32"], strict=True):
-        print(f"| {s.name} | {_gap(low, full):.2e} |")
-    moved = _gap(other_draws, values["float32"][NAMES.index("output_fisher")])
+        print(f"| {s.name} | {frobenius_gap(low, full):.2e} |")
+    moved = frobenius_gap(other_draws, values["float32"][NAMES.index("output_fisher")])
     print(f"| output_fisher, float32 with targets drawn under seed 1 | {moved:.2e} |")
     if args.gradient_rows:
         _gradient_passes(model, rows[: args.gradient_rows], args)
