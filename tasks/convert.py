@@ -26,6 +26,7 @@ from lrkv_core.conversion.steps import Step, statistic_inputs
 from lrkv_core.model.loading import model_fingerprint, resolve_model_dir
 from lrkv_core.statistics.precision import calibration_precision
 from lrkv_core.system.fingerprint import hash_dir
+from lrkv_core.system.openmp import release_thread_pool
 
 from .device import model_pass, task_device
 from .keys import calibration_key, resolve_key, task_key
@@ -43,6 +44,12 @@ def _note_run_time(task, task_run, state) -> None:
     """``on_completion`` hook: the task run's own run time (0 for a cache hit, which never runs)."""
     with _RUN_SECONDS_LOCK:
         _RUN_SECONDS[task_run.id] = task_run.total_run_time.total_seconds()
+
+
+def _release_thread_pool(task, task_run, state) -> None:
+    """``on_completion`` and ``on_failure`` hook, run in the task's thread: the thread's OpenMP workers go,
+    so the tasks that compute next keep theirs spinning (:mod:`lrkv_core.system.openmp`)."""
+    release_thread_pool()
 
 
 def run_seconds(task_run_id: uuid.UUID, wait: float = 3.0) -> float | None:
@@ -75,7 +82,8 @@ CACHED = {
     "persist_result": True,
     "result_serializer": "json",
     "cache_expiration": None,
-    "on_completion": [_note_run_time],
+    "on_completion": [_note_run_time, _release_thread_pool],
+    "on_failure": [_release_thread_pool],
 }
 TASK_KEY = checked(task_key)
 
