@@ -63,24 +63,25 @@ def main() -> None:
         thread.join()  # an ended thread's pool ends with it
         return out[0]
 
-    ways = {
-        "main thread": lambda work: work(),
-        "second thread, the main thread's pool held": lambda work: (work_main_pool(), in_thread(work))[1],
-        "second thread, the main thread's pool released": lambda work: (
-            work_main_pool(),
-            release_thread_pool(),
-            in_thread(work),
-        )[2],
-    }
+    ways = (
+        "main thread",
+        "second thread, the main thread's pool held",
+        "second thread, the main thread's pool released",
+    )
 
-    def work_main_pool() -> None:  # the main thread starts (or keeps) a pool of its own
-        hidden * 1.0001
+    def run(way: str, work: Callable[[], float]) -> float:
+        if way == ways[0]:
+            return work()
+        hidden * 1.0001  # the main thread starts (or keeps) a pool of its own
+        if way == ways[2]:
+            release_thread_pool()
+        return in_thread(work)
 
     results: dict[str, dict[str, list[float]]] = {w: {"products": [], "pass": []} for w in ways}
     for _ in range(args.repeats):
-        for way, run in ways.items():
-            results[way]["products"].append(run(products))
-            results[way]["pass"].append(run(pricing_pass))
+        for way in ways:
+            results[way]["products"].append(run(way, products))
+            results[way]["pass"].append(run(way, pricing_pass))
             print(f"  {way}: {results[way]['products'][-1]:.1f} µs, {results[way]['pass'][-1]:.3f} s/row")
     base = {k: min(v) for k, v in results["main thread"].items()}
     print("| where | product, µs | ratio | pricing pass, s/row | ratio |")
