@@ -10,10 +10,8 @@ PYTHON=${PYTHON:-python3}
 # the installs again: a second run with both unchanged returns at once.
 STAMP=.venv/.lrkv-setup
 WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && python -c "import importlib.util as u, sys
-sys.exit(any(u.find_spec(m) is None for m in ('torch', 'lrkv_core', 'lrkv_flows')))"; then
-  exit 0
-fi
+FOUND="import importlib.util as u; assert all(map(u.find_spec, ('torch', 'lrkv_core', 'lrkv_flows')))"
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && python -c "$FOUND" 2>/dev/null; then exit 0; fi
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${LRKV_TORCH_VERSION:-2.13.0}"
 python -m pip install -q -e ".[dev,anchor]"  # anchor: hqq + quanto for the QuantizedCache comparison
