@@ -135,9 +135,9 @@ def settings(table: str, rows: int) -> list[Setting]:
         Setting("kl, greedy solver", {"name": "kl", "solver": "greedy"}, rows, kl()),
         Setting("kl, data targets", "kl", rows, kl(labels="data")),
         Setting("kl, 4 label draws per row", "kl", rows, kl(draws=4)),
-        Setting("kl, KL response on all rows", "kl", rows, {"kl_response": {}}),
+        Setting("kl, KL response on all rows", "kl", rows, {"kl_response": {"n_samples": None}}),
         Setting("kl, Gram on all rows", "kl", None, kl()),
-        Setting("kl, both on all rows", "kl", None, {"kl_response": {}}),
+        Setting("kl, both on all rows", "kl", None, {"kl_response": {"n_samples": None}}),
         Setting("kl, rank multiple 1", "kl", rows, kl(), rank_multiple=1),
     ]
 

@@ -70,7 +70,8 @@ def main() -> None:
     wanted = [STATISTICS.create(s) for s in ("gram", "fisher")]
     stats = collect_statistics(model, rows, wanted)
     factors, _ = decompose_model(model, rows, CompressionConfig(group_size=args.group_size), statistics=stats)
-    stats |= collect_statistics(model, rows, [STATISTICS.create("kl_response")], factors=factors)
+    every_row = STATISTICS.create({"name": "kl_response", "n_samples": None})  # the curves of all the rows
+    stats |= collect_statistics(model, rows, [every_row], factors=factors)
     print(f"statistics: {time.perf_counter() - started:.0f} s", flush=True)
 
     groups = []

@@ -22,18 +22,19 @@ targets sampled from its own predictions, as :mod:`lrkv_core.statistics.response
 generator seeded by the seed, the step and the row, so the micro-batch size does not change the draws).
 Both are latent prefix sums of :class:`LatentProducts`, so one forward and two backward passes price every
 (group, rank). The new plan minimises the summed prices within the budget and no narrower than P (the exact
-knapsack), each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower (on
-the same rows, or with ``accept_rows`` on the calibration rows after them, which the step was not priced
-on), otherwise the radius halves and the step is solved again on the same prices (a trust region).
+knapsack), each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower on
+the calibration rows after the pricing rows, which the step was not priced on (``accept_rows``, 32 by
+default; with ``accept_rows: 0``, on the pricing rows themselves), otherwise the radius halves and the step
+is solved again on the same prices (a trust region).
 
 The pass that prices a plan measures its J on the way (the loss of its first backward pass is J, up to the
-original's entropy for the KL, which the pass adds up too). So on the pricing rows a candidate plan is
+original's entropy for the KL, which the pass adds up too). So with ``accept_rows: 0`` a candidate plan is
 measured by the pass that prices the step after it: kept, those are the next step's prices; rejected, they
-are dropped. Cost per step: one forward and two backward passes over the rows (the last step's candidate: a
-forward pass alone); with ``accept_rows``, a forward pass over those rows besides. The KL also needs the
-original's predictions, whose hidden states are computed once per row and kept (:class:`OriginalHidden`, up
-to a memory budget). J is that of the cut weights: a quantized latent cache adds its rounding on top, which
-the refinement does not see.
+are dropped. Cost per step: one forward and two backward passes over the pricing rows and a forward pass
+over the accepting rows (with ``accept_rows: 0``, the last step's candidate a forward pass alone). The KL
+also needs the original's predictions, whose hidden states are computed once per row and kept
+(:class:`OriginalHidden`, up to a memory budget). J is that of the cut weights: a quantized latent cache adds
+its rounding on top, which the refinement does not see.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ if TYPE_CHECKING:
     from ..decompositions import LayerFactors
 
 Key = tuple[int, str]  # (layer, "k"|"v")
-REFINE_ROWS = 128  # calibration rows the loss is measured on (docs/decomposition.md: every plan at 0.5)
+REFINE_ROWS = 32  # calibration rows each step is priced on (docs/long-context.md: calibration time)
+REFINE_ACCEPT_ROWS = 32  # the rows after them each step is kept or rejected on (docs/long-context.md)
 REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md: radius)
 REFINE_OBJECTIVE = "nll"  # what the refinement lowers on its rows, "nll" or "kl" (docs/allocation.md)
 ORIGINAL_BYTES = 128 * 2**20  # the most memory the original's kept hidden states take (the rest recomputed)
@@ -90,7 +92,8 @@ class RefineConfig(Section):
         },
     )
     rows: int = dataclasses.field(
-        default=REFINE_ROWS, metadata={"help": "calibration rows (the first) the objective is measured on"}
+        default=REFINE_ROWS,
+        metadata={"help": "calibration rows (the first) each step is priced on (all of them when fewer)"},
     )
     radius: int = dataclasses.field(
         default=REFINE_RADIUS,
@@ -99,11 +102,12 @@ class RefineConfig(Section):
             "step that does not lower the objective"
         },
     )
-    accept_rows: int = dataclasses.field(
-        default=0,
+    accept_rows: int | None = dataclasses.field(
+        default=None,
         metadata={
             "help": "calibration rows after the first `rows` on which each step is accepted or rejected "
-            "(0: the rows that priced it)"
+            f"(0: the rows that priced it; null: {REFINE_ACCEPT_ROWS}, at most half the calibration rows, "
+            "the pricing rows then fewer where there are not enough for both)"
         },
     )
     objective: Literal["kl", "nll"] = dataclasses.field(
@@ -115,7 +119,7 @@ class RefineConfig(Section):
     )
 
     def __post_init__(self) -> None:
-        if self.accept_rows < 0:
+        if self.accept_rows is not None and self.accept_rows < 0:
             raise ValueError(f"refine accept_rows must be ≥ 0, got {self.accept_rows}")
         if (self.steps is not None and self.steps < 0) or self.rows < 1 or self.radius < 1:
             raise ValueError(
@@ -123,6 +127,21 @@ class RefineConfig(Section):
                 f"{self.steps}, {self.rows}, {self.radius}"
             )
         _check(self.objective)
+
+    def split(self, n_rows: int) -> tuple[int, int]:
+        """How many of ``n_rows`` calibration rows price each step (the first) and how many after them
+        accept it (0: the pricing rows do). A set ``accept_rows`` must fit after ``rows`` (a clear error
+        otherwise); the default accepts on 32 rows, at most half of them, and prices on up to ``rows`` of
+        those before."""
+        if self.accept_rows is None:
+            accept = min(REFINE_ACCEPT_ROWS, n_rows // 2)
+            return min(self.rows, n_rows - accept), accept
+        if self.accept_rows and self.rows + self.accept_rows > n_rows:
+            raise ValueError(
+                f"refine accepts on {self.accept_rows} rows after the first {self.rows}: it needs "
+                f"{self.rows + self.accept_rows} calibration rows, got {n_rows}"
+            )
+        return min(self.rows, n_rows), self.accept_rows
 
 
 class PlanWeights:
@@ -385,8 +404,9 @@ def refine_plan(
     measure_while_pricing: bool = True,
 ) -> RankPlan:
     """The plan after up to ``config.steps`` accepted-or-rejected Gauss–Newton steps on the measured
-    ``config.objective`` (``nll`` or ``kl``), priced on the first ``config.rows`` of ``rows`` (N, T) (see the
-    module doc) and accepted on the next ``config.accept_rows`` (on the pricing rows when 0); the model is
+    ``config.objective`` (``nll`` or ``kl``), priced on the first rows of ``rows`` (N, T) and accepted on
+    the rows after them (on the pricing rows when none), as :meth:`RefineConfig.split` divides them (see the
+    module doc); the model is
     left as it was. Its details gain ``refine``: the objective, and its measured value on the accepting rows
     before and after each step (under its name) and whether it was kept. Never above the plan's budget, never
     a higher measured objective on the accepting rows than the plan's. The KL objective keeps the original's
@@ -403,13 +423,9 @@ def refine_plan(
     measure = OBJECTIVES[objective]
     if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] < 2:
         raise ValueError(f"refine needs (N, T) calibration rows with T ≥ 2, got {tuple(rows.shape)}")
-    rows, accept = rows[: config.rows], rows[config.rows : config.rows + config.accept_rows]
-    if config.accept_rows and (len(accept) < config.accept_rows or len(rows) < config.rows):
-        raise ValueError(
-            f"refine accepts on {config.accept_rows} rows after the first {config.rows}: it needs "
-            f"{config.rows + config.accept_rows} calibration rows, got {len(rows) + len(accept)}"
-        )
-    if not config.accept_rows:
+    n_priced, n_accept = config.split(rows.shape[0])
+    rows, accept = rows[:n_priced], rows[n_priced : n_priced + n_accept]
+    if not n_accept:
         accept = rows
     spectra = [f.spectra() for f in factors]
     problem = RankProblem(spectra, plan.group_width, plan.target_ratio, plan.rank_multiple)
@@ -495,7 +511,7 @@ def refine_plan(
         weights.restore()
     record = {
         "rows": rows.shape[0],
-        "accept_rows": config.accept_rows,
+        "accept_rows": n_accept,
         "objective": objective,
         "steps": history,
     }

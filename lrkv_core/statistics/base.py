@@ -61,6 +61,8 @@ class Statistic(Method, ABC):
     """
 
     n_samples: int | None = None  # the first n calibration rows; None: all of them
+    # n_samples is a cap: a calibration with fewer rows is used whole (else asking for more is an error)
+    caps_rows: ClassVar[bool] = False
     # read the decomposition's factors (``collect(..., factors=...)``), so collected after decomposing
     uses_factors: ClassVar[bool] = False
     # its sums add up across shards of the rows (``collect_shard`` + ``merge``); one whose do not sets False
@@ -74,10 +76,11 @@ class Statistic(Method, ABC):
             raise ValueError(f"{self.name}: n_samples must be ≥ 1, got {self.n_samples}")
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The calibration rows this statistic uses; a clear error when it asks for more than there are."""
+        """The calibration rows this statistic uses; a clear error when it asks for more than there are
+        (unless ``caps_rows``)."""
         if self.n_samples is None:
             return rows
-        if self.n_samples > rows.shape[0]:
+        if self.n_samples > rows.shape[0] and not self.caps_rows:
             raise ValueError(
                 f"statistic {self.name} asks for {self.n_samples} calibration rows, the calibration has "
                 f"{rows.shape[0]}: raise calibration.n_samples"

@@ -14,7 +14,9 @@ It reads the factors, so it is collected after the decomposition (``uses_factors
 Fisher that the decomposition itself reads. ``labels="data"`` scores the rows' own next tokens instead (the
 empirical Fisher, as Palu's weight Fisher does). Sampled labels are drawn per (row, draw) from generators
 seeded by ``seed`` and the row's index, so the curves do not depend on the batches or shards; shards add
-their sums of squared tail sums and their row counts, and the mean is taken once.
+their sums of squared tail sums and their row counts, and the mean is taken once. It reads the first 64
+calibration rows by default (``n_samples``; all of them when there are fewer): the refinement that follows
+corrects the plan on rows of its own, so the curves need fewer rows than the decomposition's statistics.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 KINDS = ("k", "v")
 LABELS = ("sampled", "data")
+KL_ROWS = 64  # calibration rows the curves are measured on by default (docs/long-context.md)
 
 
 @STATISTICS.register
@@ -45,6 +48,8 @@ class KLResponse(Statistic):
 
     name: ClassVar[str] = "kl_response"
     uses_factors: ClassVar[bool] = True
+    caps_rows: ClassVar[bool] = True
+    n_samples: int | None = KL_ROWS  # the first n calibration rows (all of them when fewer); None: all
     labels: str = "sampled"  # targets drawn from the model's predictions (true Fisher), or "data"
     draws: int = 1  # label draws per row when sampled (more: less noise, one more pass each)
     seed: int = 0

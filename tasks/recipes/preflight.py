@@ -60,7 +60,8 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
     compression = recipe.compression
     resolved = compression.to_config().for_model(config)  # group size, rank-0 budget: before any work
     for stat in resolved.needed_statistics():
-        if stat.n_samples is not None and stat.n_samples > recipe.calibration.n_samples:
+        asks = stat.n_samples is not None and not stat.caps_rows  # a cap reads all of fewer rows
+        if asks and stat.n_samples > recipe.calibration.n_samples:
             raise ValueError(
                 f"statistic {stat.name} asks for {stat.n_samples} calibration rows; calibration.n_samples is "
                 f"{recipe.calibration.n_samples}"

@@ -72,6 +72,25 @@ def test_kl_response_options_and_inputs_are_checked(make_tiny) -> None:
         collect_kl_response(model, rows, factors[:1])
 
 
+def test_the_curves_read_the_first_64_rows_by_default_and_all_of_fewer(make_tiny, one_thread) -> None:
+    """``n_samples`` caps the rows (64 by default; a calibration with fewer is used whole, not refused, as a
+    statistic that asks for more rows than there are is); ``None`` reads every row."""
+    rows = torch.arange(70 * 4).reshape(70, 4)
+    assert KLResponse().n_samples == 64 and KLResponse.caps_rows
+    assert torch.equal(KLResponse().rows(rows), rows[:64])
+    assert torch.equal(KLResponse().rows(rows[:5]), rows[:5])
+    assert torch.equal(KLResponse(n_samples=None).rows(rows), rows)
+    with pytest.raises(ValueError, match="asks for 64 calibration rows, the calibration has 5"):
+        STATISTICS.create({"name": "gram", "n_samples": 64}).rows(rows[:5])
+    model = make_tiny("llama", 2)
+    calib = torch.randint(3, 61, (6, 8), generator=torch.Generator().manual_seed(0))
+    factors = _factors(model, calib, group_size=1, rank_multiple=1, decomposition="plain")
+    capped, meta = KLResponse(n_samples=4).collect(model, calib, factors=factors)
+    first, _ = KLResponse(n_samples=None).collect(model, calib[:4], factors=factors)
+    assert meta["n_rows"] == 4
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(capped, first) for k in "kv")
+
+
 def test_kl_plans_from_the_curves_it_collected_after_decomposing(make_tiny, one_thread) -> None:
     """In memory: kl_response is collected after the factors (it reads them) and kl meets the budget,
     keeping the ranks whose cut the curves price highest."""

@@ -108,7 +108,9 @@ def test_refine_inputs_are_checked_and_no_steps_keep_the_plan(make_tiny) -> None
         model, rows, CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, refine={"steps": 1})
     )
     steps = refined.plan.details["refine"]["steps"]
-    assert refined.plan.details["refine"]["rows"] == 4 and steps[0]["nll"] > 0  # the default objective
+    record = refined.plan.details["refine"]
+    assert (record["rows"], record["accept_rows"]) == (2, 2)  # 4 rows: half price, half accept (the default)
+    assert steps[0]["nll"] > 0  # the default objective
     assert refined.plan.kept <= refined.plan.budget_width
 
 
@@ -204,7 +206,9 @@ def test_refining_on_the_rows_own_tokens_lowers_their_loss(shakespeare) -> None:
     """``objective="nll"``: the kept plans' measured loss of the rows' own next tokens falls step by step,
     and the refined plan has the lower loss on rows it never saw too."""
     model, rows, conv = shakespeare
-    plan = refine_plan(model, conv.factors, conv.plan, rows[:16], {"steps": 2, "objective": "nll"})
+    plan = refine_plan(
+        model, conv.factors, conv.plan, rows[:16], {"steps": 2, "objective": "nll", "accept_rows": 0}
+    )
     refine = plan.details["refine"]
     kept = [refine["steps"][0]["nll"]] + [s["nll"] for s in refine["steps"][1:] if s["kept"]]
     assert refine["objective"] == "nll" and len(kept) > 1 and kept == sorted(kept, reverse=True)
@@ -218,6 +222,18 @@ def test_refining_on_the_rows_own_tokens_lowers_their_loss(shakespeare) -> None:
         )
     finally:
         weights.restore()
+
+
+def test_the_default_prices_on_32_rows_and_accepts_on_the_32_after_them_or_on_half_of_fewer() -> None:
+    """``RefineConfig.split``: how many calibration rows price each step and how many after them accept it."""
+    default = RefineConfig()
+    assert [default.split(n) for n in (256, 64, 48, 3, 1)] == [(32, 32), (32, 32), (24, 24), (2, 1), (1, 0)]
+    assert RefineConfig(rows=128).split(256) == (128, 32)
+    assert RefineConfig(rows=128).split(140) == (108, 32)  # the accepting rows first, the pricing ones fewer
+    assert RefineConfig(accept_rows=0).split(256) == (32, 0)  # accepted on the rows that priced it
+    assert RefineConfig(rows=16, accept_rows=8).split(24) == (16, 8)
+    with pytest.raises(ValueError, match="it needs 24 calibration rows, got 23"):
+        RefineConfig(rows=16, accept_rows=8).split(23)
 
 
 def test_steps_are_accepted_on_the_rows_after_those_that_priced_them(shakespeare) -> None:
@@ -339,7 +355,9 @@ def test_candidates_measured_while_pricing_give_the_same_plan_in_fewer_forwards(
     four micro-batches take 3 passes each (the start and the first candidate, priced and measured; the last
     measured) instead of 5 (the start, then each step priced and its candidate measured)."""
     model, rows, conv = shakespeare
-    runs = _refined_with_forwards(model, conv, rows[:16], {"steps": 2, "objective": objective, "rows": 16})
+    runs = _refined_with_forwards(
+        model, conv, rows[:16], {"steps": 2, "objective": objective, "rows": 16, "accept_rows": 0}
+    )
     (alone, n_alone, _), (shared, n_shared, _) = runs[False], runs[True]
     steps = alone.details["refine"]["steps"]
     assert len(steps) == 3 and all(s["kept"] for s in steps[1:])  # the premise: every step kept
@@ -361,7 +379,9 @@ def test_a_step_after_a_rejection_is_solved_again_on_the_same_prices(shakespeare
     step halves the radius on the prices it already has (no pass); each candidate priced and measured alone,
     it prices the plan again (7 passes per micro-batch instead of 4)."""
     model, rows, conv = shakespeare
-    runs = _refined_with_forwards(model, conv, rows[:8], {"steps": 3, "objective": "nll", "rows": 8})
+    runs = _refined_with_forwards(
+        model, conv, rows[:8], {"steps": 3, "objective": "nll", "rows": 8, "accept_rows": 0}
+    )
     for plan, _, _ in runs.values():
         steps = plan.details["refine"]["steps"]
         assert [s.get("kept") for s in steps[1:3]] == [True, False] and steps[3]["radius"] == 2

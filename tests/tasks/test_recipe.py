@@ -30,7 +30,8 @@ def test_defaults_are_the_embedded_quickstart():
     assert r.compression.allocator.name == CompressionConfig().allocator.name == DEFAULT_ALLOCATOR == "kl"
     assert r.compression.allocator.solver == "exact" and r.calibration.n_samples == 256
     config = r.compression.to_config()
-    assert (config.refine.steps, config.refine.rows, config.refine.radius) == (3, 128, 4)
+    assert (config.refine.steps, config.refine.rows, config.refine.radius) == (3, 32, 4)
+    assert config.refine.accept_rows is None and config.refine.split(256) == (32, 32)
     assert config.refine.objective == CompressionConfig().refine.objective == "nll"
     assert r.compression.decomposition.to_dict() == {
         "name": "whitened",
