@@ -406,12 +406,12 @@ def refine_plan(
     """The plan after up to ``config.steps`` accepted-or-rejected Gauss–Newton steps on the measured
     ``config.objective`` (``nll`` or ``kl``), priced on the first rows of ``rows`` (N, T) and accepted on
     the rows after them (on the pricing rows when none), as :meth:`RefineConfig.split` divides them (see the
-    module doc); the model is
-    left as it was. Its details gain ``refine``: the objective, and its measured value on the accepting rows
-    before and after each step (under its name) and whether it was kept. Never above the plan's budget, never
-    a higher measured objective on the accepting rows than the plan's. The KL objective keeps the original's
-    hidden states of up to ``original_bytes`` (:class:`OriginalHidden`): the same plan, fewer forwards.
-    ``measure_while_pricing`` (without ``accept_rows``): each candidate is measured by the pass that prices
+    module doc); the model is left as it was. Its details gain ``refine``: the rows, the objective, and its
+    measured value on the accepting rows before and after each step (under its name) and whether it was
+    kept. Never above the plan's budget, never a higher measured objective on the accepting rows than the
+    plan's. The KL objective keeps the original's hidden states of up to ``original_bytes``
+    (:class:`OriginalHidden`): the same plan, fewer forwards. ``measure_while_pricing`` (with
+    ``accept_rows: 0``): each candidate is measured by the pass that prices
     the next step (the module doc); off, by a forward pass of its own and every step priced afresh (a step
     after a rejection then draws its curvature anew): the same plan where every step is kept.
     ``progress(rows done, rows planned)`` after each micro-batch of every pass, over the rows of the passes
