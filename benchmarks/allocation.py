@@ -116,6 +116,9 @@ def settings(table: str, rows: int) -> list[Setting]:
             *(on_loss("kl", "kl", kl(), steps, n) for steps, n in ((3, 64), (3, 128), (3, 256), (6, 32))),
             on_loss("kl", "kl", kl(), 6, 128),
             *(on_loss("kl", "kl", kl(), 3, n, 128) for n in (32, 128)),  # accepted on rows not priced on
+            # lrkv's default plan: the KL response on the first 64 rows, each step priced on 32, accepted on
+            # the next 32
+            on_loss("kl, KL response on 64 rows", "kl", {"kl_response": {"n_samples": 64}}, 3, 32, 32),
             on_loss("uniform", "uniform", {}),
             on_loss("fisher (Palu's rule)", "fisher", fisher()),
             on_loss("eigen (one threshold)", {"name": "eigen", "rule": "global"}, {}),
@@ -281,8 +284,8 @@ def main() -> None:
                 factors, _ = decompose_model(model, rows, full, statistics=given)
             for name, options in s.statistics.items():
                 key = f" after gram {gram_rows}" if STATISTICS.get(name).uses_factors else ""
-                if options.get("n_samples", 0) >= len(rows):
-                    options = {k: v for k, v in options.items() if k != "n_samples"}  # all rows
+                if "n_samples" in options and (options["n_samples"] or len(rows)) >= len(rows):
+                    options = options | {"n_samples": None}  # all rows (kl_response alone reads 64)
                 given[name], spent = statistic({"name": name, **options}, factors, key)
                 seconds += spent
             start = time.perf_counter()
