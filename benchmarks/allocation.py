@@ -284,7 +284,7 @@ def main() -> None:
                 factors, _ = decompose_model(model, rows, full, statistics=given)
             for name, options in s.statistics.items():
                 key = f" after gram {gram_rows}" if STATISTICS.get(name).uses_factors else ""
-                if "n_samples" in options and (options["n_samples"] or len(rows)) >= len(rows):
+                if (options.get("n_samples") or 0) >= len(rows):
                     options = options | {"n_samples": None}  # all rows (kl_response alone reads 64)
                 given[name], spent = statistic({"name": name, **options}, factors, key)
                 seconds += spent
