@@ -10,6 +10,12 @@
 2. Drawing the sampled targets (the output Fisher, the KL response, the refinement's curvature) from the
    model's logits of one row: :func:`torch.multinomial` against the inverse-CDF draw
    (:func:`~lrkv_core.statistics.gradients.inverse_cdf_draw`), seconds per row (best of the repeats).
+3. The loss's gradient at the last hidden states, for one loss (sampled tokens: the output Fisher's) and for
+   the refinement's two (the rows' own tokens and sampled ones): autograd through the cross-entropy, the
+   output projection run for each loss (the reference, here), against
+   :func:`~lrkv_core.statistics.gradients.loss_gradients` (the gradient at the logits written down, one
+   output projection for every loss). Seconds per row (best of the repeats) and the largest gap between
+   the two gradients, relative to the largest entry.
 
     OMP_NUM_THREADS=1 python benchmarks/gradient_pass_time.py --threads 1 --rows 8
 """
@@ -24,9 +30,12 @@ import torch
 from refine_time import load_rows, rows_parser  # benchmarks/, the script's own directory
 
 from lrkv_core.statistics.gradients import (
+    LOSS_CHUNK,
+    _logits_of,
     inverse_cdf_draw,
     kv_gradient_passes,
     last_hidden,
+    loss_gradients,
     next_token_log_probs,
     row_seeded_targets,
     shared_gradient_passes,
@@ -104,6 +113,59 @@ def main() -> None:
     print("|---|---|---|")
     for name, seconds_ in best.items():
         print(f"| {name} | {seconds_:.3f} | {seconds_ / best['torch.multinomial']:.3f} |")
+    loss_step_table(model, rows, max(args.repeats, 2))
+
+
+def autograd_loss_gradient(hidden, batch, logits_of, targets) -> torch.Tensor:
+    """The reference: ∂(cross-entropy sum / scored positions)/∂hidden by autograd, chunk by chunk."""
+    B, T = batch.shape
+    leaf = hidden.detach().requires_grad_(True)
+    draw = targets(batch) if targets is not None else None
+    for start in range(0, T - 1, LOSS_CHUNK):
+        stop = min(start + LOSS_CHUNK, T - 1)
+        logits = logits_of(leaf[:, start:stop])
+        wanted = batch[:, start + 1 : stop + 1] if draw is None else draw(logits.detach(), start)
+        wanted = wanted.flatten(0, 1) if wanted.is_floating_point() else wanted.flatten()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted, reduction="sum") / (
+            B * (T - 1)
+        )
+        loss.backward()
+    return leaf.grad
+
+
+def loss_step_table(model, rows: torch.Tensor, repeats: int) -> None:
+    """Section 3: the loss's gradient both ways, per row of ``rows``, for one loss and for two."""
+    logits_of = _logits_of(model)
+    with torch.no_grad():
+        hiddens = [last_hidden(model, row[None]) for row in rows]
+    cases = {
+        "one loss (sampled tokens)": lambda: [row_seeded_targets(5)],
+        "two losses (own and sampled tokens)": lambda: [None, row_seeded_targets(5)],
+    }
+    print("| loss's gradient | autograd, s/row | written down, s/row | ratio | largest gap |")
+    print("|---|---|---|---|---|")
+    for case, targets in cases.items():
+        best = {"autograd": float("inf"), "written down": float("inf")}
+        gap = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            want = [
+                [autograd_loss_gradient(h, row[None], logits_of, t) for t in targets()]
+                for h, row in zip(hiddens, rows, strict=True)
+            ]
+            best["autograd"] = min(best["autograd"], (time.perf_counter() - start) / len(rows))
+            start = time.perf_counter()
+            got = [
+                loss_gradients(h, row[None], logits_of, targets())
+                for h, row in zip(hiddens, rows, strict=True)
+            ]
+            best["written down"] = min(best["written down"], (time.perf_counter() - start) / len(rows))
+            for ws, gs in zip(want, got, strict=True):
+                gap = max(
+                    gap, *(float((g - w).abs().max() / w.abs().max()) for g, w in zip(gs, ws, strict=True))
+                )
+        a, b = best["autograd"], best["written down"]
+        print(f"| {case} | {a:.3f} | {b:.3f} | {b / a:.3f} | {gap:.1e} |")
 
 
 if __name__ == "__main__":

@@ -258,9 +258,9 @@ def shared_gradient_passes(
                     with stack_precision(model):  # the loss and the backward call outside autocast
                         hidden = base(input_ids=batch, use_cache=False)[0]  # (B, T, d)
                     recording[0] = False
-                    for j, (_, targets) in enumerate(losses):
+                    grads = loss_gradients(hidden, batch, logits_of, [targets for _, targets in losses])
+                    for j, grad in enumerate(grads):
                         current[0] = j
-                        grad = _loss_gradient(hidden, batch, logits_of, targets)
                         # every projection's output lies on the way from the loss to the first layer's, so
                         # its hook sees its gradient on the way (the gradients returned here are not needed)
                         torch.autograd.grad(
@@ -288,26 +288,41 @@ def shared_gradient_passes(
     return n, n_batches
 
 
-def _loss_gradient(
+def loss_gradients(
     hidden: torch.Tensor,
     batch: torch.Tensor,
     logits_of: Callable[[torch.Tensor], torch.Tensor],
-    targets: Targets | None,
-) -> torch.Tensor:
-    """∂(the batch's mean next-token loss)/∂hidden (B, T, d), the output projection and the loss taken over
-    :data:`LOSS_CHUNK` positions at a time (the last position scores nothing: its gradient is 0)."""
+    targets: Sequence[Targets | None],
+) -> list[torch.Tensor]:
+    """For each of ``targets``, ∂(the batch's mean next-token loss)/∂hidden (B, T, d): the cross-entropy of
+    the logits against the rows' own next tokens (``None``), drawn tokens or given distributions. The output
+    projection runs once per chunk of :data:`LOSS_CHUNK` positions for every loss, and the loss's gradient at
+    the logits is written down, not differentiated: ``(softmax(logits) · Σ target − target) / (B·(T − 1))``
+    for a target distribution (a token's is one-hot), which is what autograd through
+    ``cross_entropy(…, reduction="sum") / (B·(T − 1))`` gives, up to rounding, without its log-softmax, its
+    backward and its zero-filled buffers over the vocabulary. The last position scores nothing (its gradient
+    is 0). Each loss's draws are made chunk by chunk in order, as a pass of its own makes them."""
     B, T = batch.shape
-    leaf = hidden.detach().requires_grad_(True)
-    draw = targets(batch) if targets is not None else None
+    draws = [t(batch) if t is not None else None for t in targets]
+    grads = [torch.zeros_like(hidden) for _ in targets]
     scored = B * (T - 1)
     for start in range(0, T - 1, LOSS_CHUNK):
         stop = min(start + LOSS_CHUNK, T - 1)
-        logits = logits_of(leaf[:, start:stop])  # (B, c, V) float32
-        if draw is None:  # the rows' own next tokens
-            wanted = batch[:, start + 1 : stop + 1]
-        else:
-            wanted = draw(logits.detach(), start).to(logits.device)
-        wanted = wanted.flatten(0, 1) if wanted.is_floating_point() else wanted.flatten()
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted, reduction="sum") / scored
-        loss.backward()
-    return leaf.grad
+        part = hidden[:, start:stop].detach().requires_grad_(True)
+        logits = logits_of(part)  # (B, c, V) float32 (float64 for a float64 model)
+        probs = torch.softmax(logits.detach(), dim=-1)
+        for j, draw in enumerate(draws):
+            last = j == len(draws) - 1
+            if draw is None:  # the rows' own next tokens
+                wanted = batch[:, start + 1 : stop + 1].to(logits.device)
+            else:
+                wanted = draw(logits.detach(), start).to(logits.device)
+            at_logits = probs if last else probs.clone()
+            if wanted.is_floating_point():  # distributions (B, c, V)
+                at_logits.mul_(wanted.sum(-1, keepdim=True)).sub_(wanted.to(at_logits.dtype))
+            else:  # tokens (B, c)
+                at_logits.scatter_add_(-1, wanted[..., None], at_logits.new_full((*wanted.shape, 1), -1.0))
+            at_logits.div_(scored)
+            (grads[j][:, start:stop],) = torch.autograd.grad(logits, part, at_logits, retain_graph=not last)
+            del at_logits
+    return grads

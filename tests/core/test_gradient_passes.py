@@ -159,6 +159,42 @@ def test_losses_sharing_a_forward_pass_visit_what_separate_passes_visit(
         shared_gradient_passes(model, rows, [])
 
 
+def test_loss_gradients_are_autograds_cross_entropy_with_one_output_projection_per_chunk(
+    make_tiny, monkeypatch, one_thread
+):
+    """The loss's gradient written down at the logits is what autograd through the cross-entropy gives, for
+    the rows' own tokens, drawn tokens and given distributions at once, and the output projection runs once
+    per chunk for all of them."""
+    model = make_tiny("gemma3", final_logit_softcapping=3.0)  # its logits soft-capped
+    rows = torch.randint(3, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hidden = last_hidden(model, rows)
+        probs = torch.softmax(torch.randn(2, 12, model.config.vocab_size), -1)
+    logits_of = gradients._logits_of(model)
+    targets = [None, row_seeded_targets(2), given_probabilities(probs)]
+    want = []
+    for t in [None, row_seeded_targets(2), given_probabilities(probs)]:
+        leaf = hidden.detach().requires_grad_(True)
+        logits = logits_of(leaf[:, :-1])
+        wanted = rows[:, 1:] if t is None else t(rows)(logits.detach(), 0)
+        wanted = wanted.flatten(0, 1) if wanted.is_floating_point() else wanted.flatten()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted, reduction="sum") / 24
+        (grad,) = torch.autograd.grad(loss, leaf)
+        want.append(grad)
+    monkeypatch.setattr(gradients, "LOSS_CHUNK", 5)
+    calls = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        got = gradients.loss_gradients(hidden, rows, logits_of, targets)
+    finally:
+        handle.remove()
+    assert len(calls) == 3  # 12 scored positions in chunks of 5, once for the three losses
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+        assert not g[:, -1].any()  # the last position scores nothing
+    assert not torch.equal(got[0], got[1])
+
+
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_chunked_log_probabilities_are_the_models_own(make_tiny, monkeypatch, one_thread, arch):
     """The next-token log-probabilities taken a chunk of positions at a time, from the decoder stack's
