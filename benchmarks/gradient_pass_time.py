@@ -15,7 +15,9 @@
    output projection run for each loss (the reference, here), against
    :func:`~lrkv_core.statistics.gradients.loss_gradients` (the gradient at the logits written down, one
    output projection for every loss). Seconds per row (best of the repeats) and the largest gap between
-   the two gradients, relative to the largest entry.
+   the two gradients, relative to the largest entry; then whole passes over the rows (a single-loss pass and
+   a refinement's pricing pass), the reference swapped in for ``loss_gradients`` against as they run,
+   alternating: seconds (best of the repeats) and their ratio.
 
     OMP_NUM_THREADS=1 python benchmarks/gradient_pass_time.py --threads 1 --rows 8
 """
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from refine_time import load_rows, rows_parser  # benchmarks/, the script's own directory
 
+from lrkv_core.statistics import gradients
 from lrkv_core.statistics.gradients import (
     LOSS_CHUNK,
     _logits_of,
@@ -114,6 +118,7 @@ def main() -> None:
     for name, seconds_ in best.items():
         print(f"| {name} | {seconds_:.3f} | {seconds_ / best['torch.multinomial']:.3f} |")
     loss_step_table(model, rows, max(args.repeats, 2))
+    pass_table(model, rows, args.batch_size, max(args.repeats, 2))
 
 
 def autograd_loss_gradient(hidden, batch, logits_of, targets) -> torch.Tensor:
@@ -170,3 +175,47 @@ def loss_step_table(model, rows: torch.Tensor, repeats: int) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@contextmanager
+def autograd_losses():
+    """While open, the passes take each loss's gradient by autograd (:func:`autograd_loss_gradient`)."""
+    written_down = gradients.loss_gradients
+    gradients.loss_gradients = lambda hidden, batch, logits_of, targets: [
+        autograd_loss_gradient(hidden, batch, logits_of, t) for t in targets
+    ]
+    try:
+        yield
+    finally:
+        gradients.loss_gradients = written_down
+
+
+def pass_table(model, rows: torch.Tensor, batch_size: int, repeats: int) -> None:
+    """Section 3's whole passes: autograd's loss gradient against the written-down one, alternating."""
+    passes = {
+        "one loss (sampled tokens)": lambda: kv_gradient_passes(
+            model, rows, lambda *_: None, batch_size=batch_size, targets=row_seeded_targets(5)
+        ),
+        "pricing pass (own and sampled tokens)": lambda: shared_gradient_passes(
+            model,
+            rows,
+            [(lambda *_: None, None), (lambda *_: None, row_seeded_targets(5))],
+            batch_size=batch_size,
+        ),
+    }
+    print("| pass over the rows | autograd's loss gradient, s | written down, s | ratio |")
+    print("|---|---|---|---|")
+    for name, run in passes.items():
+        best = {"autograd": float("inf"), "written down": float("inf")}
+        for _ in range(repeats):
+            for way in best:
+                start = time.perf_counter()
+                if way == "autograd":
+                    with autograd_losses():
+                        run()
+                else:
+                    run()
+                best[way] = min(best[way], time.perf_counter() - start)
+                print(f"  {name}, {way}: {time.perf_counter() - start:.1f} s", flush=True)
+        a, b = best["autograd"], best["written down"]
+        print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.3f} |")

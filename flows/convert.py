@@ -111,10 +111,18 @@ def _convert(recipe: ConvertRecipe, run: dict) -> ConvertResult:
     for s in graph:  # every step submitted before any is awaited: independent ones run at once
         futures[s.name] = t.submit_step(s, futures, ctx)
     base_future = None
-    if recipe.eval.dataset:  # the original's evaluation needs nothing of the conversion
-        ev = recipe.eval.model_dump(exclude={"long"})
-        base_future = stored(t.evaluate).submit(model, ev, recipe.dtype, "base", store=store)
+    ev = recipe.eval.model_dump(exclude={"long"})
+
+    def evaluate_base():
+        return stored(t.evaluate).submit(model, ev, recipe.dtype, "base", store=store)
+
+    # the original's evaluation needs nothing of the conversion: beside it on another worker of a cluster;
+    # in one process, whose model passes take turns, after it, so the built model comes first
+    if recipe.eval.dataset and worker_count() > 1:
+        base_future = evaluate_base()
     done = {s.name: _record(timings, t.step_label(s), futures[s.name]) for s in graph}
+    if recipe.eval.dataset and base_future is None:
+        base_future = evaluate_base()
     plan, built = done[graph.result], done["build"]
     before_lora = recovered = None
     if recipe.lora is not None:  # downstream, "compressed" is the recovered model

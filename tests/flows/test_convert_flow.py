@@ -40,6 +40,20 @@ def _recipe(model, data, store, out, mlflow_uri, ratio=1.0, group_size=2, **extr
     )
 
 
+def _task_runs(flow_run_id: str) -> list:
+    """The task runs of a flow run, from the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+            limit=200,
+        )
+
+
 def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_server, tmp_path):
     model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
@@ -63,6 +77,12 @@ def test_convert_flow_runs_logs_and_resumes_from_cache(prefect_api, mlflow_serve
     peaks = {row["task"]: row["peak_rss_bytes"] for row in first.timings}
     assert peaks[JOINT] > 50 * 2**20 and peaks["build_model"] > 50 * 2**20, peaks
     assert peaks["summarize_layer[1]"] is None  # a step that loads no model logs no peak
+    # in one process the original's evaluation waits for the built model instead of delaying it
+    flow_run = MlflowClient(mlflow_server).get_run(first.mlflow["run_id"]).data.tags["lrkv.prefect_flow_run"]
+    runs = _task_runs(flow_run)
+    built_at = max(r.end_time for r in runs if r.name.startswith("build_model"))
+    evaluations = [r for r in runs if r.name.startswith("evaluate-")]
+    assert len(evaluations) == 2 and all(r.start_time >= built_at for r in evaluations), runs
 
     # the exported model is exact at full rank
     base, _ = load_model(model_dir)
