@@ -173,10 +173,6 @@ def loss_step_table(model, rows: torch.Tensor, repeats: int) -> None:
         print(f"| {case} | {a:.3f} | {b:.3f} | {b / a:.3f} | {gap:.1e} |")
 
 
-if __name__ == "__main__":
-    main()
-
-
 @contextmanager
 def autograd_losses():
     """While open, the passes take each loss's gradient by autograd (:func:`autograd_loss_gradient`)."""
@@ -219,3 +215,7 @@ def pass_table(model, rows: torch.Tensor, batch_size: int, repeats: int) -> None
                 print(f"  {name}, {way}: {time.perf_counter() - start:.1f} s", flush=True)
         a, b = best["autograd"], best["written down"]
         print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
