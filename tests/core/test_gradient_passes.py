@@ -171,9 +171,12 @@ def test_loss_gradients_are_autograds_cross_entropy_with_one_output_projection_p
         hidden = last_hidden(model, rows)
         probs = torch.softmax(torch.randn(2, 12, model.config.vocab_size), -1)
     logits_of = gradients._logits_of(model)
-    targets = [None, row_seeded_targets(2), given_probabilities(probs)]
+
+    def targets():  # afresh for each use: a row-seeded draw counts the rows it has seen
+        return [None, row_seeded_targets(2), given_probabilities(probs)]
+
     want = []
-    for t in [None, row_seeded_targets(2), given_probabilities(probs)]:
+    for t in targets():
         leaf = hidden.detach().requires_grad_(True)
         logits = logits_of(leaf[:, :-1])
         wanted = rows[:, 1:] if t is None else t(rows)(logits.detach(), 0)
@@ -185,7 +188,7 @@ def test_loss_gradients_are_autograds_cross_entropy_with_one_output_projection_p
     calls = []
     handle = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
     try:
-        got = gradients.loss_gradients(hidden, rows, logits_of, targets)
+        got = gradients.loss_gradients(hidden, rows, logits_of, targets())
     finally:
         handle.remove()
     assert len(calls) == 3  # 12 scored positions in chunks of 5, once for the three losses
