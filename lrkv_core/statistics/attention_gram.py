@@ -5,10 +5,12 @@ Head h's output at position m reads the values through its attention weights,
 v_proj inputs. An error ``δW`` of v_proj reaches that output as ``δW x̄_{h,m}``, not ``δW x_n``: the value
 error that matters is weighted by the Gram of the mixed inputs, summed over the layer's query heads (what
 ``whitened`` with ``values="attention"`` whitens the values with). Per batch row it is ``Xᵀ C X`` with
-``C = Σ_h P_hᵀ P_h`` (T × T, in float32), accumulated in float64. The attention weights come from running
-the model with eager attention for this pass (other implementations do not return them); the
-implementation is restored afterwards. It can observe another statistic's pass over the same rows
-(:mod:`lrkv_core.statistics.joint`).
+``C = Σ_h P_hᵀ P_h`` (T × T, in float32), accumulated in float64; C costs H·T³ multiply-adds, so a long
+row (more tokens than about the hidden size) takes each head's mixed inputs ``P_h X`` (in float32, H·T²·d)
+and adds their Gram in float64 instead, whichever order costs fewer operations (:func:`mixed_input_gram`).
+The attention weights come from running the model with eager attention for this pass (other
+implementations do not return them); the implementation is restored afterwards. It can observe another
+statistic's pass over the same rows (:mod:`lrkv_core.statistics.joint`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from ..model.adapters import get_adapter
 from .base import STATISTICS, Counts, LayerValue
 from .joint import JointStatistic, Observer, accumulate_joint
 from .precision import full_precision
+
+# the order of mixed_input_gram's sum in the statistic's passes: None takes the cheaper one for the rows'
+# length; True or False forces one (benchmarks/attention_gram_order.py compares them)
+PER_HEAD: bool | None = None
+# queries per block of the per-head order's products (the mixed inputs of a block stop at its last position)
+QUERY_BLOCK = 256
 
 
 def collect_attention_gram(
@@ -77,10 +85,8 @@ def attention_gram_observer(model: nn.Module, recording: list[bool]) -> Observer
                     f"layer {i}'s attention returned no attention weights under eager attention"
                 )
             with torch.no_grad(), full_precision(weights):
-                p = weights.detach().float()  # (B, H, T, T); C in float32, no float64 copy of the weights
-                x = inputs.pop(i).to(torch.float64)  # (B, T, d)
-                mix = torch.einsum("bhmt,bhms->bts", p, p).double()  # C = Σ_h P_hᵀ P_h, (B, T, T)
-                grams[i] += torch.einsum("btd,bts,bse->de", x, mix, x)
+                x = inputs.pop(i)  # (B, T, d)
+                grams[i] += mixed_input_gram(weights.detach(), x.detach(), per_head=PER_HEAD)
             counts[i] += x.shape[0] * x.shape[1]
 
         return hook
@@ -92,6 +98,45 @@ def attention_gram_observer(model: nn.Module, recording: list[bool]) -> Observer
         hooks.append(attn.register_forward_hook(accumulate(i)))
     result = lambda: ([g.cpu() for g in grams], {"n_tokens": counts[0]})  # noqa: E731
     return Observer(result, hooks, attention_weights=True)
+
+
+def per_head_is_cheaper(heads: int, tokens: int, hidden: int) -> bool:
+    """Whether :func:`mixed_input_gram` per head costs fewer operations than through ``C`` for one row of
+    ``tokens`` (a float64 multiply-add counted as two float32 ones)."""
+    H, T, d = heads, tokens, hidden
+    return H * T * d * (T + 2 * d) < H * T**3 + 2 * (d * T * T + d * d * T)
+
+
+def mixed_input_gram(weights: torch.Tensor, x: torch.Tensor, *, per_head: bool | None = None) -> torch.Tensor:
+    """``Σ_b Σ_h (P_h X)ᵀ (P_h X)`` (d, d) float64 of one batch's attention weights ``P`` (B, H, T, T) and
+    inputs ``X`` (B, T, d), the products of the weights in float32 (no float64 copy of them).
+
+    Two orders of the same sum: ``Xᵀ (Σ_h P_hᵀ P_h) X`` builds the T × T matrix ``C`` (H·T³ multiply-adds,
+    then d·T² + d²·T in float64), cheap for short rows; per head, ``Y_h = P_h X`` (H·T²·d) and ``Y_hᵀ Y_h``
+    (H·d²·T in float64), cheap once T passes the hidden size, and holding one head's ``Y_h`` at a time instead
+    of ``C``. ``per_head=None`` takes the one of fewer operations (:func:`per_head_is_cheaper`)."""
+    B, H, T, _ = weights.shape
+    d = x.shape[-1]
+    if per_head is None:
+        per_head = per_head_is_cheaper(H, T, d)
+    p = weights.float()
+    if not per_head:
+        mix = torch.einsum("bhmt,bhms->bts", p, p).double()  # C = Σ_h P_hᵀ P_h, (B, T, T)
+        x64 = x.to(torch.float64)
+        return torch.einsum("btd,bts,bse->de", x64, mix, x64)
+    x32 = x.float()
+    # a block of queries mixes only the inputs up to its last position where the weights after it are 0 (a
+    # causal mask): about half of P_h X's products skipped, every nonzero weight still read
+    blocks = [(a, min(a + QUERY_BLOCK, T)) for a in range(0, T, QUERY_BLOCK)]
+    seen = [b if not p[:, :, a:b, b:].any() else T for a, b in blocks]
+    gram = torch.zeros(d, d, dtype=torch.float64, device=x.device)
+    mixed = torch.empty(B, T, d, dtype=torch.float32, device=x.device)
+    for h in range(H):
+        for (a, b), upto in zip(blocks, seen, strict=True):
+            torch.matmul(p[:, h, a:b, :upto], x32[:, :upto], out=mixed[:, a:b])
+        rows = mixed.reshape(B * T, d).double()  # x̄_{h,m} of every row
+        gram += rows.T @ rows
+    return gram
 
 
 @STATISTICS.register

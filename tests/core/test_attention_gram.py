@@ -8,7 +8,8 @@ import torch
 
 from lrkv_core.conversion.convert import CompressionConfig, decompose_model
 from lrkv_core.model.adapters import get_adapter
-from lrkv_core.statistics import STATISTICS, collect_attention_gram, collect_gram
+from lrkv_core.statistics import STATISTICS, attention_gram, collect_attention_gram, collect_gram
+from lrkv_core.statistics.attention_gram import mixed_input_gram, per_head_is_cheaper
 from tests.support.models import SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,16 +22,19 @@ def _model(arch: str):
     return tiny_model(arch, ARCHS[arch], **extra)  # OPT: MHA
 
 
+@pytest.mark.parametrize("tokens", [12, 80])  # fewer and more than the hidden size (32): C, then per head
 @pytest.mark.parametrize("arch", ARCHS)
-def test_attention_gram_is_the_gram_of_the_attention_weighted_inputs(arch: str) -> None:
+def test_attention_gram_is_the_gram_of_the_attention_weighted_inputs(arch: str, tokens: int) -> None:
     """Σ_h Σ_m x̄ x̄ᵀ with x̄_{h,m} = Σ_n p_{h,mn} x_n, from the attention weights the model outputs
-    (``output_attentions``, eager), over rows longer than Mistral's sliding window; the model's attention
-    implementation is left as it was."""
+    (``output_attentions``, eager), over rows longer than Mistral's sliding window, short rows summed through
+    C and long ones per head; the model's attention implementation is left as it was."""
     model = _model(arch)
+    heads, hidden = model.config.num_attention_heads, model.config.hidden_size
+    assert per_head_is_cheaper(heads, tokens, hidden) == (tokens > hidden)
     implementation = model.config._attn_implementation
-    rows = torch.randint(3, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    rows = torch.randint(3, model.config.vocab_size, (3, tokens), generator=torch.Generator().manual_seed(0))
     grams, n_tokens = collect_attention_gram(model, rows, batch_size=2)
-    assert model.config._attn_implementation == implementation and n_tokens == 36
+    assert model.config._attn_implementation == implementation and n_tokens == 3 * tokens
 
     adapter = get_adapter(model.config)
     inputs = {}
@@ -55,6 +59,32 @@ def test_attention_gram_is_the_gram_of_the_attention_weighted_inputs(arch: str) 
         # the mixing matters: it is not the plain Gram of the inputs
         plain = torch.einsum("btd,bte->de", inputs[i].double(), inputs[i].double())
         assert (grams[i] / grams[i].trace() - plain / plain.trace()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_both_orders_of_the_mixed_input_gram_give_the_float64_sum(
+    causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through C = Σ_h P_hᵀ P_h and per head (query blocks of 7 positions, each mixing the inputs up to its
+    last one where the weights after it are 0), the same Σ_b Σ_h (P_h X)ᵀ (P_h X) as float64 throughout, on
+    causal softmax weights and on weights that are not; the cheaper order is C for short rows, per head for
+    long ones (SmolLM2's 9 query heads of a 576-wide stream: through C at 256 tokens, per head at 2,048)."""
+    monkeypatch.setattr(attention_gram, "QUERY_BLOCK", 7)
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, d = 2, 3, 40, 16
+    scores = torch.randn(B, H, T, T, generator=gen)
+    if causal:
+        scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+    weights, x = scores.softmax(-1), torch.randn(B, T, d, generator=gen)
+    mixed = torch.einsum("bhmt,btd->bhmd", weights.double(), x.double())
+    want = torch.einsum("bhmd,bhme->de", mixed, mixed)
+    for per_head in (False, True):
+        got = mixed_input_gram(weights, x, per_head=per_head)
+        assert got.dtype == torch.float64
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), per_head
+    assert (mixed_input_gram(weights, x) == mixed_input_gram(weights, x, per_head=True)).all()  # T > d
+    assert not per_head_is_cheaper(9, 256, 576) and per_head_is_cheaper(9, 2048, 576)
+    assert not per_head_is_cheaper(32, 4096, 4096) and per_head_is_cheaper(32, 8192, 4096)  # a 7B Llama
 
 
 def test_values_attention_collects_the_statistic_and_whitens_the_values_with_it() -> None:
