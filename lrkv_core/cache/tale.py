@@ -1,10 +1,12 @@
 """The ``tale`` cache storage: token-adaptive ranks, each token's latents cut to a prefix by its level.
 
 TALE (Lee et al., TACL 2025) keeps the attention sinks and the most recent tokens at a high rank and the
-middle tokens at a low one (§2.2.1), approximates lazily (§2.2.2) and gives each level its own bit width
-(§2.3). lrkv's latents are already prefixes of an ordered spectrum (whitened SVD, plain SVD and PCA order
-their bases by energy), so cutting one token to rank l is keeping its first l latents and padding the rest
-with zeros, exactly as a plan of rank l would give (TALE's "online low-rank approximation": a truncation).
+middle tokens at a low one (§2.2.1), approximates lazily while decoding (§2.2.2: the newest tokens are read
+as computed until a buffer of them is cut; a prefill's whole buffers are cut before attention reads them,
+where TALE attends on the uncut ones) and gives each level its own bit width (§2.3). lrkv's latents are
+already prefixes of an ordered spectrum (whitened SVD, plain SVD and PCA order their bases by energy), so
+cutting one token to rank l is keeping its first l latents and padding the rest with zeros, exactly as a
+plan of rank l would give (TALE's "online low-rank approximation": a truncation).
 Here, per layer and kind (K or V), with two levels:
 
 1. **The low level**: a token keeps the first ``⌊low · r_g⌋`` latents of every group (TALE's r_0; ``low: 0``

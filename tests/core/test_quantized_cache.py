@@ -262,3 +262,22 @@ def test_a_quantization_group_that_does_not_divide_the_ranks_is_refused_early(co
     for options, message in [({"bits": 5}, "bits must be one of"), ({"residual": -1}, "residual must be")]:
         with pytest.raises(ValueError, match=message):
             QuantizedStorage(**options)
+
+
+def test_the_bytes_held_through_a_long_decode_are_the_codes_and_the_window() -> None:
+    # 3-bit codes in quantization groups of 4 and a residual window of 16 tokens, through a prefill of 10
+    # (all in the window) and 150 one-token steps: at each step the codes of the tokens pushed out, the
+    # window in float32 and every position
+    ranks_k, ranks_v, batch = (8, 8), (16,), 2
+    store = QuantizedStorage(bits=3, quant_group_size=4, residual=16).create_store(ranks_k, ranks_v)
+    gen = torch.Generator().manual_seed(0)
+    h_k, h_v = torch.randn(batch, 160, 16, generator=gen), torch.randn(batch, 160, 16, generator=gen)
+    positions = torch.arange(160)[None].expand(batch, -1)
+    store.append(h_k[:, :10], h_v[:, :10], positions[:, :10])
+    for t in range(10, 160):
+        store.append(h_k[:, t : t + 1], h_v[:, t : t + 1], positions[:, t : t + 1])
+        s_r = min(t + 1, 16)
+        s_e = t + 1 - s_r
+        per_token = sum(packed_width(sum(r), 3) + 2 * 2 * len(group_widths(r, 4)) for r in (ranks_k, ranks_v))
+        expected = s_e * per_token + s_r * (16 + 16) * 4 + (t + 1) * 4
+        assert store._encoded() == s_e and sum(x.nbytes for x in store.tensors()) == batch * expected

@@ -239,3 +239,33 @@ def test_a_format_recorded_before_rule_and_level_bits_loads_with_their_defaults(
     assert storage == TaleStorage(**{k: v for k, v in old.items() if k != "name"})
     assert storage.rule == "recency" and storage.level_bits == (4, 4)
     assert torch.equal(got.logits, want.logits)
+
+
+@pytest.mark.parametrize("levels", [{"low_bits": 2, "full_bits": 4}, {}], ids=["2-4-bit", "float"])
+def test_the_bytes_held_through_a_long_decode_are_both_levels_and_the_buffer(levels) -> None:
+    # a prefill of 40, then 200 one-token steps: the buffer fills and empties 25 times, and tokens keep
+    # moving down; at every step the store holds exactly what the levels' arithmetic says
+    batch, sink, buffer = 2, 2, 8
+    h_k, h_v = _latents(batch=batch, tokens=240)
+    storage = TaleStorage(low=0.5, keep=0.25, sink=sink, buffer=buffer, **levels)
+    store = storage.create_store(RANKS_K, RANKS_V)
+    positions = torch.arange(240)[None].expand(batch, -1)
+    store.append(h_k[:, :40], h_v[:, :40], positions[:, :40])
+    fills = set()
+    for t in range(40, 240):
+        store.append(h_k[:, t : t + 1], h_v[:, t : t + 1], positions[:, t : t + 1])
+        s_e, s_r = store._encoded(), store.recent["k"].shape[1]
+        full = min(s_e, int(0.25 * (s_e - min(sink, s_e)) + 1e-9) + min(sink, s_e))
+        expected = (s_e + s_r) * 4  # int32 positions
+        for ranks in (RANKS_K, RANKS_V):
+            R, lows = sum(ranks), low_ranks(ranks, 0.5)
+            if levels:  # codes per block with a float16 scale and zero-point; full-level tokens whole
+                low_level = packed_width(sum(lows), 2) + 2 * 2 * len(ranks)
+                full_level = packed_width(R, 4) + 2 * 2 * len(ranks)
+            else:  # float32 latents; a full-level token adds its tail to the low level's head
+                low_level, full_level = 4 * sum(lows), 4 * (R - sum(lows))
+            expected += s_e * low_level + full * (full_level + 4 + 4) + s_r * R * 4  # + int32 index, key
+        assert sum(x.nbytes for x in store.tensors()) == batch * expected
+        assert s_e + s_r == t + 1 and s_e % buffer == 0
+        fills.add(s_r)
+    assert fills == set(range(buffer))
