@@ -199,11 +199,14 @@ def test_store_and_out_refuse_what_looks_like_a_uri():
             load_recipe(None, {key: value})
 
 
-def test_the_long_context_recipe_in_the_docs_is_a_valid_recipe():
-    path = Path(__file__).resolve().parents[2] / "docs" / "recipes" / "long-context.yaml"
+@pytest.mark.parametrize(
+    ("name", "low"), [("long-context", 0.4375), ("long-context-half", 0.875)], ids=["0.30", "0.47"]
+)
+def test_the_long_context_recipes_in_the_docs_are_valid_recipes(name, low):
+    path = Path(__file__).resolve().parents[2] / "docs" / "recipes" / f"{name}.yaml"
     recipe = load_recipe(path, {"model": "some/model"})
     cache = recipe.compression.to_config().cache
     assert (cache.name, cache.rule, cache.keep, cache.low, cache.low_bits, cache.full_bits) == (
-        "tale", "recency", 0.2, 0.4375, 8, 8,
+        "tale", "recency", 0.2, low, 8, 8,
     )  # fmt: skip
     assert recipe.compression.ratio == 1.0 and recipe.eval.long.lengths == [1024, 2048]
