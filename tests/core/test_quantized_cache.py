@@ -274,10 +274,10 @@ def test_the_bytes_held_through_a_long_decode_are_the_codes_and_the_window() -> 
     h_k, h_v = torch.randn(batch, 160, 16, generator=gen), torch.randn(batch, 160, 16, generator=gen)
     positions = torch.arange(160)[None].expand(batch, -1)
     store.append(h_k[:, :10], h_v[:, :10], positions[:, :10])
+    encoded, recent = _bytes_per_token(ranks_k, ranks_v, 3, 4), (16 + 16) * 4 + 4  # each with its position
     for t in range(10, 160):
         store.append(h_k[:, t : t + 1], h_v[:, t : t + 1], positions[:, t : t + 1])
         s_r = min(t + 1, 16)
         s_e = t + 1 - s_r
-        per_token = sum(packed_width(sum(r), 3) + 2 * 2 * len(group_widths(r, 4)) for r in (ranks_k, ranks_v))
-        expected = s_e * per_token + s_r * (16 + 16) * 4 + (t + 1) * 4
+        expected = s_e * encoded + s_r * recent
         assert store._encoded() == s_e and sum(x.nbytes for x in store.tensors()) == batch * expected

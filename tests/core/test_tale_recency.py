@@ -63,6 +63,18 @@ def _full_tokens(store, h_k: torch.Tensor, h_v: torch.Tensor, kind: str | None =
     return found["k"]
 
 
+def _level_bytes(ranks: tuple[int, ...], bits: tuple[int, int] | None) -> tuple[int, int]:
+    """Bytes per token of one kind's low level and of a full-level token (with its int32 index and float32
+    rank key) at ``low: 0.5``: codes per block with a float16 scale and zero-point, a full-level token's
+    latents whole (``bits`` = (low, full)); or float32 latents, a full-level token adding its tail."""
+    R, low = sum(ranks), sum(low_ranks(ranks, 0.5))
+    if bits is None:
+        return 4 * low, 4 * (R - low) + 4 + 4
+    return packed_width(low, bits[0]) + 2 * 2 * len(ranks), packed_width(R, bits[1]) + 2 * 2 * len(
+        ranks
+    ) + 4 + 4
+
+
 def test_recency_is_the_default_with_the_papers_settings() -> None:
     storage = CACHE_STORAGES.create("tale")
     assert storage == TaleStorage(rule="recency", low=0.5, sink=4, low_bits=None, full_bits=None)
@@ -173,11 +185,9 @@ def test_the_bytes_reported_count_both_levels_at_their_bits(compress) -> None:
     fmt = LrkvFormat.of(comp.config)
     expected = 0
     for ranks in (*fmt.ranks_k, *fmt.ranks_v):  # per layer and kind: 2 groups of rank 4
-        R, low, G = sum(ranks), sum(low_ranks(ranks, 0.5)), len(ranks)
         full = 1 + 1  # the sink and ⌊0.25 · 7⌋
-        low_level = packed_width(low, 2) + 2 * 2 * G
-        full_level = packed_width(R, 4) + 2 * 2 * G + 4 + 4  # whole latents, int32 index, float32 key
-        expected += 3 * (8 * low_level + full * full_level + 3 * R * 4)  # the buffer in float32
+        low_level, full_level = _level_bytes(ranks, (2, 4))
+        expected += 3 * (8 * low_level + full * full_level + 3 * sum(ranks) * 4)  # the buffer in float32
     expected += len(fmt.ranks_k) * 3 * 11 * 4  # int32 positions
     assert cache_nbytes(cache) == expected
 
@@ -241,12 +251,13 @@ def test_a_format_recorded_before_rule_and_level_bits_loads_with_their_defaults(
     assert torch.equal(got.logits, want.logits)
 
 
-@pytest.mark.parametrize("levels", [{"low_bits": 2, "full_bits": 4}, {}], ids=["2-4-bit", "float"])
-def test_the_bytes_held_through_a_long_decode_are_both_levels_and_the_buffer(levels) -> None:
+@pytest.mark.parametrize("bits", [(2, 4), None], ids=["2-4-bit", "float"])
+def test_the_bytes_held_through_a_long_decode_are_both_levels_and_the_buffer(bits) -> None:
     # a prefill of 40, then 200 one-token steps: the buffer fills and empties 25 times, and tokens keep
     # moving down; at every step the store holds exactly what the levels' arithmetic says
     batch, sink, buffer = 2, 2, 8
     h_k, h_v = _latents(batch=batch, tokens=240)
+    levels = {} if bits is None else {"low_bits": bits[0], "full_bits": bits[1]}
     storage = TaleStorage(low=0.5, keep=0.25, sink=sink, buffer=buffer, **levels)
     store = storage.create_store(RANKS_K, RANKS_V)
     positions = torch.arange(240)[None].expand(batch, -1)
@@ -258,13 +269,8 @@ def test_the_bytes_held_through_a_long_decode_are_both_levels_and_the_buffer(lev
         full = min(s_e, int(0.25 * (s_e - min(sink, s_e)) + 1e-9) + min(sink, s_e))
         expected = (s_e + s_r) * 4  # int32 positions
         for ranks in (RANKS_K, RANKS_V):
-            R, lows = sum(ranks), low_ranks(ranks, 0.5)
-            if levels:  # codes per block with a float16 scale and zero-point; full-level tokens whole
-                low_level = packed_width(sum(lows), 2) + 2 * 2 * len(ranks)
-                full_level = packed_width(R, 4) + 2 * 2 * len(ranks)
-            else:  # float32 latents; a full-level token adds its tail to the low level's head
-                low_level, full_level = 4 * sum(lows), 4 * (R - sum(lows))
-            expected += s_e * low_level + full * (full_level + 4 + 4) + s_r * R * 4  # + int32 index, key
+            low_level, full_level = _level_bytes(ranks, bits)
+            expected += s_e * low_level + full * full_level + s_r * sum(ranks) * 4  # the buffer in float32
         assert sum(x.nbytes for x in store.tensors()) == batch * expected
         assert s_e + s_r == t + 1 and s_e % buffer == 0
         fills.add(s_r)
