@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,8 +69,9 @@ class Setting:
     refine_accept_rows: int = 0  # rows after refine_rows that keep or reject each step (0: the same rows)
 
 
-def settings(table: str, rows: int) -> list[Setting]:
-    """The rows of a table; ``rows`` is the calibration size of every statistic unless a row changes it."""
+def settings(table: str, rows: int, lorc_skips: tuple[float, ...] = ()) -> list[Setting]:
+    """The rows of a table; ``rows`` is the calibration size of every statistic unless a row changes it;
+    ``lorc_skips``: log κ̃ thresholds of LoRC's skip rule, each a progressive row and its uniform baseline."""
 
     def fisher(**options: Any) -> dict[str, dict]:
         return {"fisher": {"n_samples": rows, **options}}
@@ -99,6 +101,19 @@ def settings(table: str, rows: int) -> list[Setting]:
             Setting("uniform", "uniform", rows, reference="uniform"),
             Setting("fisher (Palu's rule)", "fisher", rows, fisher(), reference="fisher"),
             Setting("lorc", "lorc", rows),
+            *(
+                Setting(
+                    f"lorc{schedule}, skip log κ̃ > {t:g}",
+                    {
+                        "name": "lorc",
+                        "skip_threshold": math.exp(t),
+                        "schedule": schedule.strip() or "progressive",
+                    },
+                    rows,
+                )
+                for t in lorc_skips
+                for schedule in ("", " uniform")
+            ),  # fmt: skip
             Setting("eigen (one threshold)", {"name": "eigen", "rule": "global"}, rows),
             Setting("eigen (Algorithm 1)", "eigen", rows, {"layer_output_error": {"n_samples": rows}}),
             Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
@@ -206,12 +221,18 @@ def main() -> None:
     p.add_argument(
         "--settings", default=None, help="labels of the rows to run, separated by ; (default: all)"
     )
+    p.add_argument(
+        "--lorc-skip", default="",
+        help="log κ̃ thresholds of LoRC's skip rule, comma-separated: rows 'lorc, skip log κ̃ > T' and "
+        "'lorc uniform, skip log κ̃ > T' (the paper's baseline: the same layers kept, the others cut alike)",
+    )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, required=True, help="JSON lines; the markdown table goes beside (.md)")
     args = p.parse_args()
     hf_logging.set_verbosity_error()
-    labels = [s.label for s in settings(args.table, args.rows)]
+    lorc_skips = tuple(float(t) for t in args.lorc_skip.split(",") if t.strip())
+    labels = [s.label for s in settings(args.table, args.rows, lorc_skips)]
     chosen = args.settings.split(";") if args.settings else labels
     unknown = [x for x in chosen if x not in labels]
     if unknown:
@@ -254,7 +275,7 @@ def main() -> None:
     reference: dict[tuple[str, float, str], torch.Tensor] = {}  # (eval, ratio, "fisher"|"uniform") -> NLLs
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ratio in [float(r) for r in args.ratios.split(",")]:
-        for s in settings(args.table, args.rows):
+        for s in settings(args.table, args.rows, lorc_skips):
             if s.label not in chosen:
                 continue
             gram_rows = s.gram_rows if s.gram_rows and s.gram_rows < len(rows) else None  # None: all

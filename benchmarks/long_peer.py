@@ -198,8 +198,10 @@ def run_lrkv(
         for block in tasks["continuation"]:
             windows = torch.tensor(block["windows"])  # (N, C + n)
             c = block["context"]
-            nll, tokens = continuation_nll(model, windows, context_len=c, chunk_size=c)
-            rows.append(continuation_row(method, c, nll, tokens, windows.shape[0]))
+            nll, tokens, held = continuation_nll(model, windows, context_len=c, chunk_size=c)
+            row = continuation_row(method, c, nll, tokens, windows.shape[0])
+            # what the cache holds once a window is in it, per token (the prefill's figure is in method)
+            rows.append(row | {"kv_bytes_held_per_token": held / (windows.shape[0] * (windows.shape[1] - 1))})
             print(f"{name}: continuation {c} ppl {rows[-1]['ppl']:.3f}", flush=True)
         prompts = retrieval_prompts(tasks)
         outputs = {p["key"]: generate_answer(model, tokenizer, needle_sample(p)) for p in prompts}

@@ -148,6 +148,13 @@ def print_eval(model_dir: str, res: EvalResult) -> None:
         f"KV bytes/token (measured, {kv['cache_class']}): {kv['kv_bytes_per_token']:.1f}; the original "
         f"model's cache: {kv['dense_kv_bytes_per_token']:.1f}; compression {kv['kv_compression_ratio']:.2f}×"
     )
+    if res.decode_kv_bytes_per_token is not None:
+        d = res.decode
+        held = d["protocol"]["tokens_held"] // d["windows"]
+        console.print(
+            f"KV bytes/token after the decode ({held} tokens a window): "
+            f"{d['kv_bytes_per_token']:.1f}; the original model's cache: {d['dense_kv_bytes_per_token']:.1f}"
+        )
     if res.kl is not None:
         console.print(
             f"KL(base ‖ model): {res.kl_to_base:.5f} nats/token; top-1 agreement {res.top1_agreement:.4f}"

@@ -58,6 +58,7 @@ def eval_table(
         ("prefill ppl", "prefill_ppl"),
         ("decode ppl", "decode_ppl"),
         ("KV bytes/token", "kv_bytes_per_token"),
+        ("KV bytes/token after the decode", "decode_kv_bytes_per_token"),
     ]
     table = {
         "measure": [name for name, _ in rows],

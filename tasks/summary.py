@@ -39,6 +39,9 @@ def measure_rows(result: ConvertResult) -> list[tuple[str, str, str]]:
             for metric, value in scores.items():
                 rows.append((f"{task} {metric}", f"{base_scores[task][metric]:.4f}", f"{value:.4f}"))
         rows.append(("KV bytes/token", f"{base.kv_bytes_per_token:.1f}", f"{comp.kv_bytes_per_token:.1f}"))
+        if base.decode_kv_bytes_per_token is not None and comp.decode_kv_bytes_per_token is not None:
+            after = f"{base.decode_kv_bytes_per_token:.1f}", f"{comp.decode_kv_bytes_per_token:.1f}"
+            rows.append(("KV bytes/token after the decode", *after))
         ratio = ev.kv_bytes_ratio
         rows.append(("KV bytes ratio (measured)", "1", f"{ratio:.4f}"))
         rows.append(("KV compression (measured)", "1×", f"{1 / ratio:.2f}×"))

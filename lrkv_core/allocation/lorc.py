@@ -9,13 +9,22 @@ layers; following its Algorithm 1, layers whose cumulative ``κ̃_l`` exceeds ``
 most sensitive ones; the paper uses 30 and 90 on its models) are then not compressed at all. ``d_max = 1``
 (full rank) and ``d_min`` is solved by bisection so the budget is met; if even ``d_min = 0`` is too wide,
 ``d_min = 0`` and ``d_max`` is solved instead.
+
+``schedule: uniform`` is the paper's baseline: the same layers skipped, every other layer at one fraction
+solved for the budget (its appendix F.1: "the same refrained layers while applying the uniform compression
+ratios across compressed layers").
+
+The paper's thresholds (30 and 90) are values of κ̃ for its models and do not transfer: read as κ̃ itself,
+they skip every layer of every model lrkv ships with, whose deepest layer alone has ``κ_l`` above 90 (e^5.0 on
+SmolLM2-135M). ``skip_threshold`` is a value of κ̃ (``e^90`` reads 90 as a natural log of κ̃);
+docs/allocation.md (LoRC's own rule) measures both schedules with skipped layers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from .base import ALLOCATORS, Allocation, Allocator
 from .problem import KINDS, RankProblem, bisect_to_budget, clamped_total, ranks_from_targets
@@ -27,6 +36,9 @@ def layer_log_condition(problem: RankProblem) -> list[float]:
     return [sum(per_kind[(layer, kind)] for kind in KINDS) for layer in range(problem.n_layers)]
 
 
+SCHEDULES = ("progressive", "uniform")
+
+
 @ALLOCATORS.register
 @dataclass(frozen=True)
 class Lorc(Allocator):
@@ -36,10 +48,14 @@ class Lorc(Allocator):
     needs: ClassVar[frozenset[str]] = frozenset({"weight_condition"})
     # layers whose cumulative condition number κ̃_l exceeds this keep full rank (None: no layer is skipped)
     skip_threshold: float | None = None
+    # progressive: Eq. 13 (LoRC); uniform: one fraction for every compressed layer (the paper's baseline)
+    schedule: Literal["progressive", "uniform"] = "progressive"
 
     def __post_init__(self) -> None:
         if self.skip_threshold is not None and not self.skip_threshold > 0:
             raise ValueError(f"lorc skip_threshold must be > 0, got {self.skip_threshold}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"lorc schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
     def allocate(self, problem: RankProblem) -> Allocation:
         log_kappa = layer_log_condition(problem)
@@ -47,7 +63,10 @@ class Lorc(Allocator):
         limit = math.inf if self.skip_threshold is None else math.log(self.skip_threshold)
         skipped = [layer for layer, c in enumerate(cumulative) if c > limit]
         lo_c, hi_c = min(cumulative), max(cumulative)  # Eq. 13 normalises over all layers, skipped or not
-        norm = [(c - lo_c) / (hi_c - lo_c) if hi_c > lo_c else 1.0 for c in cumulative]
+        if self.schedule == "uniform":  # n_l = 0 everywhere: every compressed layer at d_min
+            norm = [0.0] * problem.n_layers
+        else:
+            norm = [(c - lo_c) / (hi_c - lo_c) if hi_c > lo_c else 1.0 for c in cumulative]
 
         def fractions(theta: float) -> tuple[float, float]:
             """(d_min, d_max): θ ∈ [1, 2] moves d_min from 0 to 1 at d_max = 1; θ ∈ [0, 1] is d_max = θ."""

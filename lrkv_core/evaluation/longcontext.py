@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lrkv_core.cache import cache_kwargs, output_cache
+from lrkv_core.cache import cache_kwargs, cache_nbytes, output_cache
 from lrkv_core.data.datasets import consecutive_windows
 from lrkv_core.evaluation.needles import TASKS, PromptTooShort, generate_answer, is_exact_match, make_samples
 
@@ -71,6 +71,8 @@ class ContinuationScore:
     tokens: int
     nll: float
     base_nll: float | None = None
+    kv_bytes_per_token: float | None = None  # what the cache holds after the continuation, per token held
+    base_kv_bytes_per_token: float | None = None  # the original model's cache for the same tokens
 
     @property
     def ppl(self) -> float:
@@ -167,11 +169,27 @@ class LongContextResult:
             r.base_correct is not None for r in self.retrieval
         )
         lines = [f"Continuation: {p.continuation} tokens after the context, {p.dataset}", ""]
-        lines += ["| context | windows | nll | ppl |" + (" base nll | base ppl |" if has_base else "")]
-        lines += ["|---|---|---|---|" + ("---|---|" if has_base else "")]
+        has_bytes = any(c.kv_bytes_per_token is not None for c in self.continuation)
+        head = ["context", "windows", "nll", "ppl"] + (["KV bytes/token"] if has_bytes else [])
+        head += (
+            (["base nll", "base ppl"] + (["base KV bytes/token"] if has_bytes else [])) if has_base else []
+        )
+        lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+
+        def kv(value: float | None) -> list[str]:
+            return [f"{value:.1f}" if value is not None else ""] if has_bytes else []
+
         for c in self.continuation:
-            base = f" {c.base_nll:.4f} | {c.base_ppl:.3f} |" if c.base_nll is not None else ""
-            lines.append(f"| {c.context_len} | {c.windows} | {c.nll:.4f} | {c.ppl:.3f} |{base}")
+            cells = [
+                str(c.context_len),
+                str(c.windows),
+                f"{c.nll:.4f}",
+                f"{c.ppl:.3f}",
+                *kv(c.kv_bytes_per_token),
+            ]
+            if c.base_nll is not None:
+                cells += [f"{c.base_nll:.4f}", f"{c.base_ppl:.3f}", *kv(c.base_kv_bytes_per_token)]
+            lines.append("| " + " | ".join(cells) + " |")
         for task in p.tasks:
             lengths = sorted({r.length for r in self.retrieval if r.task == task})
             if not lengths:
@@ -214,14 +232,15 @@ def continuation_nll(
 
     The context is prefilled in chunks of ``chunk_size`` (``use_cache=True``; only the last position's logits
     are kept); its last logits predict target ``C``, one forward of tokens ``C..T-2`` against the cache the
-    rest. Returns ``(nll_sum, tokens)``.
+    rest. Returns ``(nll_sum, tokens, kv_bytes)``: ``kv_bytes`` is what the cache holds once the window's
+    ``T − 1`` tokens are in it (:func:`~lrkv_core.cache.cache_nbytes`), summed over the windows.
     """
     n, t = windows.shape
     if not 1 <= context_len < t or chunk_size < 1:
         raise ValueError(
             f"context_len must be in [1, {t - 1}] and chunk_size >= 1, got {context_len}, {chunk_size}"
         )
-    total, was_training = 0.0, model.training
+    total, held, was_training = 0.0, 0, model.training
     model.eval()
     device = next(model.parameters()).device
     try:
@@ -238,11 +257,13 @@ def continuation_nll(
                 if t - context_len > 1:
                     out = model(ids[:, context_len:-1], use_cache=True, **cache_kwargs(cache))
                     total += _nll_sum(out.logits, ids[:, context_len + 1 :])  # logits (1, N-1, V)
+                    cache = output_cache(out)
+                held += cache_nbytes(cache)
                 if progress is not None:
                     progress(i + 1, n)
     finally:
         model.train(was_training)
-    return total, n * (t - context_len)
+    return total, n * (t - context_len), held
 
 
 def cut_windows(
@@ -351,14 +372,17 @@ def evaluate_long_context(
         return cache_factory if m is model else None
 
     for c, windows in plan:
-        nlls = [
+        runs = [
             continuation_nll(m, windows, context_len=c, chunk_size=protocol.chunk_size,
-                             cache_factory=factory(m), progress=tick)[0]
+                             cache_factory=factory(m), progress=tick)
             for m in models
         ]  # fmt: skip
-        tokens = windows.shape[0] * protocol.continuation
-        base_nll = nlls[1] / tokens if base is not None else None
-        result.continuation.append(ContinuationScore(c, windows.shape[0], tokens, nlls[0] / tokens, base_nll))
+        tokens, held = windows.shape[0] * protocol.continuation, windows.shape[0] * (windows.shape[1] - 1)
+        nll, kv = [r[0] / tokens for r in runs], [r[2] / held for r in runs]
+        base_nll, base_kv = (nll[1], kv[1]) if base is not None else (None, None)
+        result.continuation.append(
+            ContinuationScore(c, windows.shape[0], tokens, nll[0], base_nll, kv[0], base_kv)
+        )
     for task, n, depth, samples in cells:
         correct = []
         for m in models:

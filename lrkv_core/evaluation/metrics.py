@@ -160,16 +160,22 @@ def decode_perplexity(
     prefix_len
         Prefill length P, 1 <= P <= T-1; T-P predictions per window are scored.
 
+    The bytes the cache holds once every token is fed (buffers flushed, tokens moved between levels, bases
+    appended: the state a decode settles into, not the prefill's) are measured from its tensors as
+    :func:`kv_bytes_per_token` measures a prefill's: ``kv_bytes_per_token`` is their sum over the batches per
+    token held (``T − 1`` per window).
+
     Returns
     -------
     dict
-        ``nll``, ``ppl``, ``tokens``, ``windows``, ``cache_class`` and ``protocol``.
+        ``nll``, ``ppl``, ``tokens``, ``windows``, ``cache_class``, ``kv_bytes_total``,
+        ``kv_bytes_per_token``, ``dense_kv_bytes_per_token`` and ``protocol``.
     """
     n, t = _check_windows(windows)
     if not 1 <= prefix_len < t:
         raise ValueError(f"prefix_len must be in [1, {t - 1}], got {prefix_len}")
     steps = t - prefix_len  # predictions per window
-    total, done, cache_class = 0.0, 0, None
+    total, done, cache_class, held = 0.0, 0, None, 0
     n_total = math.ceil(n / batch_size) * steps
     with _inference(model) as device:
         for start in range(0, n, batch_size):
@@ -185,6 +191,7 @@ def decode_perplexity(
                 done += 1
                 if progress is not None:
                     progress(done, n_total)
+            held += cache_nbytes(cache)  # the T − 1 tokens fed, after the last step
     tokens = n * steps
     protocol = {
         "measure": "decode_nll",
@@ -193,8 +200,15 @@ def decode_perplexity(
         "windows": n,
         "targets": [prefix_len, t],
         "tokens_scored": tokens,
+        "tokens_held": n * (t - 1),
     }
-    return {**_result(total, tokens, protocol), "cache_class": cache_class}
+    dense = dense_kv_bytes(model.config, n, t - 1, next(model.parameters()).dtype)
+    kv = {
+        "kv_bytes_total": held,
+        "kv_bytes_per_token": held / (n * (t - 1)),
+        "dense_kv_bytes_per_token": dense / (n * (t - 1)),
+    }
+    return {**_result(total, tokens, protocol), "cache_class": cache_class, **kv}
 
 
 def dense_kv_bytes(config: Any, n_rows: int, seq_len: int, dtype: torch.dtype) -> int:
@@ -330,6 +344,11 @@ class EvalResult:
         return self.kv["kv_bytes_per_token"]
 
     @property
+    def decode_kv_bytes_per_token(self) -> float | None:
+        """Bytes per token the cache holds at the end of the decode (None in results stored without it)."""
+        return self.decode.get("kv_bytes_per_token")
+
+    @property
     def kl_to_base(self) -> float | None:
         """Mean KL(base ‖ model) in nats per token, None without a base."""
         return None if self.kl is None else self.kl["kl"]
@@ -347,6 +366,8 @@ class EvalResult:
         (the KL, named for what it compares, is the caller's)."""
         out = {"prefill_ppl": self.prefill_ppl, "decode_ppl": self.decode_ppl}
         out["kv_bytes_per_token"] = self.kv_bytes_per_token
+        if self.decode_kv_bytes_per_token is not None:
+            out["decode_kv_bytes_per_token"] = self.decode_kv_bytes_per_token
         for task, scores in self.zeroshot_scores().items():
             out |= {f"zeroshot.{task}.{metric}": value for metric, value in scores.items()}
         return {f"{prefix}{name}": value for name, value in out.items()}

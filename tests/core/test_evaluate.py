@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from lrkv_core.cache import GearStorage, cache_kwargs, cache_nbytes, output_cache
 from lrkv_core.data.datasets import eval_windows
 from lrkv_core.evaluation import metrics
 from lrkv_core.evaluation.metrics import (
@@ -18,6 +19,7 @@ from lrkv_core.evaluation.metrics import (
     kv_bytes_per_token,
     prefill_perplexity,
 )
+from tests.support.latents import tiny_compressed
 from tests.support.models import tiny_model
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
@@ -124,6 +126,33 @@ def test_kv_bytes_of_plain_llama_are_keys_and_values_only(dtype: torch.dtype, el
     assert res["dense_kv_bytes_per_token"] == res["kv_bytes_per_token"] and res["kv_compression_ratio"] == 1
 
 
+def test_decode_reports_the_bytes_its_cache_holds_after_the_last_step(compress) -> None:
+    """The original's DynamicCache holds what a prefill of the same tokens holds; a GEAR cache's decode holds
+    its streaming state (a buffer of recent float32 latents, appended segments), not what a one-pass prefill
+    of the same tokens holds; either way the figure is the cache's own tensors after the last step."""
+    model, windows = _tiny_llama(num_hidden_layers=3), _windows(2, 40)
+    res = decode_perplexity(model, windows, prefix_len=8)
+    assert res["kv_bytes_per_token"] == res["dense_kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 4
+    assert res["kv_bytes_total"] == 2 * 39 * 2 * 3 * 2 * 8 * 4 and res["protocol"]["tokens_held"] == 2 * 39
+    comp = tiny_compressed(compress)
+    comp.config.lrkv["cache"] = GearStorage(bits=3, rank=2, buffer=6).to_dict()
+    ids = _windows(2, 40, vocab=61)
+    res = decode_perplexity(comp, ids, prefix_len=8)
+    with torch.no_grad():
+        cache = output_cache(comp(ids[:, :8], use_cache=True))
+        for pos in range(8, 39):
+            cache = output_cache(comp(ids[:, pos : pos + 1], **cache_kwargs(cache), use_cache=True))
+    assert (
+        res["kv_bytes_total"] == cache_nbytes(cache) and res["kv_bytes_per_token"] == cache_nbytes(cache) / 78
+    )
+    prefill = kv_bytes_per_token(comp, ids[:, :39], n_rows=2)
+    assert res["kv_bytes_per_token"] != prefill["kv_bytes_per_token"]
+    metrics_ = EvalResult("m", res, res, prefill).metrics()  # the run's flat metrics name both figures
+    assert (
+        metrics_["decode_kv_bytes_per_token"] == res["kv_bytes_per_token"] != metrics_["kv_bytes_per_token"]
+    )
+
+
 def test_a_logits_budget_scores_fewer_rows_per_pass_and_the_same_numbers(monkeypatch) -> None:
     """Below ``LOGITS_BYTES`` a batch is scored a row (or a few) at a time: the same NLL and KL."""
     base, other, windows = _tiny_llama(0), _tiny_llama(1), _windows(5, 20)
@@ -181,6 +210,7 @@ def test_an_eval_result_reads_its_parts_by_name_and_round_trips_its_json_form() 
         "base_prefill_ppl": parts["prefill"]["ppl"],
         "base_decode_ppl": parts["decode"]["ppl"],
         "base_kv_bytes_per_token": parts["kv"]["kv_bytes_per_token"],
+        "base_decode_kv_bytes_per_token": parts["decode"]["kv_bytes_per_token"],
         "base_zeroshot.piqa.acc": 0.5,
     }
     with pytest.raises(ValueError, match="unknown part"):

@@ -24,7 +24,7 @@ from lrkv_core.evaluation.longcontext import (
     cut_windows,
     evaluate_long_context,
 )
-from lrkv_core.evaluation.metrics import decode_perplexity
+from lrkv_core.evaluation.metrics import decode_perplexity, dense_kv_bytes
 from lrkv_core.evaluation.needles import (
     INTRO,
     SNAP,
@@ -193,10 +193,15 @@ def test_continuation_through_the_cache_equals_one_forward_of_the_window(arch, c
             logits[:, 39:-1].flatten(0, 1).double(), windows[:, 40:].flatten()
         )
         for chunk in (7, 40, 64):
-            total, tokens = continuation_nll(m, windows, context_len=40, chunk_size=chunk)
+            total, tokens, held = continuation_nll(m, windows, context_len=40, chunk_size=chunk)
             assert tokens == 48 and total / tokens == pytest.approx(ref.item(), abs=2e-5)
         decode = decode_perplexity(m, windows, prefix_len=40)
         assert decode["nll"] == pytest.approx(total / tokens, abs=2e-5)
+        # the bytes held after the windows' 55 tokens, measured from the caches: the same tensors, but each of
+        # the continuation's three caches (a window each) holds the scalars the decode's one cache holds once
+        assert 0 <= held - decode["kv_bytes_total"] <= 2 * 16 and decode["protocol"]["tokens_held"] == 3 * 55
+    dense = dense_kv_bytes(model.config, 1, 55, torch.float32)  # one window's DynamicCache
+    assert continuation_nll(model, windows, context_len=40)[2] == 3 * dense > 0
     assert abs(ref.item() - np.log(61)) > 0.05  # a random model's context matters: not a uniform guess
 
 
@@ -212,9 +217,13 @@ def test_continuation_reads_the_storage_the_config_names(compress) -> None:
     quantized = continuation_nll(comp, windows, context_len=56, chunk_size=16)[0]
     assert abs(quantized - dense) > 1e-3
     protocol = LongContextProtocol(dataset="random", lengths=(56,), continuation=16, windows=2, tasks=())
-    res = evaluate_long_context(comp, None, [windows.flatten()], protocol)
+    res = evaluate_long_context(comp, None, [windows.flatten()], protocol, base=model)
     assert res.protocol.cache["name"] == "quantized" and res.protocol.cache["bits"] == 2
     assert res.continuation[0].nll == pytest.approx(quantized / 32, abs=1e-6)
+    score = res.continuation[0]  # 2-bit codes with float16 scales: well under the original's bytes
+    assert score.base_kv_bytes_per_token == dense_kv_bytes(model.config, 1, 71, torch.float32) / 71
+    assert 0 < score.kv_bytes_per_token < score.base_kv_bytes_per_token / 4
+    assert "KV bytes/token" in res.markdown() and f"{score.kv_bytes_per_token:.1f}" in res.markdown()
 
 
 def test_lengths_are_capped_by_the_models_positions() -> None:

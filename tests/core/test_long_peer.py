@@ -173,3 +173,6 @@ def test_lrkv_rows_run_through_another_cache_storage_with_its_bytes(
     assert tale_row["cache"]["low"] == 0.5 and tale_row["cache"]["rule"] == "recency"
     assert 0.5 < tale_row["kv_fraction"] < dense_row["kv_fraction"] - 0.3  # most tokens keep half the latents
     assert math.isfinite(tale_row["ppl"]) and tale_row["ppl"] != dense_row["ppl"]
+    # after a window of 112 tokens (not the prefill of 96 the match is made on) the cache holds its own bytes
+    held = tale_row["kv_bytes_held_per_token"] / dense_row["kv_bytes_held_per_token"]
+    assert 0.5 < held < 0.9 and dense_row["kv_bytes_held_per_token"] == dense_row["kv_bytes_per_token"]

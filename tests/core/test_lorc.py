@@ -75,6 +75,30 @@ def test_lorc_skip_threshold_keeps_the_layers_above_it_in_cumulative_condition_a
         allocate_ranks(spectra, ratio=0.5, allocator={"name": "lorc", "skip_threshold": math.exp(5.0)}, **kw)
 
 
+def test_lorc_uniform_schedule_skips_the_same_layers_and_cuts_the_others_alike() -> None:
+    """The paper's baseline: the layers over the threshold kept at full rank, every other layer at one
+    fraction (hand-worked: two of four layers kept, 0.7 of the width leaves 0.4 for each of the others)."""
+    log_kappa = [(1.0, 2.0), (0.5, 0.5), (3.0, 1.0), (2.0, 2.0)]  # log κ̃ = 12, 9, 8, 4
+    condition = [{"k": [k] * 2, "v": [v] * 2} for k, v in log_kappa]
+    spectra = [{kind: [torch.ones(WIDTH, dtype=torch.float64)] * 2 for kind in "kv"} for _ in range(N_LAYERS)]
+    kw = dict(
+        group_size=GROUP_SIZE, head_dim=HEAD_DIM, rank_multiple=1, features={"weight_condition": condition}
+    )
+    uniform = {"name": "lorc", "skip_threshold": math.exp(8.5), "schedule": "uniform"}
+    plan = allocate_ranks(spectra, ratio=0.7, allocator=uniform, **kw)
+    assert plan.details["skipped_layers"] == [0, 1]
+    assert plan.details["d_min"] == pytest.approx(0.4, abs=1 / WIDTH)
+    for kind in "kv":
+        assert plan.ranks[kind][0] == plan.ranks[kind][1] == [WIDTH, WIDTH]
+        kept = [r for layer in (2, 3) for r in plan.ranks[kind][layer]]
+        assert max(kept) - min(kept) <= 1 and abs(sum(kept) - 4 * 0.4 * WIDTH) <= 2
+    progressive = allocate_ranks(spectra, ratio=0.7, allocator={**uniform, "schedule": "progressive"}, **kw)
+    assert progressive.details["skipped_layers"] == [0, 1]
+    assert progressive.ranks["k"][2][0] > progressive.ranks["k"][3][0] + 8  # Eq. 13 cuts layer 3 harder
+    with pytest.raises(ValueError, match="lorc schedule must be one of"):
+        allocate_ranks(spectra, ratio=0.7, allocator={"name": "lorc", "schedule": "flat"}, **kw)
+
+
 def test_lorc_follows_the_progressive_rule_in_closed_form() -> None:
     """Given κ per layer, rank = ⌊(d_min + (1 − d_min)·n_l)·width⌋ (multiple 1), n_l = normalised log κ̃_l."""
     log_kappa = [(1.0, 2.0), (0.5, 0.5), (3.0, 1.0), (2.0, 2.0)]  # (K, V) per layer: κ_l = e^{sum}

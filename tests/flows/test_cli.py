@@ -61,6 +61,7 @@ def test_convert_then_eval(tmp_path):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "KV bytes ratio (measured)" in res.stdout and "MLflow run" in res.stdout
+    assert "KV bytes/token after the decode" in res.stdout
     assert "models compute on auto" in res.stdout
     assert (tmp_path / "home" / "mlflow.db").is_file()
     compressed = load_compressed(out)
@@ -75,6 +76,11 @@ def test_convert_then_eval(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["kv"]["cache_class"] == "LatentCache"
+    decode = result["decode"]  # the bytes held after the decode, said on the terminal and in the report
+    assert (
+        f"KV bytes/token after the decode (31 tokens a window): {decode['kv_bytes_per_token']:.1f}"
+        in res.stdout
+    )
     assert result["prefill"]["protocol"]["dataset"] == data and result["prefill"]["windows"] == 12
     assert 0 < result["kl"]["kl"] and 0 < result["kl"]["top1_agreement"] <= 1  # ratio 0.5: a real, small cost
     # the numbers in the report are the model's: recompute the prefill NLL directly
