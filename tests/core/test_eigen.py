@@ -116,3 +116,31 @@ def test_eigen_in_a_conversion_collects_the_statistic_and_meets_the_ratio(make_t
     assert len(plan.details["layer_epsilon"]) == 2
     global_rule = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, allocator="eigen")  # default
     assert "layer_output_error" not in [s.name for s in global_rule.needed_statistics()]
+
+
+def test_each_layer_of_a_tiny_model_lands_on_the_threshold_algorithm_1_gives_for_its_budget(
+    make_tiny, one_thread
+) -> None:
+    """On a model: each layer's ε is where Algorithm 1's walk from 1 stops for the chosen e_b (its error
+    within e_b there, beyond it one step lower), measured again here from the conversion's own factors; each
+    group keeps at least Eq. 5's rank at that ε (the leftover only widens), and the layers' thresholds differ."""
+    model = make_tiny("llama", 4)
+    rows = torch.randint(3, 61, (6, 16), generator=torch.Generator().manual_seed(2))
+    algorithm_1 = {"name": "eigen", "rule": "layerwise"}
+    config = CompressionConfig(ratio=0.5, group_size=1, rank_multiple=1, allocator=algorithm_1)
+    conversion = plan_conversion(model, rows, config)
+    plan, budget = conversion.plan, conversion.plan.details["error_budget"]
+    grid = threshold_grid(0.02)
+    curves = collect_layer_output_error(model, rows, conversion.factors, grid, batch_size=4)
+    chosen = plan.details["layer_epsilon"]
+    assert len(set(chosen)) > 1 and 0 < budget
+    for layer, (eps, curve) in enumerate(zip(chosen, curves, strict=True)):
+        errors = dict(zip(grid.tolist(), curve["error"].tolist()))
+        walked = [e for e in grid.tolist() if e >= eps - 1e-12]
+        assert all(errors[e] <= budget * (1 + 1e-6) for e in walked)  # every step down to ε within e_b
+        lower = [e for e in grid.tolist() if e < eps - 1e-12]
+        assert not lower or errors[lower[0]] > budget * (1 - 1e-6)  # the next step would exceed it
+        for kind in ("k", "v"):
+            for group, rank in zip(conversion.factors[layer].groups[kind], plan.ranks[kind][layer]):
+                assert rank >= energy_rank(group.sigma, eps)
+    assert plan.kept <= plan.budget_width
