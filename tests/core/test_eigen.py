@@ -122,8 +122,8 @@ def test_each_layer_of_a_tiny_model_lands_on_the_threshold_algorithm_1_gives_for
     make_tiny, one_thread
 ) -> None:
     """On a model: each layer's ε is where Algorithm 1's walk from 1 stops for the chosen e_b (its error
-    within e_b there, beyond it one step lower), measured again here from the conversion's own factors; each
-    group keeps at least Eq. 5's rank at that ε (the leftover only widens), and the layers' thresholds differ."""
+    within e_b there, beyond it one step lower), measured again from the conversion's own factors; each
+    group keeps at least Eq. 5's rank at that ε (the leftover only widens); the layers' ε differ."""
     model = make_tiny("llama", 4)
     rows = torch.randint(3, 61, (6, 16), generator=torch.Generator().manual_seed(2))
     algorithm_1 = {"name": "eigen", "rule": "layerwise"}
