@@ -115,7 +115,12 @@ def settings(table: str, rows: int, lorc_skips: tuple[float, ...] = ()) -> list[
                 for schedule in ("", " uniform")
             ),  # fmt: skip
             Setting("eigen (one threshold)", {"name": "eigen", "rule": "global"}, rows),
-            Setting("eigen (Algorithm 1)", "eigen", rows, {"layer_output_error": {"n_samples": rows}}),
+            Setting(
+                "eigen (Algorithm 1)",
+                {"name": "eigen", "rule": "layerwise"},
+                rows,
+                {"layer_output_error": {"n_samples": rows}},
+            ),
             Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
             Setting("kl", "kl", rows, kl()),
             Setting("kl + 3 refine steps on 16 rows", "kl", rows, kl(), refine_steps=3, refine_rows=16),

@@ -43,7 +43,11 @@ def test_defaults_are_the_embedded_quickstart():
 def test_methods_come_from_the_registries_with_strict_options():
     r = load_recipe(None, {"compression.allocator": {"name": "lorc", "skip_threshold": "5"}})
     assert r.compression.allocator.skip_threshold == 5.0  # options are typed from the method's dataclass
-    assert r.model_dump(mode="json")["compression"]["allocator"] == {"name": "lorc", "skip_threshold": 5.0}
+    assert r.model_dump(mode="json")["compression"]["allocator"] == {
+        "name": "lorc",
+        "skip_threshold": 5.0,
+        "schedule": "progressive",
+    }
     assert load_recipe(None, {"compression.decomposition": "pca"}).compression.decomposition.name == "pca"
     output = load_recipe(None, {"compression.decomposition": {"name": "whitened", "values": "output"}})
     assert output.compression.decomposition.values == "output"
