@@ -315,7 +315,11 @@ def main() -> None:
                 given[name], spent = statistic({"name": name, **options}, factors, key)
                 seconds += spent
             start = time.perf_counter()
-            conversion = plan_conversion(model, rows, config, statistics=given)
+            try:
+                conversion = plan_conversion(model, rows, config, statistics=given)
+            except ValueError as e:  # e.g. LoRC's skipped layers alone exceed the budget: no plan, no row
+                print(f"{ratio} {s.label}: no plan: {e}", flush=True)
+                continue
             compressed = conversion.apply(copy.deepcopy(model))
             plan_seconds = time.perf_counter() - start
             for spec, (windows, base) in texts.items():

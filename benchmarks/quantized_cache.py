@@ -56,6 +56,9 @@ KEYS = ("model", "ratio", "rotation", "bits", "residual", "prefill_ppl", "decode
 GEAR_PRESETS = {
     "paper": {"name": "gear"},  # the storage's defaults: GEAR's rule (share 0.02, power, whole, buffer 20)
     "paper-chunked": {"name": "gear", "mode": "chunked"},
+    # the paper's rank rule, r = max(1, ⌊ρ · min(n, r_g)⌋), at both of its values of ρ
+    "paper-rho-0.02": {"name": "gear", "rank": None, "rank_share": 0.02},
+    "paper-rho-0.05": {"name": "gear", "rank": None, "rank_share": 0.05},
 }
 
 
@@ -271,8 +274,9 @@ def main() -> None:
         type=gear_spec,
         nargs="+",
         default=[],
-        help="gear storages, bits filled per row: 'paper', 'paper-chunked', 'variant-1:2:32' or a YAML "
-        "mapping such as '{name: gear, mode: chunked, rank: 4}' (bits < 16)",
+        help="gear storages, bits filled per row: 'paper', 'paper-chunked', 'paper-rho-0.02', "
+        "'paper-rho-0.05', 'variant-1:2:32' or a YAML mapping such as '{name: gear, mode: chunked, rank: 4}' "
+        "(bits < 16)",
     )
     p.add_argument("--anchor", type=_csv, default=["hqq:2", "hqq:3", "hqq:4", "quanto:2", "quanto:4"],
                    help="QuantizedCache specs BACKEND:BITS[:GROUP[:RESIDUAL]]; '' for none")  # fmt: skip
@@ -312,7 +316,9 @@ def main() -> None:
         "per latent group and chunk, b tokens kept as given until they are compressed together "
         "(`residual` < b); `variant-o:r:b` is the same, `paper` the gear storage's defaults (GEAR's rule: "
         "2 % of the entries as outliers, power iteration, the whole cache compressed again every 20 "
-        "tokens), `paper-chunked` the same with `mode: chunked`. KV bytes/token is measured after one "
+        "tokens), `paper-chunked` the same with `mode: chunked`, `paper-rho-ρ` the same with the paper's "
+        "rank rule (max(1, ⌊ρ · min(n, r_g)⌋) per latent group of width r_g and segment of n tokens) "
+        "instead of rank 2. KV bytes/token is measured after one "
         "prefilled window; `end of decode` is every tensor the cache holds after the decode evaluation "
         f"({args.seq_len - 1} tokens per row of its last batch: the buffer, a chunked cache's bases and the "
         "outliers included), per token.\n\n"

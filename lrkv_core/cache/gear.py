@@ -16,7 +16,9 @@ approximation ``L`` of what is still left, ``X − D̂ − S``. Here ``X`` is on
    asymmetric, packed codes, float16 scales and zero-points; the paper's appendix D.2 group variant).
 3. **Low-rank residual** (Eq. 6): per latent group, the residual ``E = X − (D̂ + S)`` (n × r_g) is replaced by
    a rank-``rank`` factorization ``A Bᵀ``: ``A`` (n × rank) kept per token, ``Bᵀ`` (rank × r_g) once per
-   compressed segment, both float16. ``solver: power`` is the paper's power iteration (appendix A,
+   compressed segment, both float16. ``rank_share: ρ`` is the paper's rule for the rank (§4, "Implementation
+   details"): ``max(1, ⌊ρ · min(n, r_g)⌋)`` for each segment of n tokens, stored zero-padded to the most it
+   can be, ``max(1, ⌊ρ · r_g⌋)``. ``solver: power`` is the paper's power iteration (appendix A,
    Algorithm 2, ``iterations`` loops from a seeded random start, so deterministic); ``solver: svd`` is the
    exact truncated SVD (the best rank-``rank`` fit, Eckart–Young).
 
@@ -29,12 +31,13 @@ a new chunk with its own basis and outliers; older chunks are never touched. ``b
 update as it comes.
 
 Parts, per token: the ``quantized`` storage's codes, scales and zero-points of the filled rows,
-``{k,v}_lowrank`` (B, S, Σ_g min(rank, r_g)) float16 and, with ``outliers: N``, ``{k,v}_outliers``
-(B, S, G·N) float16 and ``{k,v}_positions`` uint8. Per batch row, in :attr:`GearStore.sparse`: the share's
-outliers ``{k,v}_values`` (B, K) float16 and ``{k,v}_index`` (B, K) int32 (−1: an empty slot, left by a crop).
-Per segment (the whole cache, or each chunk), in :attr:`GearStore.bases`: one (min(rank, r_g), r_g) float16
-basis per latent group and batch row. The cache's reported bytes are all of these, the buffer's
-full-precision tokens and the positions included, measured from the tensors at every step.
+``{k,v}_lowrank`` (B, S, Σ_g k_g) float16 (k_g = min(rank, r_g), or ``max(1, ⌊ρ · r_g⌋)``) and, with
+``outliers: N``, ``{k,v}_outliers`` (B, S, G·N) float16 and ``{k,v}_positions`` uint8. Per batch row, in
+:attr:`GearStore.sparse`: the share's outliers ``{k,v}_values`` (B, K) float16 and ``{k,v}_index`` (B, K)
+int32 (−1: an empty slot, left by a crop). Per segment (the whole cache, or each chunk), in
+:attr:`GearStore.bases`: one (k_g, r_g) float16 basis per latent group and batch row. The cache's reported
+bytes are all of these, the buffer's full-precision tokens and the positions included, measured from the
+tensors at every step.
 """
 
 from __future__ import annotations
@@ -142,28 +145,30 @@ def _padded(a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     return coeffs.to(_HALF), basis.to(_HALF)
 
 
-def low_rank(e: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def low_rank(e: torch.Tensor, rank: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The best rank-``rank`` approximation ``u @ basis`` of e (B, n, r) over its n tokens (truncated SVD),
-    zero-padded to exactly ``min(rank, r)`` components: u (B, n, k) and basis (B, k, r), both float16."""
-    k = min(rank, e.shape[-1])
+    zero-padded to exactly ``width`` components (default ``min(rank, r)``): u (B, n, k) and basis (B, k, r),
+    both float16."""
+    k = min(rank, e.shape[-1]) if width is None else width
     u, s, vh = torch.linalg.svd(e.float(), full_matrices=False)  # (B, n, m), (B, m), (B, m, r); m = min(n, r)
-    m = min(k, s.shape[-1])
+    m = min(rank, k, s.shape[-1])
     return _padded(u[..., :m] * s[:, None, :m], vh[:, :m], k)
 
 
 def power_iteration(
-    e: torch.Tensor, rank: int, iterations: int, seed: int = 0
+    e: torch.Tensor, rank: int, iterations: int, seed: int = 0, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEAR's ``SVDSolver_r`` (appendix A, Algorithm 2): a rank-``rank`` fit ``A Bᵀ`` of e (B, n, r) by power
     iteration from a random B drawn with ``seed`` (so the same e always gives the same factors).
 
     Each loop computes ``A = E B`` then ``B = Eᵀ A``; the last loop first orthonormalizes B, then A (QR), so
     ``A Bᵀ = A Aᵀ E`` projects E onto the subspace found. Returns u = A (B, n, k) and basis = Bᵀ (B, k, r),
-    float16, zero-padded to k = min(rank, r) components (a segment of n < k tokens has rank ≤ n).
+    float16, zero-padded to ``width`` components, by default k = min(rank, r) (a segment of n < k tokens has
+    rank ≤ n).
     """
     e = e.float()
-    k = min(rank, e.shape[-1])
-    m = min(k, e.shape[1])
+    k = min(rank, e.shape[-1]) if width is None else width
+    m = min(rank, k, e.shape[1])
     gen = torch.Generator(device=e.device).manual_seed(seed)
     b = torch.randn(e.shape[-1], m, generator=gen, device=e.device).expand(e.shape[0], -1, -1)  # (B, r, m)
     for loop in range(iterations):
@@ -199,6 +204,7 @@ class GearStore(QuantizedStore):
     outlier_share : share s of each segment's entries kept exactly, s/2 largest and s/2 smallest (Eq. 4).
     outliers : if given, this many entries per token and quantization group instead (lrkv's variant).
     rank : rank of the residual's approximation per latent group and segment (0: none).
+    rank_share : if given, the rank is GEAR's ``max(1, ⌊ρ · min(n, r_g)⌋)`` per segment of n tokens instead.
     solver : ``"power"`` (Algorithm 2, ``iterations`` loops) or ``"svd"`` (exact truncated SVD).
     mode : ``"whole"`` (Algorithm 1: the buffer is appended and the whole cache compressed again) or
         ``"chunked"`` (each full buffer is compressed alone, as a new chunk).
@@ -226,13 +232,28 @@ class GearStore(QuantizedStore):
         iterations: int = 3,
         mode: str = "whole",
         buffer: int = 20,
+        rank_share: float | None = None,
     ) -> None:
         super().__init__(ranks_k, ranks_v, bits, quant_group_size, residual=buffer)
         self.outlier_share, self.outliers, self.rank = outlier_share, outliers, rank
+        self.rank_share = rank_share
+        self.has_lowrank = rank_share is not None or rank > 0
         self.solver, self.iterations, self.mode = solver, iterations, mode
         self.chunk_sizes: list[int] = []
         self.bases: dict[str, tuple[torch.Tensor, ...]] = {}
         self.sparse: dict[str, torch.Tensor] = {}
+
+    def lowrank_width(self, r_g: int) -> int:
+        """Components stored per token and segment for a latent group of width r_g (k_g)."""
+        if self.rank_share is None:
+            return min(self.rank, r_g)
+        return max(1, int(self.rank_share * r_g + 1e-9))
+
+    def segment_rank(self, n: int, r_g: int) -> int:
+        """The residual's rank in a segment of n tokens of a latent group of width r_g."""
+        if self.rank_share is None:
+            return self.rank
+        return max(1, int(self.rank_share * min(n, r_g) + 1e-9))
 
     def _leaving(self, waiting: int) -> int:
         """The streaming buffer. ``whole``: the first update all at once, then the buffer once it is full;
@@ -271,19 +292,21 @@ class GearStore(QuantizedStore):
                 parts[f"{kind}_outliers"], parts[f"{kind}_positions"] = values, positions
             parts |= self._packed(kind, q)
             coeffs, bases[kind] = [], []
-            if self.rank:
+            if self.has_lowrank:
                 for e in split_groups(h.float() - approx, ranks):  # (B, T, r_g)
+                    r_g = e.shape[-1]
+                    rank, width = self.segment_rank(e.shape[1], r_g), self.lowrank_width(r_g)
                     if self.solver == "power":
-                        u, basis = power_iteration(e, self.rank, self.iterations)
+                        u, basis = power_iteration(e, rank, self.iterations, width=width)
                     else:
-                        u, basis = low_rank(e, self.rank)
+                        u, basis = low_rank(e, rank, width)
                     coeffs.append(u)
                     bases[kind].append(basis.unsqueeze(1))
             parts[f"{kind}_lowrank"] = (
                 torch.cat(coeffs, dim=-1) if coeffs else h.new_zeros((*h.shape[:2], 0), dtype=_HALF)
             )
         self.chunk_sizes.append(h_k.shape[1])
-        for kind, chunk in bases.items() if self.rank else ():
+        for kind, chunk in bases.items() if self.has_lowrank else ():
             old = self.bases.get(kind)
             self.bases[kind] = (
                 tuple(chunk) if old is None else tuple(torch.cat([o, n], dim=1) for o, n in zip(old, chunk))
@@ -302,7 +325,7 @@ class GearStore(QuantizedStore):
             x = put_outliers(
                 x, self.widths[kind], self.outliers, parts[f"{kind}_outliers"], parts[f"{kind}_positions"]
             )
-        if self.rank:
+        if self.has_lowrank:
             ranks = self.ranks_k if kind == "k" else self.ranks_v
             x = x + self._residual(parts[f"{kind}_lowrank"], kind, ranks)
         return x
@@ -313,7 +336,7 @@ class GearStore(QuantizedStore):
     def _residual(self, coeffs: torch.Tensor, kind: str, ranks: Sequence[int]) -> torch.Tensor:
         """The low-rank residual (B, S_e, R) of every chunk: per group, tokens' coefficients × their chunk's
         basis, one batched product per run of equal-sized chunks (decoding makes them all ``buffer`` long)."""
-        ks = [min(self.rank, r) for r in ranks]
+        ks = [self.lowrank_width(r) for r in ranks]
         runs, start, first = [], 0, 0
         for n, chunks in _runs(self.chunk_sizes):
             u = coeffs[:, start : start + n * chunks].float().unflatten(1, (chunks, n))  # (B, c, n, K)
@@ -392,14 +415,25 @@ class GearStorage(CacheStorage):
     quant_group_size: int | None = None  # None: one quantization group per latent group row
     outlier_share: float = 0.02  # GEAR's s: s/2 largest and s/2 smallest entries of a segment kept exactly
     outliers: int | None = None  # instead of the share: this many per token and quantization group
-    rank: int = 2  # rank of the residual's approximation per latent group and segment
+    rank: int | None = 2  # rank of the residual's approximation per latent group and segment
+    # GEAR's ρ: the rank is max(1, ⌊ρ · min(n, r_g)⌋) per segment of n tokens instead (with rank: null)
+    rank_share: float | None = None
     solver: str = "power"  # "power": GEAR's power iteration; "svd": exact truncated SVD
     iterations: int = 3  # power iteration loops (Algorithm 2's L)
     mode: str = "whole"  # "whole": append the full buffer and recompress all; "chunked": a chunk per buffer
     buffer: int = 20  # tokens kept as given until this many are compressed (GEAR's n_b)
 
     def __post_init__(self) -> None:
-        check_options(self, INTEGER_BITS, "rank", "buffer")
+        check_options(self, INTEGER_BITS, "buffer")
+        if (self.rank is None) == (self.rank_share is None):
+            raise ValueError(
+                "gear cache: give either rank (a fixed rank per latent group and segment) or rank_share "
+                f"(GEAR's ρ) with rank: null, got rank {self.rank} and rank_share {self.rank_share}"
+            )
+        if self.rank is not None and self.rank < 0:
+            raise ValueError(f"gear cache rank must be ≥ 0 or null, got {self.rank}")
+        if self.rank_share is not None and not 0 < self.rank_share <= 1:
+            raise ValueError(f"gear cache rank_share must be in (0, 1], got {self.rank_share}")
         if not 0 <= self.outlier_share <= 1:
             raise ValueError(f"gear cache outlier_share must be in [0, 1], got {self.outlier_share}")
         if self.outliers is not None and self.outliers < 0:
@@ -442,9 +476,10 @@ class GearStorage(CacheStorage):
             self.quant_group_size,
             self.outlier_share,
             self.outliers,
-            self.rank,
+            self.rank or 0,
             self.solver,
             self.iterations,
             self.mode,
             self.buffer,
+            self.rank_share,
         )

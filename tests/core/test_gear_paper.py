@@ -112,6 +112,47 @@ def test_streaming_appends_the_full_buffer_and_compresses_the_whole_cache_again(
     assert chunked.chunk_sizes == [8, 4] and chunked.recent["k"].shape[1] == 2  # lrkv's variant
 
 
+def test_the_rank_share_gives_each_segment_the_papers_rank() -> None:
+    """GEAR's r = max(1, ρ · min(n, d)): ρ = 0.25 on key groups of 8 and a value group of 16 gives ranks 2, 2
+    and 4 to a segment of 64 tokens, 1, 1 and 1 to one of 4 tokens (stored padded to 2, 2 and 4); ρ = 0.02
+    gives rank 1 everywhere."""
+    h_k, h_v = _latents(tokens=72)
+    storage = GearStorage(bits=2, rank=None, rank_share=0.25, solver="svd", mode="chunked", buffer=4)
+    store = filled_store(storage, h_k, h_v, [64, 4, 4])
+    assert store.chunk_sizes == [64, 4, 4]
+    assert [b.shape for b in store.bases["k"]] == [(2, 3, 2, 8)] * 2
+    assert [b.shape for b in store.bases["v"]] == [(2, 3, 4, 16)]
+    for kind, widths in (("k", (2, 2)), ("v", (4,))):
+        assert store.parts[f"{kind}_lowrank"].shape == (2, 72, sum(widths))
+        for basis, width in zip(store.bases[kind], widths):
+            nonzero = basis.float().norm(dim=-1).ne(0).sum(-1)  # (B, segments): components in use
+            assert nonzero.tolist() == [[width, 1, 1]] * 2
+    # a 4-token chunk is compressed as a store with a fixed rank 1 compresses the same 4 tokens (exact SVD)
+    fixed = GearStorage(bits=2, rank=1, solver="svd", mode="chunked", buffer=4)
+    k, v = store_view(store)
+    for got, want in zip(
+        (k[:, 64:68], v[:, 64:68]), store_view(filled_store(fixed, h_k[:, 64:68], h_v[:, 64:68], [4]))
+    ):
+        assert torch.equal(got, want)
+    tiny = GearStorage(bits=2, rank=None, rank_share=0.02).create_store(RANKS_K, RANKS_V)
+    assert [tiny.segment_rank(1000, r) for r in (8, 16)] == [1, 1] and tiny.lowrank_width(16) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"rank_share": 0.05}, "give either rank"),
+        ({"rank": None}, "give either rank"),
+        ({"rank": None, "rank_share": 0.0}, r"rank_share must be in \(0, 1\]"),
+        ({"rank": None, "rank_share": 1.5}, r"rank_share must be in \(0, 1\]"),
+        ({"rank": -1}, "rank must be ≥ 0"),
+    ],
+)
+def test_rank_and_rank_share_are_one_or_the_other(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GearStorage(**options)
+
+
 def test_crop_and_batch_operations_keep_the_share_outliers_aligned() -> None:
     h_k, h_v = _latents(batch=3, tokens=40)
     store = filled_store(GearStorage(bits=2, buffer=4), h_k, h_v, [36, *[1] * 4])  # one segment of 40
