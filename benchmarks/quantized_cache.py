@@ -19,7 +19,7 @@ token at a time through the cache. Bytes per token: every tensor the cache holds
 window (packed codes, fp16 scales and zero-points, int32 positions, full-precision windows), against the
 original model's DynamicCache for the same tokens in float32 (measured) and in 16 bits (the same cache in
 bfloat16: what Palu's ratios are relative to); and every tensor the cache holds at the end of the decode
-evaluation (its last batch, after T − 1 tokens: the steady state of a decode, with the buffer, a chunked
+evaluation (each batch's, after T − 1 tokens: the steady state of a decode, with the buffer, a chunked
 cache's bases and the outliers as decoding left them), per held token.
 """
 
@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import yaml
 
-from lrkv_core.cache import cache_nbytes, output_cache
 from lrkv_core.cache.gear import GearStorage
 from lrkv_core.conversion.convert import CompressionConfig, collect_statistics, plan_conversion
 from lrkv_core.data.datasets import eval_windows, extract_calibration, read_token_rows
@@ -69,28 +68,14 @@ def _csv(text: str, cast=str) -> list:
     return [cast(v) for v in text.split(",") if v.strip()]
 
 
-class _LastCache(torch.nn.Module):
-    """The model, keeping the cache and the batch size of its last forward (the decode's end state)."""
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.model, self.cache, self.rows = model, None, 0
-
-    def forward(self, ids: torch.Tensor, **kwargs):
-        out = self.model(ids, **kwargs)
-        self.cache, self.rows = output_cache(out), ids.shape[0]
-        return out
-
-
 def measure(model, windows: torch.Tensor, args, cache_factory=None) -> dict[str, Any]:
     """Prefill PPL, decode PPL and bytes per token under the protocol (see the module docstring)."""
     start = time.perf_counter()
     prefill = metrics.prefill_perplexity(
         model, windows, batch_size=args.batch_size, cache_factory=cache_factory
     )
-    traced = _LastCache(model)
     decode = metrics.decode_perplexity(
-        traced,
+        model,
         windows[: args.decode_windows],
         prefix_len=args.decode_prefix,
         batch_size=args.batch_size,
@@ -98,15 +83,13 @@ def measure(model, windows: torch.Tensor, args, cache_factory=None) -> dict[str,
     )
     kv = metrics.kv_bytes_per_token(model, windows, cache_factory=cache_factory)
     half = metrics.dense_kv_bytes(model.config, 1, windows.shape[1], torch.bfloat16) / windows.shape[1]
-    held = traced.rows * (windows.shape[1] - 1)  # the last decode batch's tokens, all but the last target
-    decode_bytes = cache_nbytes(traced.cache) / held
     return {
         "prefill_ppl": prefill["ppl"],
         "decode_ppl": decode["ppl"],
         "kv_bytes_per_token": kv["kv_bytes_per_token"],
         "x_fp32": kv["kv_compression_ratio"],
         "x_16bit": half / kv["kv_bytes_per_token"],
-        "decode_kv_bytes_per_token": decode_bytes,
+        "decode_kv_bytes_per_token": decode["kv_bytes_per_token"],
         "cache_class": kv["cache_class"],
         "seconds": time.perf_counter() - start,
     }
@@ -320,7 +303,7 @@ def main() -> None:
         "rank rule (max(1, ⌊ρ · min(n, r_g)⌋) per latent group of width r_g and segment of n tokens) "
         "instead of rank 2. KV bytes/token is measured after one "
         "prefilled window; `end of decode` is every tensor the cache holds after the decode evaluation "
-        f"({args.seq_len - 1} tokens per row of its last batch: the buffer, a chunked cache's bases and the "
+        f"({args.seq_len - 1} tokens per row of each batch: the buffer, a chunked cache's bases and the "
         "outliers included), per token.\n\n"
         + markdown_table(results)
         + (f"\nRotation (none → auto):\n\n{effect}\n" if (effect := rotation_effect(results)) else "")
