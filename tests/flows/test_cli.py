@@ -288,7 +288,7 @@ def test_eval_takes_another_cache_storage(compress, tmp_path, monkeypatch):
     gear, dense = results["gear"], results["dense"]
     assert gear["decode"]["protocol"]["cache"] == {
         "name": "gear", "bits": 2, "quant_group_size": None, "outlier_share": 0.02, "outliers": None,
-        "rank": 2, "solver": "power", "iterations": 3, "mode": "whole", "buffer": 4,
+        "rank": 2, "rank_share": None, "solver": "power", "iterations": 3, "mode": "whole", "buffer": 4,
     }  # fmt: skip
     assert "cache" not in dense["decode"]["protocol"]
     assert gear["kv"]["kv_bytes_per_token"] != dense["kv"]["kv_bytes_per_token"]

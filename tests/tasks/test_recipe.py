@@ -126,7 +126,7 @@ def test_the_gear_cache_is_a_recipe_field_checked_against_the_rank_multiple():
     r = load_recipe(None, {"compression.cache": {"name": "gear", "bits": 2, "rank": "4"}})
     assert r.model_dump(mode="json")["compression"]["cache"] == {
         "name": "gear", "bits": 2, "quant_group_size": None, "outlier_share": 0.02, "outliers": None,
-        "rank": 4, "solver": "power", "iterations": 3, "mode": "whole", "buffer": 20,
+        "rank": 4, "rank_share": None, "solver": "power", "iterations": 3, "mode": "whole", "buffer": 20,
     }  # fmt: skip
     with pytest.raises(ValidationError, match="gear cache buffer must be ≥ 0"):
         load_recipe(None, {"compression.cache": {"name": "gear", "buffer": -1}})
