@@ -121,6 +121,12 @@ def settings(table: str, rows: int, lorc_skips: tuple[float, ...] = ()) -> list[
                 rows,
                 {"layer_output_error": {"n_samples": rows}},
             ),
+            Setting(  # the output errors on fewer rows: the statistic reruns every layer per ε step
+                "eigen (Algorithm 1, output error on 32 rows)",
+                {"name": "eigen", "rule": "layerwise"},
+                rows,
+                {"layer_output_error": {"n_samples": 32}},
+            ),
             Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
             Setting("kl", "kl", rows, kl()),
             Setting("kl + 3 refine steps on 16 rows", "kl", rows, kl(), refine_steps=3, refine_rows=16),

@@ -50,7 +50,7 @@ import torch
 
 from ..quant import INTEGER_BITS, dequantize, group_widths, quantize
 from .quantized import QuantizedStore, check_options
-from .storage import CACHE_STORAGES, CacheStorage, split_groups
+from .storage import CACHE_STORAGES, CacheStorage, split_groups, unrotated_codes_warning
 
 _HALF = torch.float16
 MAX_GROUP_WIDTH = 256  # an outlier's position in its quantization group is one uint8
@@ -466,6 +466,9 @@ class GearStorage(CacheStorage):
                 f"gear cache: outlier positions are uint8, so quantization groups hold at most "
                 f"{MAX_GROUP_WIDTH} latents (got {max(widths)}; set quant_group_size)"
             )
+
+    def rotation_warning(self, rotation: str) -> str | None:
+        return unrotated_codes_warning(self.name, self.bits, rotation)
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> GearStore:
         self.check_ranks(ranks_k + ranks_v)

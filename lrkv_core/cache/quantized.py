@@ -32,7 +32,14 @@ import torch
 from lrkv_kernels.latent_rope import PackedLatents
 
 from ..quant import INTEGER_BITS, QuantizedRows, dequantize, group_widths, pack_codes, quantize, unpack_codes
-from .storage import CACHE_STORAGES, CacheStorage, LatentStore, LatentView, split_groups
+from .storage import (
+    CACHE_STORAGES,
+    CacheStorage,
+    LatentStore,
+    LatentView,
+    split_groups,
+    unrotated_codes_warning,
+)
 
 STORED_BITS = (*INTEGER_BITS, 16)
 
@@ -188,6 +195,9 @@ class QuantizedStorage(CacheStorage):
 
     def create_store(self, ranks_k: tuple[int, ...], ranks_v: tuple[int, ...]) -> QuantizedStore:
         return QuantizedStore(ranks_k, ranks_v, self.bits, self.quant_group_size, self.residual)
+
+    def rotation_warning(self, rotation: str) -> str | None:
+        return unrotated_codes_warning(self.name, self.bits, rotation)
 
     def check_static(self) -> None:
         """Tokens are quantized one by one as they enter: preallocatable, unless a residual window holds

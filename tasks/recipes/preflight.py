@@ -73,6 +73,9 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
             f"{refine.rows}: it needs {refine.rows + refine.accept_rows} calibration rows; "
             f"calibration.n_samples is {n_samples}"
         )
+    rotation_warning = resolved.cache.rotation_warning(resolved.rotation.name)
+    if rotation_warning:
+        notes.append(f"warning: {rotation_warning}")
     if compression.group_size == "auto":
         notes.append(f"group size {resolved.group_size} (auto: the largest divisor of the KV heads ≤ 4)")
         compression = compression.model_copy(update={"group_size": resolved.group_size})

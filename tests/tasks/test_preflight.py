@@ -102,6 +102,27 @@ def test_evaluation_on_the_calibration_data_is_warned_about(tmp_path, data):
     assert not any(n.startswith("warning:") for n in notes), notes
 
 
+@pytest.mark.parametrize(
+    ("cache", "rotation", "warned"),
+    [
+        ({"name": "quantized", "bits": 3}, "none", True),
+        ({"name": "quantized", "bits": 3}, "auto", False),
+        ({"name": "quantized", "bits": 16}, "none", False),
+        ({"name": "gear", "bits": 4}, "none", True),
+        ({"name": "gear", "bits": 4}, "hadamard", False),
+        ("dense", "none", False),
+    ],
+)
+def test_integer_codes_of_unrotated_latents_are_warned_about(tmp_path, data, cache, rotation, warned):
+    recipe = _recipe(tiny_model_dir(tmp_path), data)
+    compression = recipe.compression.model_copy(update={"cache": cache, "rotation": rotation})
+    notes = prepare(recipe.model_copy(update={"compression": compression})).notes
+    warnings = [n for n in notes if n.startswith("warning:") and "unrotated latents" in n]
+    assert len(warnings) == warned, notes
+    if warned:
+        assert f"stores {cache['bits']}-bit codes" in warnings[0] and "--rotation auto" in warnings[0]
+
+
 def test_accepting_refine_steps_on_rows_the_calibration_lacks_is_refused_before_any_work(tmp_path, data):
     model_dir = tiny_model_dir(tmp_path)
     recipe = _recipe(model_dir, data)
