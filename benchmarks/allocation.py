@@ -69,9 +69,12 @@ class Setting:
     refine_accept_rows: int = 0  # rows after refine_rows that keep or reject each step (0: the same rows)
 
 
-def settings(table: str, rows: int, lorc_skips: tuple[float, ...] = ()) -> list[Setting]:
+def settings(
+    table: str, rows: int, lorc_skips: tuple[float, ...] = (), error_rows: int = 32
+) -> list[Setting]:
     """The rows of a table; ``rows`` is the calibration size of every statistic unless a row changes it;
-    ``lorc_skips``: log κ̃ thresholds of LoRC's skip rule, each a progressive row and its uniform baseline."""
+    ``lorc_skips``: log κ̃ thresholds of LoRC's skip rule, each a progressive row and its uniform baseline;
+    ``error_rows``: the rows of Eigen Attention's layer output errors in the row that names them."""
 
     def fisher(**options: Any) -> dict[str, dict]:
         return {"fisher": {"n_samples": rows, **options}}
@@ -122,10 +125,10 @@ def settings(table: str, rows: int, lorc_skips: tuple[float, ...] = ()) -> list[
                 {"layer_output_error": {"n_samples": rows}},
             ),
             Setting(  # the output errors on fewer rows: the statistic reruns every layer per ε step
-                "eigen (Algorithm 1, output error on 32 rows)",
+                f"eigen (Algorithm 1, output error on {error_rows} rows)",
                 {"name": "eigen", "rule": "layerwise"},
                 rows,
-                {"layer_output_error": {"n_samples": 32}},
+                {"layer_output_error": {"n_samples": error_rows}},
             ),
             Setting("fisher-greedy", "fisher-greedy", rows, fisher()),
             Setting("kl", "kl", rows, kl()),
@@ -237,13 +240,17 @@ def main() -> None:
         help="log κ̃ thresholds of LoRC's skip rule, comma-separated: rows 'lorc, skip log κ̃ > T' and "
         "'lorc uniform, skip log κ̃ > T' (the paper's baseline: the same layers kept, the others cut alike)",
     )  # fmt: skip
+    p.add_argument(
+        "--output-error-rows", type=int, default=32,
+        help="rows of the layer output errors in 'eigen (Algorithm 1, output error on N rows)' (default 32)",
+    )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, required=True, help="JSON lines; the markdown table goes beside (.md)")
     args = p.parse_args()
     hf_logging.set_verbosity_error()
     lorc_skips = tuple(float(t) for t in args.lorc_skip.split(",") if t.strip())
-    labels = [s.label for s in settings(args.table, args.rows, lorc_skips)]
+    labels = [s.label for s in settings(args.table, args.rows, lorc_skips, args.output_error_rows)]
     chosen = args.settings.split(";") if args.settings else labels
     unknown = [x for x in chosen if x not in labels]
     if unknown:
@@ -286,7 +293,7 @@ def main() -> None:
     reference: dict[tuple[str, float, str], torch.Tensor] = {}  # (eval, ratio, "fisher"|"uniform") -> NLLs
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ratio in [float(r) for r in args.ratios.split(",")]:
-        for s in settings(args.table, args.rows, lorc_skips):
+        for s in settings(args.table, args.rows, lorc_skips, args.output_error_rows):
             if s.label not in chosen:
                 continue
             gram_rows = s.gram_rows if s.gram_rows and s.gram_rows < len(rows) else None  # None: all

@@ -97,11 +97,18 @@ def cache_storage(value: str) -> str | dict:
     checked as a recipe's ``cache`` field is, option types included (a usage error names the storages and
     their options)."""
     from lrkv_core.cache import CACHE_STORAGES
+
+    return method_value("--cache", CACHE_STORAGES, value)
+
+
+def method_value(flag: str, registry, text: str) -> str | dict:
+    """A registered method's name or its YAML recipe form (``{name: eigen, rule: layerwise}``), checked as
+    the recipe checks it; a usage error naming ``flag`` (and the registered names or options) otherwise."""
     from lrkv_tasks.recipes.registered import RegisteredMethod
 
-    spec = yaml_value("--cache", value)
+    spec = yaml_value(flag, text)
     try:
-        RegisteredMethod(CACHE_STORAGES).validate(spec)
+        RegisteredMethod(registry).validate(spec)
     except (TypeError, ValueError) as err:
         raise typer.BadParameter(str(err)) from None
     return spec

@@ -23,6 +23,8 @@ from pydantic import BaseModel
 
 from lrkv_tasks.recipes.registered import RegisteredMethod
 
+from .options import method_value
+
 _SCALARS = (int, float)  # typed options; any other value is passed as the string typed (the recipe parses it)
 
 
@@ -105,7 +107,10 @@ def flag_help(field: SchemaField, also: Sequence[str] = ()) -> str:
     summaries), its recipe key (and the others it sets) and its default."""
     parts = []
     if field.registry is not None:
-        parts.append(f"{' | '.join(sorted(field.registry.names()))}. {field.registry.help()}")
+        parts.append(
+            f"{' | '.join(sorted(field.registry.names()))}, by name or as a YAML mapping of its options. "
+            f"{field.registry.help()}"
+        )
     if field.description:
         parts.append(field.description)
     default = None if field.default is None else str(field.default)
@@ -127,7 +132,8 @@ def _parameter(root: type, flag: RecipeFlag, prefix: str) -> inspect.Parameter:
     for key, _ in flag.derived:
         schema_field(root, prefix + key)
     kind = _option_type(field, flag)
-    option = typer.Option(flag.option, help=flag_help(field, also), metavar=flag.metavar)
+    metavar = flag.metavar or ("NAME|{name: NAME, ...}" if field.registry is not None else None)
+    option = typer.Option(flag.option, help=flag_help(field, also), metavar=metavar)
     return inspect.Parameter(
         flag.param, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
     )
@@ -157,6 +163,7 @@ def recipe_flags(root: type, flags: Sequence[RecipeFlag], *, prefix: str = "", a
         at = names.index(after) + 1
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]
         by_param = {f.param: f for f in flags}
+        registries = {f.param: schema_field(root, prefix + f.key).registry for f in flags}
 
         @functools.wraps(command)
         def run(**kwargs: Any) -> Any:
@@ -170,6 +177,12 @@ def recipe_flags(root: type, flags: Sequence[RecipeFlag], *, prefix: str = "", a
                         value = flag.parse(value)
                     except ValueError as err:
                         raise typer.BadParameter(str(err), param_hint=flag.option) from None
+                elif registries[param] is not None:  # a name or the recipe form, as --cache takes
+                    try:
+                        value = method_value(flag.option, registries[param], value)
+                    except typer.BadParameter as err:
+                        err.param_hint = flag.option  # parsed here, after click: name the flag
+                        raise
                 for key in (flag.key, *flag.also):
                     given[prefix + key] = value
                 for key, derive in flag.derived:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import pytest
 import typer
@@ -16,6 +16,7 @@ from lrkv_flows.commands.search import SEARCH_FLAGS
 from lrkv_flows.options import parse_group_size
 from lrkv_flows.recipe_flags import RecipeFlag, flag_help, recipe_flags, schema_field
 from lrkv_tasks.recipes.convert_recipe import ConvertRecipe
+from lrkv_tasks.recipes.registered import RegisteredMethod
 from lrkv_tasks.recipes.search_recipe import SearchRecipe
 
 
@@ -132,3 +133,35 @@ def test_derived_keys_take_a_function_of_the_value():
     assert seen == [(None, False, {"inner.seq_len": 32, "other.seq_len": 16})]
     with pytest.raises(KeyError, match="nope"):
         _app((RecipeFlag("ratio", derived=(("nope", str),)),), [])
+
+
+class _Methods(BaseModel):
+    allocator: Annotated[Any, RegisteredMethod(ALLOCATORS)] = "kl"
+
+
+def test_a_registered_method_flag_takes_a_name_or_its_recipe_form_and_checks_its_options():
+    seen: list = []
+
+    @recipe_flags(_Methods, (RecipeFlag("allocator"),), after="model")
+    def cmd(model: Annotated[str | None, typer.Option()] = None, recipe_flags: dict | None = None) -> None:
+        seen.append(recipe_flags)
+
+    app = typer.Typer()
+    app.command()(cmd)
+    app.command("noop")(lambda: None)
+    run = CliRunner(env=WIDE).invoke
+    assert run(app, ["cmd", "--allocator", "uniform"]).exit_code == 0
+    res = run(app, ["cmd", "--allocator", "{name: eigen, rule: layerwise}"])
+    assert res.exit_code == 0, res.output
+    assert seen == [{"allocator": "uniform"}, {"allocator": {"name": "eigen", "rule": "layerwise"}}]
+    for bad, says in (
+        ("{name: eigen, rule: bogus}", "rule: Input should be"),
+        ("{name: eigen, nope: 1}", "nope"),
+        ("nothing", "unknown allocator 'nothing'"),
+        ("{name: eigen", "not valid YAML"),
+    ):
+        res = run(app, ["cmd", "--allocator", bad])
+        assert res.exit_code == 2 and "--allocator" in res.output and says in res.output, res.output
+    assert len(seen) == 2
+    params = {p.name: p for p in typer.main.get_command(app).commands["cmd"].params}
+    assert params["allocator"].metavar == "NAME|{name: NAME, ...}"
