@@ -108,6 +108,7 @@ def test_evaluation_on_the_calibration_data_is_warned_about(tmp_path, data):
         ({"name": "quantized", "bits": 3}, "none", True),
         ({"name": "quantized", "bits": 3}, "auto", False),
         ({"name": "quantized", "bits": 16}, "none", False),
+        ({"name": "quantized", "bits": 8}, "none", False),
         ({"name": "gear", "bits": 4}, "none", True),
         ({"name": "gear", "bits": 4}, "hadamard", False),
         ("dense", "none", False),
