@@ -126,6 +126,14 @@ def _option_type(field: SchemaField, flag: RecipeFlag) -> type:
     return kind if kind in _SCALARS else str
 
 
+def _parser(flag: RecipeFlag, field: SchemaField) -> Callable[[str], Any] | None:
+    """What turns the typed string into the recipe value: the flag's own ``parse``; for a registered method,
+    its name or its recipe form as YAML, checked as ``--cache`` is; else nothing (typer or the recipe)."""
+    if flag.parse is not None or field.registry is None:
+        return flag.parse
+    return functools.partial(method_value, flag.option, field.registry)
+
+
 def _parameter(root: type, flag: RecipeFlag, prefix: str) -> inspect.Parameter:
     field = schema_field(root, prefix + flag.key)
     also = [schema_field(root, prefix + key).key for key in flag.also]  # a typo fails at import
@@ -163,7 +171,7 @@ def recipe_flags(root: type, flags: Sequence[RecipeFlag], *, prefix: str = "", a
         at = names.index(after) + 1
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]
         by_param = {f.param: f for f in flags}
-        registries = {f.param: schema_field(root, prefix + f.key).registry for f in flags}
+        parsers = {f.param: _parser(f, schema_field(root, prefix + f.key)) for f in flags}
 
         @functools.wraps(command)
         def run(**kwargs: Any) -> Any:
@@ -172,17 +180,11 @@ def recipe_flags(root: type, flags: Sequence[RecipeFlag], *, prefix: str = "", a
                 value = kwargs.pop(param)
                 if value is None:
                     continue
-                if flag.parse is not None:
+                if parsers[param] is not None:
                     try:
-                        value = flag.parse(value)
-                    except ValueError as err:
+                        value = parsers[param](value)
+                    except (ValueError, typer.BadParameter) as err:  # parsed after click: name the flag
                         raise typer.BadParameter(str(err), param_hint=flag.option) from None
-                elif registries[param] is not None:  # a name or the recipe form, as --cache takes
-                    try:
-                        value = method_value(flag.option, registries[param], value)
-                    except typer.BadParameter as err:
-                        err.param_hint = flag.option  # parsed here, after click: name the flag
-                        raise
                 for key in (flag.key, *flag.also):
                     given[prefix + key] = value
                 for key, derive in flag.derived:

@@ -295,8 +295,8 @@ def unrotated_codes_warning(storage: str, bits: int, rotation: str) -> str | Non
         return None
     return (
         f"the {storage} cache stores {bits}-bit codes of unrotated latents, which lose far more than "
-        "rotated ones (docs/quantized-cache.md: at 2 bits a decode perplexity of 34.5 against 17.6 with "
-        "the rotation); add --rotation auto (a recipe's compression.rotation: auto)"
+        "rotated ones (measured in docs/quantized-cache.md); add --rotation auto (a recipe's "
+        "compression.rotation: auto)"
     )
 
 
