@@ -44,8 +44,14 @@ def make_tree_readable(path: str | Path) -> None:
 def save_tensors(
     tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
 ) -> None:
-    """``safetensors.torch.save_file`` with the umask's file mode."""
-    save_file(tensors, str(path), metadata=metadata)
+    """``safetensors.torch.save_file`` with the umask's file mode; tensors that share memory with one saved
+    before them (one value given to several names) are saved as copies of their own."""
+    stored, own = {}, set()
+    for name, tensor in tensors.items():
+        where = tensor.untyped_storage().data_ptr()
+        stored[name] = tensor.clone() if where and where in own else tensor
+        own.add(where)
+    save_file(stored, str(path), metadata=metadata)
     make_readable(path)
 
 

@@ -144,3 +144,28 @@ def test_each_layer_of_a_tiny_model_lands_on_the_threshold_algorithm_1_gives_for
             for group, rank in zip(conversion.factors[layer].groups[kind], plan.ranks[kind][layer]):
                 assert rank >= energy_rank(group.sigma, eps)
     assert plan.kept <= plan.budget_width
+
+
+def test_a_layer_summary_with_algorithm_1s_curves_saves_and_loads(make_tiny, one_thread, tmp_path) -> None:
+    """Every group of a layer carries the layer's output-error curve, one tensor: saved per group all the
+    same."""
+    from lrkv_core.allocation.features import LayerSummary, summarize_layer
+
+    model = make_tiny("llama", 2)
+    rows = torch.randint(3, 61, (2, 16), generator=torch.Generator().manual_seed(1))
+    grams, _ = collect_gram(model, rows)
+    factors = [
+        decompose_layer(
+            i, model_layer_weights(model, i), {"gram": grams[i]}, n_kv_heads=2, head_dim=8, group_size=1,
+            decomposition="plain",
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    curves = collect_layer_output_error(model, rows, factors, threshold_grid(0.25))
+    summary = summarize_layer(factors[0], {"layer_output_error": curves[0]}, ["layer_errors"])
+    summary.save(tmp_path / "layer0.safetensors")
+    loaded = LayerSummary.load(tmp_path / "layer0.safetensors")
+    for kind in ("k", "v"):
+        given = summary.features["layer_errors"][kind]
+        for saved, curve in zip(loaded.features["layer_errors"][kind], given, strict=True):
+            assert torch.equal(saved, curve.to(torch.float64))
