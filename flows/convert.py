@@ -104,7 +104,12 @@ def _convert(recipe: ConvertRecipe, run: dict) -> ConvertResult:
         stored(t.extract_calibration).submit(model, cal.dataset, cal.n_samples, cal.seq_len, cal.seed, store),
     )
     graph = conversion_steps(
-        config, model.meta["shape"]["L"], shards=cal.shards, rows=cal.n_samples, batch_size=cal.rows_per_pass
+        config,
+        model.meta["shape"]["L"],
+        shards=cal.shards,
+        rows=cal.n_samples,
+        seq_len=cal.seq_len,
+        batch_size=cal.rows_per_pass,
     )
     ctx = t.StepContext(model, calib, recipe.dtype, cal.rows_per_pass, store, stored, cal.precision)
     futures: dict[str, Any] = {}

@@ -25,7 +25,9 @@ Both are latent prefix sums of :class:`LatentProducts`, so one forward and two b
 knapsack), each group moving at most ``radius`` rank steps; it is kept only if its measured J is lower on
 the calibration rows after the pricing rows, which the step was not priced on (``accept_rows``, 32 by
 default; with ``accept_rows: 0``, on the pricing rows themselves), otherwise the radius halves and the step
-is solved again on the same prices (a trust region).
+is solved again on the same prices (a trust region). Each of the two sets of rows holds at most ``tokens``
+tokens (32 rows of 256 by default, 4 of 2,048), so a step on long calibration rows costs about what it costs
+on short ones.
 
 The pass that prices a plan measures its J on the way (the loss of its first backward pass is J, up to the
 original's entropy for the KL, which the pass adds up too). So with ``accept_rows: 0`` a candidate plan is
@@ -70,6 +72,8 @@ if TYPE_CHECKING:
 Key = tuple[int, str]  # (layer, "k"|"v")
 REFINE_ROWS = 32  # calibration rows each step is priced on (docs/long-context.md: calibration time)
 REFINE_ACCEPT_ROWS = 32  # the rows after them each step is kept or rejected on (docs/long-context.md)
+# the most tokens the pricing rows, and the accepting rows, hold: 32 rows of 256 (docs/long-context.md)
+REFINE_TOKENS = 32 * 256
 REFINE_RADIUS = 4  # rank steps a group may move in one step (docs/allocation.md: radius)
 REFINE_OBJECTIVE = "nll"  # what the refinement lowers on its rows, "nll" or "kl" (docs/allocation.md)
 ORIGINAL_BYTES = 128 * 2**20  # the most memory the original's kept hidden states take (the rest recomputed)
@@ -110,6 +114,14 @@ class RefineConfig(Section):
             "the pricing rows then fewer where there are not enough for both)"
         },
     )
+    tokens: int | None = dataclasses.field(
+        default=REFINE_TOKENS,
+        metadata={
+            "help": "the most calibration tokens the pricing rows hold, and the accepting rows: rows of T "
+            f"tokens are capped at max(1, tokens // T) each ({REFINE_TOKENS:,}: 32 rows of 256, 4 of "
+            "2,048), so long rows cost a step no more than short ones; null: rows and accept_rows alone"
+        },
+    )
     objective: Literal["kl", "nll"] = dataclasses.field(
         default=REFINE_OBJECTIVE,
         metadata={
@@ -121,6 +133,8 @@ class RefineConfig(Section):
     def __post_init__(self) -> None:
         if self.accept_rows is not None and self.accept_rows < 0:
             raise ValueError(f"refine accept_rows must be ≥ 0, got {self.accept_rows}")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"refine tokens must be ≥ 1 or null, got {self.tokens}")
         if (self.steps is not None and self.steps < 0) or self.rows < 1 or self.radius < 1:
             raise ValueError(
                 "refine steps must be ≥ 0, refine rows and radius ≥ 1, got "
@@ -128,20 +142,23 @@ class RefineConfig(Section):
             )
         _check(self.objective)
 
-    def split(self, n_rows: int) -> tuple[int, int]:
-        """How many of ``n_rows`` calibration rows price each step (the first) and how many after them
-        accept it (0: the pricing rows do). A set ``accept_rows`` must fit after ``rows`` (a clear error
-        otherwise); the default accepts on 32 rows, at most half of them, and prices on up to ``rows`` of
-        those before."""
+    def split(self, n_rows: int, seq_len: int | None = None) -> tuple[int, int]:
+        """How many of ``n_rows`` calibration rows of ``seq_len`` tokens price each step (the first) and how
+        many after them accept it (0: the pricing rows do), each capped by ``tokens`` (none without
+        ``seq_len``). A set ``accept_rows`` must fit after ``rows`` (a clear error otherwise); the default
+        accepts on 32 rows, at most half of them, and prices on up to ``rows`` of those before."""
+        cap = n_rows if self.tokens is None or seq_len is None else max(1, self.tokens // seq_len)
+        rows = min(self.rows, cap)
         if self.accept_rows is None:
-            accept = min(REFINE_ACCEPT_ROWS, n_rows // 2)
-            return min(self.rows, n_rows - accept), accept
-        if self.accept_rows and self.rows + self.accept_rows > n_rows:
+            accept = min(REFINE_ACCEPT_ROWS, n_rows // 2, cap)
+            return min(rows, n_rows - accept), accept
+        accept_rows = min(self.accept_rows, cap)
+        if accept_rows and rows + accept_rows > n_rows:
             raise ValueError(
-                f"refine accepts on {self.accept_rows} rows after the first {self.rows}: it needs "
-                f"{self.rows + self.accept_rows} calibration rows, got {n_rows}"
+                f"refine accepts on {accept_rows} rows after the first {rows}: it needs "
+                f"{rows + accept_rows} calibration rows, got {n_rows}"
             )
-        return min(self.rows, n_rows), self.accept_rows
+        return min(rows, n_rows), accept_rows
 
 
 class PlanWeights:
@@ -423,7 +440,7 @@ def refine_plan(
     measure = OBJECTIVES[objective]
     if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] < 2:
         raise ValueError(f"refine needs (N, T) calibration rows with T ≥ 2, got {tuple(rows.shape)}")
-    n_priced, n_accept = config.split(rows.shape[0])
+    n_priced, n_accept = config.split(*rows.shape)
     rows, accept = rows[:n_priced], rows[n_priced : n_priced + n_accept]
     if not n_accept:
         accept = rows

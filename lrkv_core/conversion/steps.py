@@ -111,21 +111,27 @@ def joint_step(names: Sequence[str]) -> str:
     return f"statistics[{','.join(names)}]"
 
 
-def _shard_count(stat: Any, shards: int, rows: int | None, batch_size: int) -> int:
+def _shard_count(stat: Any, shards: int, rows: int | None, batch_size: int, seq_len: int | None) -> int:
     """How many shards ``stat`` is collected in (never more than its rows split into:
     :meth:`~lrkv_core.statistics.Statistic.max_shards`)."""
-    n = min(shards, stat.max_shards(rows, batch_size)) if rows is not None else shards
+    n = min(shards, stat.max_shards(rows, batch_size, seq_len)) if rows is not None else shards
     return n if stat.shardable else 1
 
 
 def _collection_steps(
-    stats: Sequence[Any], shards: int, rows: int | None, batch_size: int, factor_inputs: tuple[str, ...]
+    stats: Sequence[Any],
+    shards: int,
+    rows: int | None,
+    batch_size: int,
+    seq_len: int | None,
+    factor_inputs: tuple[str, ...],
 ) -> list[Step]:
     """The steps collecting ``stats``: those that can share one pass over the same rows (each collected in
     one pass) in a joint step with a pick step each, every other one by :func:`_statistic_steps`."""
     groups: dict[Any, list[Any]] = {}
     for stat in stats:
-        if stat.joint and not stat.uses_factors and _shard_count(stat, shards, rows, batch_size) <= 1:
+        one_pass = _shard_count(stat, shards, rows, batch_size, seq_len) <= 1
+        if stat.joint and not stat.uses_factors and one_pass:
             groups.setdefault(stat.n_samples, []).append(stat)
     joined = {s.name for group in groups.values() if len(group) > 1 for s in group}
     steps: list[Step] = []
@@ -137,17 +143,22 @@ def _collection_steps(
         steps += [Step(statistic_step(s.name), "pick", {"statistic": s.to_dict()}, (joint,)) for s in group]
     for stat in stats:
         if stat.name not in joined:
-            steps += _statistic_steps(stat, shards, rows, batch_size, factor_inputs)
+            steps += _statistic_steps(stat, shards, rows, batch_size, seq_len, factor_inputs)
     return steps
 
 
 def _statistic_steps(
-    stat: Any, shards: int, rows: int | None, batch_size: int, factor_inputs: tuple[str, ...]
+    stat: Any,
+    shards: int,
+    rows: int | None,
+    batch_size: int,
+    seq_len: int | None,
+    factor_inputs: tuple[str, ...],
 ) -> list[Step]:
     """The steps collecting one statistic: one step, or ``shards`` shard steps and their merge (never more
     shards than its rows split into: :meth:`~lrkv_core.statistics.Statistic.max_shards`)."""
     name = stat.name
-    n = _shard_count(stat, shards, rows, batch_size)
+    n = _shard_count(stat, shards, rows, batch_size, seq_len)
     if n <= 1:
         return [Step(statistic_step(name), "statistic", {"statistic": stat.to_dict()}, factor_inputs)]
     recipe = stat.to_dict()
@@ -182,6 +193,7 @@ def conversion_steps(
     *,
     shards: int = 1,
     rows: int | None = None,
+    seq_len: int | None = None,
     batch_size: int = 8,
     given: Sequence[str] = (),
 ) -> StepGraph:
@@ -191,8 +203,8 @@ def conversion_steps(
     Parameters
     ----------
     shards : how many slices of the calibration rows each shardable statistic is collected over (1: one
-        pass); never more than its rows split into (``rows``: the calibration size, collected in batches
-        of ``batch_size``).
+        pass); never more than its rows split into (``rows``: the calibration size, rows of ``seq_len``
+        tokens, collected in batches of ``batch_size``).
     given : statistics already at hand: no step collects them (an executor provides their results).
     """
     if config.group_size is None:
@@ -204,7 +216,7 @@ def conversion_steps(
     steps: list[Step] = []
     # those the factors do not depend on come first
     first = [s for s in needed if not s.uses_factors and s.name not in given]
-    steps += _collection_steps(first, shards, rows, batch_size, ())
+    steps += _collection_steps(first, shards, rows, batch_size, seq_len, ())
     decomposition = config.decomposition.to_dict()
     rotated_keys = config.key_latents == "rotated"
     decompose_needs = set(config.decomposition.needs) | ({"gram"} if rotated_keys else set())
@@ -215,7 +227,7 @@ def conversion_steps(
         steps.append(Step(decompose_step(layer), "decompose", params, decompose_reads))
     factors = tuple(decompose_step(layer) for layer in layers)
     later = [s for s in needed if s.uses_factors and s.name not in given]
-    steps += _collection_steps(later, shards, rows, batch_size, factors)
+    steps += _collection_steps(later, shards, rows, batch_size, seq_len, factors)
     features = sorted(config.features())
     feature_reads = tuple(statistic_step(n) for n in sorted(statistics_for(features)))
     for layer in layers:

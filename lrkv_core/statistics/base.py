@@ -78,14 +78,16 @@ class Statistic(Method, ABC):
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The calibration rows this statistic uses; a clear error when it asks for more than there are
         (unless ``caps_rows``)."""
-        if self.n_samples is None:
-            return rows
-        if self.n_samples > rows.shape[0] and not self.caps_rows:
+        if self.n_samples is not None and self.n_samples > rows.shape[0] and not self.caps_rows:
             raise ValueError(
                 f"statistic {self.name} asks for {self.n_samples} calibration rows, the calibration has "
                 f"{rows.shape[0]}: raise calibration.n_samples"
             )
-        return rows[: self.n_samples]
+        return rows[: self.used_rows(*rows.shape)]
+
+    def used_rows(self, n_rows: int, seq_len: int | None = None) -> int:
+        """How many of ``n_rows`` calibration rows of ``seq_len`` tokens this statistic reads (the first)."""
+        return n_rows if self.n_samples is None else min(self.n_samples, n_rows)
 
     @abstractmethod
     def accumulate(
@@ -116,13 +118,13 @@ class Statistic(Method, ABC):
         """Rows a shard boundary may not split (1: any row boundary will do)."""
         return 1
 
-    def max_shards(self, n_rows: int, batch_size: int) -> int:
-        """The most shards (none empty) this statistic's rows among ``n_rows`` calibration rows split into,
-        collected in batches of ``batch_size``; 1 for a statistic that is not ``shardable``."""
+    def max_shards(self, n_rows: int, batch_size: int, seq_len: int | None = None) -> int:
+        """The most shards (none empty) this statistic's rows among ``n_rows`` calibration rows of
+        ``seq_len`` tokens split into, collected in batches of ``batch_size``; 1 for a statistic that is not
+        ``shardable``."""
         if not self.shardable:
             return 1
-        n = n_rows if self.n_samples is None else min(self.n_samples, n_rows)
-        return -(-n // self.unit(batch_size))
+        return -(-self.used_rows(n_rows, seq_len) // self.unit(batch_size))
 
     def collect(
         self,

@@ -15,8 +15,10 @@ Fisher that the decomposition itself reads. ``labels="data"`` scores the rows' o
 empirical Fisher, as Palu's weight Fisher does). Sampled labels are drawn per (row, draw) from generators
 seeded by ``seed`` and the row's index, so the curves do not depend on the batches or shards; shards add
 their sums of squared tail sums and their row counts, and the mean is taken once. It reads the first 64
-calibration rows by default (``n_samples``; all of them when there are fewer): the refinement that follows
-corrects the plan on rows of its own, so the curves need fewer rows than the decomposition's statistics.
+calibration rows by default (``n_samples``; all of them when there are fewer), and of those at most
+``tokens`` tokens' worth (64 rows of 256, 8 of 2,048): the refinement that follows corrects the plan on rows
+of its own, so the curves need fewer rows than the decomposition's statistics, and long rows cost no more
+than short ones.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 KINDS = ("k", "v")
 LABELS = ("sampled", "data")
 KL_ROWS = 64  # calibration rows the curves are measured on by default (docs/long-context.md)
+KL_TOKENS = KL_ROWS * 256  # and the most tokens they hold: 64 rows of 256, 8 of 2,048
 
 
 @STATISTICS.register
@@ -50,6 +53,7 @@ class KLResponse(Statistic):
     uses_factors: ClassVar[bool] = True
     caps_rows: ClassVar[bool] = True
     n_samples: int | None = KL_ROWS  # the first n calibration rows (all of them when fewer); None: all
+    tokens: int | None = KL_TOKENS  # of those, at most max(1, tokens // T) rows of T tokens; None: no cap
     labels: str = "sampled"  # targets drawn from the model's predictions (true Fisher), or "data"
     draws: int = 1  # label draws per row when sampled (more: less noise, one more pass each)
     seed: int = 0
@@ -58,10 +62,16 @@ class KLResponse(Statistic):
         super().__post_init__()
         if self.labels not in LABELS:
             raise ValueError(f"kl_response labels must be one of {LABELS}, got {self.labels!r}")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"kl_response tokens must be ≥ 1 or null, got {self.tokens}")
         if self.draws < 1:
             raise ValueError(f"kl_response draws must be ≥ 1, got {self.draws}")
         if self.labels == "data" and self.draws != 1:
             raise ValueError("kl_response draws > 1 only makes sense with sampled labels")
+
+    def used_rows(self, n_rows: int, seq_len: int | None = None) -> int:
+        n = super().used_rows(n_rows, seq_len)
+        return n if self.tokens is None or seq_len is None else min(n, max(1, self.tokens // seq_len))
 
     def accumulate(
         self,

@@ -66,13 +66,11 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
                 f"statistic {stat.name} asks for {stat.n_samples} calibration rows; calibration.n_samples is "
                 f"{recipe.calibration.n_samples}"
             )
-    refine, n_samples = resolved.refine, recipe.calibration.n_samples
-    if resolved.refines and refine.accept_rows and refine.rows + refine.accept_rows > n_samples:
-        raise ValueError(
-            f"refine.accept_rows {refine.accept_rows} accepts steps on the rows after the first refine.rows "
-            f"{refine.rows}: it needs {refine.rows + refine.accept_rows} calibration rows; "
-            f"calibration.n_samples is {n_samples}"
-        )
+    if resolved.refines:
+        try:
+            resolved.refine.split(recipe.calibration.n_samples, recipe.calibration.seq_len)
+        except ValueError as e:
+            raise ValueError(f"{e}: raise calibration.n_samples or lower refine.accept_rows") from None
     rotation_warning = resolved.cache.rotation_warning(resolved.rotation.name)
     if rotation_warning:
         notes.append(f"warning: {rotation_warning}")

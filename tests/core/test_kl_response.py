@@ -59,6 +59,7 @@ def test_kl_response_options_and_inputs_are_checked(make_tiny) -> None:
         ({"draws": 0}, "draws must be ≥ 1"),
         ({"labels": "data", "draws": 2}, "only makes sense with sampled"),
         ({"n_samples": 0}, "n_samples must be ≥ 1"),
+        ({"tokens": 0}, "tokens must be ≥ 1 or null"),
     ):
         with pytest.raises(ValueError, match=match):
             STATISTICS.create({"name": "kl_response", **bad})
@@ -89,6 +90,19 @@ def test_the_curves_read_the_first_64_rows_by_default_and_all_of_fewer(make_tiny
     first, _ = KLResponse(n_samples=None).collect(model, calib[:4], factors=factors)
     assert meta["n_rows"] == 4
     assert all(torch.equal(a[k], b[k]) for a, b in zip(capped, first) for k in "kv")
+
+
+def test_long_rows_are_capped_at_the_tokens_of_64_rows_of_256() -> None:
+    """``tokens`` caps the rows by what they hold: 64 rows of 256 tokens, 8 of 2,048, one row at least; the
+    shards a conversion cuts the curves' pass into count the rows it reads."""
+    assert KLResponse().tokens == 64 * 256
+    assert [KLResponse().used_rows(64, t) for t in (256, 512, 2048, 8192, 32768)] == [64, 32, 8, 2, 1]
+    assert KLResponse().used_rows(64) == 64  # the rows' length unknown: no cap
+    assert KLResponse(tokens=None).used_rows(64, 2048) == 64
+    assert KLResponse(n_samples=4).used_rows(64, 512) == 4
+    rows = torch.arange(16 * 2048).reshape(16, 2048)
+    assert torch.equal(KLResponse().rows(rows), rows[:8])
+    assert KLResponse().max_shards(64, 2, 2048) == 8 and KLResponse().max_shards(64, 2) == 64
 
 
 def test_kl_plans_from_the_curves_it_collected_after_decomposing(make_tiny, one_thread) -> None:

@@ -236,6 +236,19 @@ def test_the_default_prices_on_32_rows_and_accepts_on_the_32_after_them_or_on_ha
         RefineConfig(rows=16, accept_rows=8).split(23)
 
 
+def test_long_rows_price_and_accept_on_the_tokens_of_32_rows_of_256() -> None:
+    """``tokens`` caps each set of rows by what it holds (8,192 by default: 32 rows of 256, 4 of 2,048):
+    long calibration rows cost a step what short ones do; ``tokens: null`` counts rows alone."""
+    default = RefineConfig()
+    assert [default.split(64, t) for t in (256, 1024, 2048, 16384)] == [(32, 32), (8, 8), (4, 4), (1, 1)]
+    assert default.split(64) == (32, 32)  # the rows' length unknown: rows alone
+    assert RefineConfig(tokens=None).split(64, 2048) == (32, 32)
+    assert RefineConfig(accept_rows=0).split(64, 2048) == (4, 0)
+    assert RefineConfig(rows=16, accept_rows=8).split(9, 2048) == (4, 4)  # capped first, so they fit
+    with pytest.raises(ValueError, match="tokens must be ≥ 1 or null"):
+        RefineConfig(tokens=0)
+
+
 def test_steps_are_accepted_on_the_rows_after_those_that_priced_them(shakespeare) -> None:
     """``accept_rows``: steps priced on the first ``rows`` rows are kept or rejected by the objective measured
     on the next ``accept_rows``; the plan's record says so, and too few calibration rows is an error."""

@@ -14,9 +14,18 @@ from tests.support.models import tiny_config, tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _graph(shards: int = 1, rows: int | None = None, given=(), batch_size: int = 8, **config) -> StepGraph:
+def _graph(
+    shards: int = 1,
+    rows: int | None = None,
+    given=(),
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    **config,
+) -> StepGraph:
     resolved = CompressionConfig(**config).for_model(tiny_config("llama", 2))
-    return conversion_steps(resolved, 2, shards=shards, rows=rows, batch_size=batch_size, given=given)
+    return conversion_steps(
+        resolved, 2, shards=shards, rows=rows, seq_len=seq_len, batch_size=batch_size, given=given
+    )
 
 
 def _check_order(graph: StepGraph) -> None:
@@ -96,6 +105,9 @@ def test_statistics_become_shards_and_a_merge() -> None:
     assert sum(s.kind == "statistic_shard" for s in few) == 2 * len(
         [s for s in few if s.kind == "merge_statistic"]
     )
+    long = _graph(shards=3, rows=8, seq_len=8192, allocator="kl")  # kl_response reads 2 rows of 8,192
+    assert sum(s.name.startswith("statistic[kl_response]/") for s in long) == 2
+    assert sum(s.name.startswith("statistic[gram]/") for s in long) == 3
     per_batch = _graph(
         shards=4, rows=16, batch_size=8, allocator="fisher", statistics=[{"name": "fisher", "per_row": False}]
     )

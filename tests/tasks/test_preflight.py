@@ -131,8 +131,11 @@ def test_accepting_refine_steps_on_rows_the_calibration_lacks_is_refused_before_
     too_many = recipe.model_copy(
         update={"compression": recipe.compression.model_copy(update={"refine": refine})}
     )
-    with pytest.raises(ValueError, match="it needs 9 calibration rows; calibration.n_samples is 8"):
+    with pytest.raises(ValueError, match="it needs 9 calibration rows, got 8: raise calibration.n_samples"):
         prepare(load_recipe(None, too_many.model_dump(mode="json")))
     fits = too_many.model_dump(mode="json")
     fits["compression"]["refine"]["accept_rows"] = 4
     prepare(load_recipe(None, fits))
+    capped = too_many.model_dump(mode="json")  # at most 4 rows of 32 tokens each: 4 + 4 fit in 8
+    capped["compression"]["refine"]["tokens"] = 4 * 32
+    prepare(load_recipe(None, capped))
