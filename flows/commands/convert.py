@@ -127,8 +127,14 @@ def convert(
 
         prepared = prepare(rec)  # everything cheap is checked before Prefect starts
     console.print("[bold]recipe[/bold]\n" + escape(recipe_yaml(prepared.recipe)), soft_wrap=True)
-    for note in prepared.notes:
-        console.print(f"[cyan]note:[/cyan] {escape(note)}", soft_wrap=True)
+    for note in prepared.notes:  # a warning among them says so itself
+        warning = note.startswith("warning: ")
+        label, text = (
+            ("[yellow]warning:[/yellow]", note.removeprefix("warning: "))
+            if warning
+            else ("[cyan]note:[/cyan]", note)
+        )
+        console.print(f"{label} {escape(text)}", soft_wrap=True)
     use_device(device)
     with dask_block(dask, prepared.recipe.store), prefect_api() as supervise:
         from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks

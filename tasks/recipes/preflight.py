@@ -12,7 +12,7 @@ Prefect starts, and the flow runs it first (it is idempotent), so programmatic r
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -59,18 +59,34 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
     pass_limit()  # a bad LRKV_MODEL_PASSES fails here, not in the first task
     compression = recipe.compression
     resolved = compression.to_config().for_model(config)  # group size, rank-0 budget: before any work
+    n_rows, seq_len = recipe.calibration.n_samples, recipe.calibration.seq_len
     for stat in resolved.needed_statistics():
         asks = stat.n_samples is not None and not stat.caps_rows  # a cap reads all of fewer rows
-        if asks and stat.n_samples > recipe.calibration.n_samples:
+        if asks and stat.n_samples > n_rows:
             raise ValueError(
                 f"statistic {stat.name} asks for {stat.n_samples} calibration rows; calibration.n_samples is "
-                f"{recipe.calibration.n_samples}"
+                f"{n_rows}"
+            )
+        if stat.used_rows(n_rows, seq_len) < stat.used_rows(n_rows):  # long rows: capped by their tokens
+            notes.append(
+                f"{stat.name} reads {stat.used_rows(n_rows, seq_len)} calibration rows of {seq_len} tokens"
             )
     if resolved.refines:
+        refine = resolved.refine
         try:
-            resolved.refine.split(recipe.calibration.n_samples, recipe.calibration.seq_len)
+            split = refine.split(n_rows, seq_len)
         except ValueError as e:
             raise ValueError(f"{e}: raise calibration.n_samples or lower refine.accept_rows") from None
+        try:
+            uncapped = replace(refine, tokens=None).split(n_rows)
+        except ValueError:  # more rows than there are, but capped by their tokens they fit
+            uncapped = None
+        if split != uncapped:
+            priced, accepted = split
+            notes.append(
+                f"each refinement step is priced on {priced} and accepted on {accepted} rows of {seq_len} "
+                "tokens"
+            )
     rotation_warning = resolved.cache.rotation_warning(resolved.rotation.name)
     if rotation_warning:
         notes.append(f"warning: {rotation_warning}")

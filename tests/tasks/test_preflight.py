@@ -138,4 +138,14 @@ def test_accepting_refine_steps_on_rows_the_calibration_lacks_is_refused_before_
     prepare(load_recipe(None, fits))
     capped = too_many.model_dump(mode="json")  # at most 4 rows of 32 tokens each: 4 + 4 fit in 8
     capped["compression"]["refine"]["tokens"] = 4 * 32
-    prepare(load_recipe(None, capped))
+    notes = prepare(load_recipe(None, capped)).notes
+    assert "each refinement step is priced on 4 and accepted on 4 rows of 32 tokens" in notes
+
+
+def test_long_calibration_rows_say_how_many_rows_the_kl_response_reads(tmp_path, data):
+    model_dir = tiny_model_dir(tmp_path)
+    recipe = _recipe(model_dir, data).model_dump(mode="json")
+    recipe["compression"]["allocator"] = "kl"
+    assert not [n for n in prepare(load_recipe(None, recipe)).notes if "rows of 32 tokens" in n]  # no cap
+    recipe["compression"]["statistics"] = [{"name": "kl_response", "tokens": 64}]
+    assert "kl_response reads 2 calibration rows of 32 tokens" in prepare(load_recipe(None, recipe)).notes
