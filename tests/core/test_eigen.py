@@ -63,19 +63,24 @@ def test_the_budget_search_gives_the_least_error_that_fits_the_ratio() -> None:
     assert plan.ranks == {"k": [[2], [2]], "v": [[2], [2]]}
 
 
-def test_layer_output_error_of_a_tiny_model(make_tiny, one_thread) -> None:
-    """Measured on a model: no error at full rank (ε = 1), and the error of ε is the decoder layer's output
-    moved by projections cut to Eq. 5's ranks, checked against cutting the weights by hand."""
-    model = make_tiny("llama", 2)  # L=2, Hkv=2, D=8, d=32
-    rows = torch.randint(3, 61, (6, 16), generator=torch.Generator().manual_seed(0))
+def _plain_factors(model, rows):
+    """Both layers of a tiny 2-layer model (2 KV heads of 8) decomposed plainly, one head per group."""
     grams, _ = collect_gram(model, rows)
-    factors = [
+    return [
         decompose_layer(
             i, model_layer_weights(model, i), {"gram": grams[i]}, n_kv_heads=2, head_dim=8, group_size=1,
             decomposition="plain",
         )
         for i in range(2)
     ]  # fmt: skip
+
+
+def test_layer_output_error_of_a_tiny_model(make_tiny, one_thread) -> None:
+    """Measured on a model: no error at full rank (ε = 1), and the error of ε is the decoder layer's output
+    moved by projections cut to Eq. 5's ranks, checked against cutting the weights by hand."""
+    model = make_tiny("llama", 2)  # L=2, Hkv=2, D=8, d=32
+    rows = torch.randint(3, 61, (6, 16), generator=torch.Generator().manual_seed(0))
+    factors = _plain_factors(model, rows)
     grid = threshold_grid(0.25)
     curves = collect_layer_output_error(model, rows, factors, grid, batch_size=4)
     for curve in curves:
@@ -153,14 +158,7 @@ def test_a_layer_summary_with_algorithm_1s_curves_saves_and_loads(make_tiny, one
 
     model = make_tiny("llama", 2)
     rows = torch.randint(3, 61, (2, 16), generator=torch.Generator().manual_seed(1))
-    grams, _ = collect_gram(model, rows)
-    factors = [
-        decompose_layer(
-            i, model_layer_weights(model, i), {"gram": grams[i]}, n_kv_heads=2, head_dim=8, group_size=1,
-            decomposition="plain",
-        )
-        for i in range(2)
-    ]  # fmt: skip
+    factors = _plain_factors(model, rows)
     curves = collect_layer_output_error(model, rows, factors, threshold_grid(0.25))
     summary = summarize_layer(factors[0], {"layer_output_error": curves[0]}, ["layer_errors"])
     summary.save(tmp_path / "layer0.safetensors")
