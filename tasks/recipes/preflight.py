@@ -12,7 +12,7 @@ Prefect starts, and the flow runs it first (it is idempotent), so programmatic r
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -78,7 +78,7 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
         except ValueError as e:
             raise ValueError(f"{e}: raise calibration.n_samples or lower refine.accept_rows") from None
         try:
-            uncapped = replace(refine, tokens=None).split(n_rows)
+            uncapped = refine.split(n_rows)  # without the rows' length: no token cap
         except ValueError:  # more rows than there are, but capped by their tokens they fit
             uncapped = None
         if split != uncapped:
