@@ -10,7 +10,9 @@ plan of rank l would give (TALE's "online low-rank approximation": a truncation)
 Here, per layer and kind (K or V), with two levels:
 
 1. **The low level**: a token keeps the first ``⌊low · r_g⌋`` latents of every group (TALE's r_0; ``low: 0``
-   keeps nothing of them, which is token eviction).
+   keeps nothing of them, which is token eviction). ``value_low`` gives the values their own share (keys
+   keep ``low``): value latents need the wider level, keys the narrower one, at the same bytes (SmolLM2,
+   docs/long-context.md).
 2. **The full level**: a token keeps every latent (TALE's r_1: the plan's rank). Which tokens, by ``rule``:
 
    - ``recency`` (TALE's rule, the default): the first ``sink`` tokens of the sequence (TALE's α) and the
@@ -116,6 +118,7 @@ class TaleStore(LatentStore):
     ----------
     ranks_k, ranks_v : per-group ranks of the layer.
     low : share of each group's rank a low-level token keeps (0 ≤ low ≤ 1; TALE's r_0 / r_1).
+    value_low : the values' share, when it differs from the keys' (None: ``low`` for both).
     keep : share of the cut tokens (sinks aside) at the full level (0 ≤ keep ≤ 1; TALE's p).
     recent : None, or how many cut tokens (sinks aside) are at the full level, in place of ``keep``
         (:attr:`count`; the base class's ``recent`` is its window of tokens not yet cut).
@@ -147,11 +150,15 @@ class TaleStore(LatentStore):
         full_bits: int | None = None,
         rule: str = "recency",
         recent: int | None = None,
+        value_low: float | None = None,
     ) -> None:
         super().__init__(ranks_k, ranks_v, residual=buffer)
         self.low, self.keep, self.sink, self.rule, self.count = low, keep, sink, rule, recent
         self.low_bits, self.full_bits = low_bits, full_bits
-        self.lows = {"k": low_ranks(self.ranks_k, low), "v": low_ranks(self.ranks_v, low)}
+        self.lows = {
+            "k": low_ranks(self.ranks_k, low),
+            "v": low_ranks(self.ranks_v, low if value_low is None else value_low),
+        }
         self.kept: dict[str, dict[str, torch.Tensor]] = {}
         self.offset = 0
 
@@ -302,6 +309,7 @@ class TaleStorage(CacheStorage):
     store: ClassVar[type[TaleStore]] = TaleStore  # what create_store builds
     rule: Literal["recency", "energy"] = "recency"  # which tokens are at the full level (module docstring)
     low: float = 0.5  # share of each group's rank a low-level token keeps (TALE's r_0: 50 %; 0: evict)
+    value_low: float | None = None  # the values' share when it differs from the keys' (None: low)
     keep: float | None = None  # share of the cut tokens at the full level, sinks aside (TALE's p; None: 0.1)
     recent: int | None = None  # or a count of them, the newest (or most energetic), in place of keep
     sink: int = 4  # the first tokens of the sequence, always at the full level (TALE's α)
@@ -313,7 +321,7 @@ class TaleStorage(CacheStorage):
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"tale cache rule must be one of {RULES}, got {self.rule!r}")
-        for field in ("low", "keep"):
+        for field in ("low", "value_low", "keep"):
             if getattr(self, field) is not None and not 0.0 <= getattr(self, field) <= 1.0:
                 raise ValueError(f"tale cache {field} must be between 0 and 1, got {getattr(self, field)}")
         if self.recent is not None and self.keep is not None:
@@ -373,4 +381,5 @@ class TaleStorage(CacheStorage):
             full_bits,
             self.rule,
             self.recent,
+            self.value_low,
         )

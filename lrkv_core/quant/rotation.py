@@ -21,6 +21,15 @@ Policies (:data:`ROTATIONS`):
 multiple of 8 up to 256 but 184 and 232 (e.g. 24 = Paley I of 23, 56 = 2 · Paley II of 13).
 A block-diagonal Hadamard of a smaller order that divides r was not used: it would mix the leading,
 high-energy latents only within their own block, which is what the rotation is there to undo.
+
+**The first row is constant** (``+1/√r`` in every column) for both kinds: the leading latent, which a
+whitened basis fills most (in a key latent it often holds 90 % of the token's norm), then adds the same
+value to every rotated coordinate, and the per-token zero-point takes it whole; the grid's range is set by
+the other latents only. A Hadamard matrix has its columns' signs flipped to make its first row +1 (still
+Hadamard); the random matrix is drawn orthogonal to the constant vector past its first row. On SmolLM2's
+key latents at 3 bits this halves the relative error against the same matrix with alternating column signs
+and cuts it to a third against a Haar-random one; values, whose leading latent dominates less, gain less
+(docs/quantized-cache.md § "The fused rotation", ``benchmarks/rotation_error.py``).
 """
 
 from __future__ import annotations
@@ -120,18 +129,21 @@ def _hadamard_pm1(n: int) -> torch.Tensor | None:
 
 
 def hadamard(n: int) -> torch.Tensor | None:
-    """The normalised Hadamard matrix of order n (float64, orthogonal: entries ±1/√n), or None if lrkv
-    cannot build one of that order."""
+    """The normalised Hadamard matrix of order n (float64, orthogonal: entries ±1/√n) with its first row
+    +1/√n (module docstring), or None if lrkv cannot build one of that order."""
     h = _hadamard_pm1(int(n))
-    return None if h is None else h / n**0.5
+    return None if h is None else h * torch.sign(h[0]) / n**0.5
 
 
 def random_orthogonal(n: int, seed: int) -> torch.Tensor:
-    """A Haar-random orthogonal matrix (n × n, float64) from a seeded generator: QR of a Gaussian matrix,
-    with the signs of R's diagonal moved into Q (Mezzadri 2007)."""
+    """A random orthogonal matrix (n × n, float64) from a seeded generator whose first row is +1/√n: the
+    transposed Q of a QR factorisation of a Gaussian matrix whose first column is all ones, with the signs
+    of R's diagonal moved into Q (Mezzadri 2007), so its other rows are Haar-random on the complement of
+    the constant vector."""
     g = torch.randn(n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    g[:, 0] = 1.0
     q, r = torch.linalg.qr(g)
-    return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
+    return (q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))).T
 
 
 def group_seed(seed: int, layer: int, kind: str, group: int) -> int:

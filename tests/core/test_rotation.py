@@ -40,6 +40,7 @@ def test_hadamard_matrices_are_orthogonal_with_equal_magnitude_entries(n: int) -
     assert h is not None and h.shape == (n, n) and h.dtype == torch.float64
     assert torch.allclose(h @ h.T, EYE(n, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(h.abs(), torch.full((n, n), n**-0.5, dtype=torch.float64))
+    assert (h[0] > 0).all()  # the leading latent goes to every coordinate alike
 
 
 @pytest.mark.parametrize("n", [3, 6, 10, 184])
@@ -59,10 +60,32 @@ def test_every_multiple_of_8_up_to_256_but_184_and_232_has_a_hadamard_matrix() -
     assert missing == {184, 232}
 
 
-def test_random_orthogonal_is_orthogonal_and_seeded() -> None:
+def test_random_orthogonal_is_orthogonal_seeded_and_has_a_constant_first_row() -> None:
     q = random_orthogonal(24, seed=5)
     assert torch.allclose(q @ q.T, EYE(24, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(q[0], torch.full((24,), 24**-0.5, dtype=torch.float64), atol=1e-12)
     assert torch.equal(q, random_orthogonal(24, seed=5)) and not torch.equal(q, random_orthogonal(24, seed=6))
+
+
+@pytest.mark.parametrize("n", [56, 57], ids=["Hadamard", "random"])
+def test_a_dominant_leading_latent_goes_into_the_zero_point(n: int) -> None:
+    """Key latents are often one large leading coordinate and small others. With the rotation's first row
+    constant, the leading latent shifts every rotated coordinate alike, which the per-token zero-point
+    absorbs; the grid spans the other latents only. A Haar-random rotation, or the same matrix with its
+    columns' signs alternating, spreads it over the grid's range instead."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(512, n, generator=gen, dtype=torch.float64) * torch.logspace(
+        0, -1, n, dtype=torch.float64
+    )
+    h[:, 0] = h[:, 0] * 0.5 + 8.0
+    haar, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    ours, _ = rotation_matrix(n, "auto", 0)
+    alternating = ours * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).double()
+
+    def error(r: torch.Tensor) -> float:
+        return ((fake_quantize(h @ r, (n,), 3) @ r.T - h).norm() / h.norm()).item()
+
+    assert error(ours) < 0.6 * error(alternating) and error(ours) < 0.5 * error(haar)
 
 
 def test_policies_pick_their_matrices() -> None:

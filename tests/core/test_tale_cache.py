@@ -82,6 +82,22 @@ def test_with_nothing_cut_the_store_gives_back_the_latents_exactly(options: dict
     assert torch.equal(k, h_k) and torch.equal(v, h_v)
 
 
+def test_values_keep_their_own_low_level_share() -> None:
+    h_k, h_v = _latents(tokens=24)
+    store = filled_store(TaleStorage(low=0.25, value_low=0.75, keep=0.0, sink=0, buffer=0), h_k, h_v, [24])
+    assert store.lows == {"k": low_ranks(RANKS_K, 0.25), "v": low_ranks(RANKS_V, 0.75)}
+    k, v = store_view(store)
+    assert torch.equal(k, _low_only(h_k, RANKS_K, 0.25)) and torch.equal(v, _low_only(h_v, RANKS_V, 0.75))
+    for bits in (None, 3):
+        same = filled_store(TaleStorage(low=0.25, keep=0.0, sink=0, buffer=0, bits=bits), h_k, h_v, [24])
+        wider = filled_store(
+            TaleStorage(low=0.25, value_low=0.75, keep=0.0, sink=0, buffer=0, bits=bits), h_k, h_v, [24]
+        )
+        held = [sum(t.numel() * t.element_size() for t in s.tensors()) for s in (same, wider)]
+        assert held[1] > held[0]  # the values' wider level is held
+        assert torch.equal(store_view(wider)[0], store_view(same)[0])  # the keys are as before
+
+
 def test_the_tokens_kept_whole_are_the_sinks_and_the_most_significant() -> None:
     h_k, h_v = _latents(tokens=24)
     store = filled_store(TaleStorage(rule="energy", low=0.5, keep=0.25, sink=2, buffer=0), h_k, h_v, [24])
@@ -207,6 +223,7 @@ def test_quantized_levels_are_each_block_rotated_then_quantized() -> None:
 def test_options_are_checked() -> None:
     for options, message in (
         ({"low": 1.5}, "tale cache low must be between 0 and 1"),
+        ({"value_low": -0.5}, "tale cache value_low must be between 0 and 1"),
         ({"keep": -0.1}, "tale cache keep must be between 0 and 1"),
         ({"buffer": -1}, "tale cache buffer must be ≥ 0"),
         ({"sink": -2}, "tale cache sink must be ≥ 0"),
