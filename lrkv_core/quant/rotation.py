@@ -23,7 +23,7 @@ A block-diagonal Hadamard of a smaller order that divides r was not used: it wou
 high-energy latents only within their own block, which is what the rotation is there to undo.
 
 **The first row is constant** (``+1/√r`` in every column) for both kinds: the leading latent, which a
-whitened basis fills most (in a key latent it often holds 90 % of the token's norm), then adds the same
+whitened basis fills most (a key latent is often mostly its leading coordinate), then adds the same
 value to every rotated coordinate, and the per-token zero-point takes it whole; the grid's range is set by
 the other latents only. A Hadamard matrix has its columns' signs flipped to make its first row +1 (still
 Hadamard); the random matrix is drawn orthogonal to the constant vector past its first row. On SmolLM2's
