@@ -140,13 +140,17 @@ def test_the_gear_cache_is_a_recipe_field_checked_against_the_rank_multiple():
 def test_the_tale_cache_is_a_recipe_field_and_refuses_a_fused_rotation():
     r = load_recipe(None, {"compression.cache": {"name": "tale", "keep": "0.1"}})
     assert r.model_dump(mode="json")["compression"]["cache"] == {
-        "name": "tale", "rule": "recency", "low": 0.5, "keep": 0.1, "recent": None, "sink": 4, "buffer": 32,
-        "low_bits": None, "full_bits": None, "bits": None,
+        "name": "tale", "rule": "recency", "low": 0.5, "value_low": None, "keep": 0.1, "recent": None,
+        "sink": 4, "buffer": 32, "low_bits": None, "full_bits": None, "bits": None,
     }  # fmt: skip
+    split = load_recipe(None, {"compression.cache": {"name": "tale", "low": "0.2", "value_low": "0.4"}})
+    assert split.compression.to_config().cache.create_store((8,), (8,)).lows == {"k": (1,), "v": (3,)}
     counted = load_recipe(None, {"compression.cache": {"name": "tale", "recent": "256"}}).compression
     assert (counted.to_config().cache.recent, counted.to_config().cache.share) == (256, None)
     with pytest.raises(ValidationError, match="tale cache low must be between 0 and 1"):
         load_recipe(None, {"compression.cache": {"name": "tale", "low": 2}})
+    with pytest.raises(ValidationError, match="tale cache value_low must be between 0 and 1"):
+        load_recipe(None, {"compression.cache": {"name": "tale", "value_low": 2}})
     with pytest.raises(ValidationError, match="never both"):
         load_recipe(None, {"compression.cache": {"name": "tale", "recent": 256, "keep": 0.1}})
     with pytest.raises(ValidationError, match="needs them in spectral order"):  # the core's check, at load
