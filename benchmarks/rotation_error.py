@@ -103,13 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|" + "---|" * (2 * len(bits)))
     for w in widths:
+        firsts = {kind: [h[:, :w] for h in latents[kind] if h.shape[-1] >= w] for kind in latents}
+        for kind, layers in firsts.items():
+            if not layers:
+                raise SystemExit(f"width {w} exceeds the {kind}' latents")
         errors: dict[str, list[float]] = defaultdict(list)
         for name, r in rotations(w).items():
             for b in bits:
-                for kind in ("keys", "values"):
-                    layers = [h[:, :w] for h in latents[kind] if h.shape[-1] >= w]
-                    if not layers:
-                        raise SystemExit(f"width {w} exceeds the {kind}' latents")
+                for layers in firsts.values():
                     errors[name].append(sum(relative_error(h, r, b) for h in layers) / len(layers))
         for name, row in errors.items():
             print(f"| {w} | {name} | " + " | ".join(f"{e:.3f}" for e in row) + " |")
