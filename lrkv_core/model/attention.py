@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -124,10 +125,19 @@ class LatentAttentionBase(nn.Module):
         attention_mask: torch.Tensor | None,
         **kwargs,
     ) -> torch.Tensor:
-        """The model's attention interface on one group; (B, T, heads·r_v) with heads = q.shape[1]."""
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        """The model's attention interface on one group; (B, T, heads·r_v) with heads = q.shape[1].
+
+        Under SDPA, values narrower than the keys (or wider) are padded with zero columns to one width (the
+        keys and queries too where the values are wider): torch's fused CPU and CUDA kernels take one head
+        width for all three and otherwise fall back to a kernel that holds the whole T × S score matrix,
+        3–5× slower at 4K tokens. Zero columns add nothing to a score and give zero outputs, which are
+        dropped."""
+        implementation = self.config._attn_implementation
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        width = v.shape[-1]
+        if implementation == "sdpa" and width != q.shape[-1]:
+            full = max(width, q.shape[-1])
+            q, k, v = (t if t.shape[-1] == full else F.pad(t, (0, full - t.shape[-1])) for t in (q, k, v))
         out, _ = interface(
             self,
             q,
@@ -138,8 +148,8 @@ class LatentAttentionBase(nn.Module):
             scaling=self.scaling,
             **self._interface_kwargs,
             **kwargs,
-        )  # (B, T, heads, r_v)
-        return out.reshape(*out.shape[:2], -1)
+        )  # (B, T, heads, r_v), or wider when padded
+        return out[..., :width].reshape(*out.shape[:2], -1)
 
 
 class FusedDecode:

@@ -317,3 +317,32 @@ def test_save_load_roundtrip_is_exact(compress, tmp_path, arch, hkv, group_size)
         with torch.no_grad():
             assert torch.equal(loaded(ids, attention_mask=mask).logits, comp(ids, attention_mask=mask).logits)
         assert torch.equal(greedy(loaded, ids, mask), greedy(comp, ids, mask))
+
+
+@pytest.mark.parametrize("group_size,ratio", [(1, 0.5), (2, 1.0)], ids=["values-narrower", "values-wider"])
+def test_sdpa_gets_one_head_width_and_equals_eager(compress, monkeypatch, group_size, ratio) -> None:
+    """Value latents narrower (half rank, one head per group) or wider (two heads per group) than the keys
+    reach torch's SDPA padded to one width, the width its fused kernels need; the logits equal eager
+    attention's, which takes the widths as they are."""
+    model = model_for("llama", 2)
+    comp, _ = compress(model, group_size, ratio=ratio)
+    ids = ids_for(2, T)
+    comp.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = comp(ids).logits
+    comp.set_attn_implementation("sdpa")
+    widths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        padded = comp(ids).logits
+    assert widths and all(len(set(w)) == 1 for w in widths)
+    head_dim = get_adapter(model.config).shape(model.config).D
+    ranks_v = {r for m in comp.modules() if hasattr(m, "layout") for r in m.layout.ranks_v}
+    assert ranks_v and head_dim not in ranks_v  # the case pads: value latents of another width than keys
+    assert max_diff(padded, eager) <= 1e-5
