@@ -220,11 +220,17 @@ def test_the_long_context_recipes_in_the_docs_are_valid_recipes(name, low):
     assert recipe.compression.ratio == 1.0 and recipe.eval.long.lengths == [1024, 2048]
 
 
-def test_the_tenth_of_the_bytes_recipe_calibrates_on_long_rows_and_keeps_one_3_bit_level():
+def test_the_tenth_of_the_bytes_recipe_calibrates_on_long_rows_and_keeps_the_newest_tokens_at_8_bits():
     path = Path(__file__).resolve().parents[2] / "docs" / "recipes" / "long-context-tenth.yaml"
     recipe = load_recipe(path, {"model": "some/model"})
     config = recipe.compression.to_config()
     cache = config.cache
-    assert (cache.name, cache.low, cache.share, cache.level_bits) == ("tale", 1.0, 0.0, (3, 3))
+    assert (cache.name, cache.rule, cache.low, cache.share, cache.level_bits) == (
+        "tale",
+        "recency",
+        1.0,
+        0.03,
+        (3, 8),
+    )
     assert (recipe.calibration.n_samples, recipe.calibration.seq_len) == (64, 2048)
     assert config.ratio == 0.5 and config.rotation.name == "none"  # tale cuts latents in spectral order
