@@ -50,7 +50,8 @@ def main() -> None:
     if args.cache is not None:
         use_cache_storage(compressed, yaml.safe_load(args.cache))
     original, _ = load_model(args.base)
-    print(f"threads {args.threads}, best of {args.repeats}; cache {args.cache or 'the model own'}")
+    storage = args.cache or "the model's own"
+    print(f"threads {args.threads}, best of {args.repeats}; cache {storage}")
     print("| context | original, s | compressed, s | compressed ÷ original |")
     print("|---|---|---|---|")
     for context in (int(c) for c in args.contexts.split(",")):
