@@ -127,15 +127,17 @@ class LatentAttentionBase(nn.Module):
     ) -> torch.Tensor:
         """The model's attention interface on one group; (B, T, heads·r_v) with heads = q.shape[1].
 
-        Under SDPA on the CPU, values narrower than the keys (or wider) are padded with zero columns to one
-        width (the keys and queries too where the values are wider): torch's fused CPU kernel takes one
-        head width for all three and otherwise falls back to one that holds the whole T × S score matrix,
-        3–5× slower at 4K tokens. Zero columns add nothing to a score and give zero outputs, which are
-        dropped. (On CUDA the memory-efficient kernel takes a value width of its own.)"""
+        Under SDPA on the CPU, for more than one query token (a prefill, a chunk), values narrower than the
+        keys (or wider) are padded with zero columns to one width (the keys and queries too where the values
+        are wider): torch's fused CPU kernel takes one head width for all three and otherwise falls back to
+        one that holds the whole T × S score matrix, 3–5× slower at 4K tokens. Zero columns add nothing to a
+        score and give zero outputs, which are dropped. A decode step (one query, a 1 × S matrix) is left
+        as it is; on CUDA the memory-efficient kernel takes a value width of its own."""
         implementation = self.config._attn_implementation
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         width = v.shape[-1]
-        if implementation == "sdpa" and width != q.shape[-1] and q.device.type == "cpu":
+        pad = implementation == "sdpa" and q.device.type == "cpu" and q.shape[2] > 1
+        if pad and width != q.shape[-1]:
             full = max(width, q.shape[-1])
             q, k, v = (t if t.shape[-1] == full else F.pad(t, (0, full - t.shape[-1])) for t in (q, k, v))
         out, _ = interface(
