@@ -17,6 +17,8 @@ from lrkv_tasks.recipes.convert_recipe import (
 )
 from tests.support.models import tiny_config
 
+RECIPES = Path(__file__).resolve().parents[2] / "docs" / "recipes"  # the recipes the docs offer
+
 
 def test_defaults_are_the_embedded_quickstart():
     r = ConvertRecipe()
@@ -211,8 +213,7 @@ def test_store_and_out_refuse_what_looks_like_a_uri():
     ("name", "low"), [("long-context", 0.4375), ("long-context-half", 0.875)], ids=["0.30", "0.47"]
 )
 def test_the_long_context_recipes_in_the_docs_are_valid_recipes(name, low):
-    path = Path(__file__).resolve().parents[2] / "docs" / "recipes" / f"{name}.yaml"
-    recipe = load_recipe(path, {"model": "some/model"})
+    recipe = load_recipe(RECIPES / f"{name}.yaml", {"model": "some/model"})
     cache = recipe.compression.to_config().cache
     assert (cache.name, cache.rule, cache.keep, cache.low, cache.low_bits, cache.full_bits) == (
         "tale", "recency", 0.2, low, 8, 8,
@@ -221,16 +222,11 @@ def test_the_long_context_recipes_in_the_docs_are_valid_recipes(name, low):
 
 
 def test_the_tenth_of_the_bytes_recipe_calibrates_on_long_rows_and_keeps_the_newest_tokens_at_8_bits():
-    path = Path(__file__).resolve().parents[2] / "docs" / "recipes" / "long-context-tenth.yaml"
-    recipe = load_recipe(path, {"model": "some/model"})
+    recipe = load_recipe(RECIPES / "long-context-tenth.yaml", {"model": "some/model"})
     config = recipe.compression.to_config()
     cache = config.cache
     assert (cache.name, cache.rule, cache.low, cache.share, cache.level_bits) == (
-        "tale",
-        "recency",
-        1.0,
-        0.03,
-        (3, 8),
-    )
+        "tale", "recency", 1.0, 0.03, (3, 8),
+    )  # fmt: skip
     assert (recipe.calibration.n_samples, recipe.calibration.seq_len) == (64, 2048)
     assert config.ratio == 0.5 and config.rotation.name == "none"  # tale cuts latents in spectral order
