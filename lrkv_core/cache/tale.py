@@ -10,9 +10,10 @@ plan of rank l would give (TALE's "online low-rank approximation": a truncation)
 Here, per layer and kind (K or V), with two levels:
 
 1. **The low level**: a token keeps the first ``⌊low · r_g⌋`` latents of every group (TALE's r_0; ``low: 0``
-   keeps nothing of them, which is token eviction). ``value_low`` gives the values their own share (keys
-   keep ``low``): value latents need the wider level, keys the narrower one, at the same bytes (SmolLM2,
-   docs/long-context.md).
+   keeps nothing of them: their keys and values read as zeros, which attention still weighs with a score
+   of 0, so it is not eviction, which would take them out of the softmax). ``value_low`` gives the values
+   their own share (keys keep ``low``): value latents need the wider level, keys the narrower one, at the
+   same bytes (SmolLM2, docs/long-context.md).
 2. **The full level**: a token keeps every latent (TALE's r_1: the plan's rank). Which tokens, by ``rule``:
 
    - ``recency`` (TALE's rule, the default): the first ``sink`` tokens of the sequence (TALE's α) and the
@@ -308,7 +309,7 @@ class TaleStorage(CacheStorage):
     name: ClassVar[str] = "tale"
     store: ClassVar[type[TaleStore]] = TaleStore  # what create_store builds
     rule: Literal["recency", "energy"] = "recency"  # which tokens are at the full level (module docstring)
-    low: float = 0.5  # share of each group's rank a low-level token keeps (TALE's r_0: 50 %; 0: evict)
+    low: float = 0.5  # share of each group's rank a low-level token keeps (TALE's r_0: 50 %; 0: zeros)
     value_low: float | None = None  # the values' share when it differs from the keys' (None: low)
     keep: float | None = None  # share of the cut tokens at the full level, sinks aside (TALE's p; None: 0.1)
     recent: int | None = None  # or a count of them, the newest (or most energetic), in place of keep
