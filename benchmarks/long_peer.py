@@ -66,23 +66,30 @@ def build_tasks(
     lengths: list[int],
     continuation: int = 256,
     windows: int = 8,
+    stride: int | None = None,
     depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
     samples: int = 2,
     seed: int = 0,
     max_positions: int | None = None,
     retrieval: list[str] = ("passkey",),
 ) -> dict[str, Any]:
-    """Continuation windows ((windows, C + N) token ids per context C; none for ``windows`` 0) and the
-    ``retrieval`` tasks' prompts (:data:`~lrkv_core.evaluation.needles.TASKS`: passkey and the RULER-style
-    needles) of ``dataset``."""
+    """Continuation windows ((windows, C + N) token ids per context C; none for ``windows`` 0; with
+    ``stride``, overlapping windows starting that many tokens apart, at least N so that no scored token is
+    scored twice) and the ``retrieval`` tasks' prompts (:data:`~lrkv_core.evaluation.needles.TASKS`:
+    passkey and the RULER-style needles) of ``dataset``."""
     unknown = set(retrieval) - set(needles.TASKS)
     if unknown:
         raise ValueError(f"unknown retrieval tasks {sorted(unknown)}; known: {', '.join(needles.TASKS)}")
+    if stride is not None and stride < continuation:
+        raise ValueError(f"a stride of {stride} tokens would score some of the {continuation} tokens twice")
     seqs = token_sequences(dataset, tokenizer)
     prefix = window_prefix(dataset, tokenizer)  # e.g. BOS, as lrkv's suite puts before each window
     haystack = torch.cat([s.reshape(-1) for s in seqs])
     blocks = [  # none with windows=0: a retrieval-only file
-        {"context": c, "windows": cut_windows(seqs, c + continuation, windows, prefix).tolist()}
+        {
+            "context": c,
+            "windows": cut_windows(seqs, c + continuation, windows, prefix, stride=stride).tolist(),
+        }
         for c in cap_lengths(lengths, max_positions, continuation)
         if windows
     ]
@@ -97,8 +104,8 @@ def build_tasks(
                 "max_new_tokens": answer_tokens(tokenizer, s.answer),
             })  # fmt: skip
     protocol = {"dataset": dataset, "lengths": list(lengths), "continuation": continuation,
-                "windows": windows, "depths": list(depths), "samples": samples, "seed": seed,
-                "tasks": list(retrieval)}  # fmt: skip
+                "windows": windows, "stride": stride, "depths": list(depths), "samples": samples,
+                "seed": seed, "tasks": list(retrieval)}  # fmt: skip
     return {"protocol": protocol, "continuation": blocks, "retrieval": prompts}
 
 
@@ -285,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--lengths", default="1024,2048")
     t.add_argument("--continuation", type=int, default=256)
     t.add_argument("--windows", type=int, default=8)
+    t.add_argument(
+        "--stride", type=int, default=None,
+        help="overlapping windows, each this many tokens after the last (≥ --continuation); default: none",
+    )  # fmt: skip
     t.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     t.add_argument("--samples", type=int, default=2)
     t.add_argument(
@@ -320,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
         try:
             tasks = build_tasks(tokenizer, args.dataset, lengths=[int(x) for x in args.lengths.split(",")],
-                                continuation=args.continuation, windows=args.windows,
+                                continuation=args.continuation, windows=args.windows, stride=args.stride,
                                 depths=[float(x) for x in args.depths.split(",")], samples=args.samples,
                                 seed=args.seed, max_positions=limit,
                                 retrieval=args.retrieval.split(","))  # fmt: skip

@@ -60,6 +60,7 @@ __all__ = [
     "parse_dataset_spec",
     "read_token_rows",
     "resolve_spec",
+    "strided_windows",
     "text_prefix",
     "token_sequences",
     "window_prefix",
@@ -190,6 +191,16 @@ def consecutive_windows(seq: torch.Tensor, length: int, prefix: Sequence[int] = 
     rows = seq[: n * body].reshape(n, body)  # (N, body)
     head = torch.tensor(list(prefix), dtype=seq.dtype).expand(n, -1)  # (N, len(prefix))
     return torch.cat([head, rows], dim=1)
+
+
+def strided_windows(seq: torch.Tensor, length: int, stride: int, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """(N, length) windows of ``seq`` starting every ``stride`` tokens (overlapping where ``stride`` is
+    shorter than a window), each ``prefix`` then ``length - len(prefix)`` consecutive tokens of ``seq``; the
+    tail that does not fill a window is dropped."""
+    body = _body_length(length, prefix)
+    head = torch.tensor(list(prefix), dtype=seq.dtype)
+    rows = [torch.cat([head, seq[a : a + body]]) for a in range(0, seq.numel() - body + 1, stride)]
+    return torch.stack(rows) if rows else torch.empty(0, length, dtype=seq.dtype)
 
 
 def _draw_windows(

@@ -205,6 +205,22 @@ def test_continuation_through_the_cache_equals_one_forward_of_the_window(arch, c
     assert abs(ref.item() - np.log(61)) > 0.05  # a random model's context matters: not a uniform guess
 
 
+def test_strided_windows_overlap_and_score_distinct_tokens() -> None:
+    """Windows every ``stride`` tokens: each the prefix then the stream from its start; the last ``stride``
+    tokens of consecutive windows tile the stream without a gap or a repeat; a stride of a whole window's
+    body gives the non-overlapping windows; a stride under one token is refused."""
+    stream = torch.arange(300)
+    windows = cut_windows([stream], 56, None, prefix=[1], stride=20)  # bodies of 55 tokens
+    assert windows.shape == (13, 56) and (windows[:, 0] == 1).all()  # starts 0, 20, …, 240 (240 + 55 ≤ 300)
+    for i, w in enumerate(windows):
+        assert torch.equal(w[1:], stream[20 * i : 20 * i + 55])
+    tails = windows[:, -20:].flatten()
+    assert torch.equal(tails, stream[35 : 35 + 20 * 13])
+    assert torch.equal(cut_windows([stream], 56, 4, prefix=[1], stride=55), cut_windows([stream], 56, 4, [1]))
+    with pytest.raises(ValueError, match="stride"):
+        cut_windows([stream], 56, None, stride=0)
+
+
 def test_continuation_reads_the_storage_the_config_names(compress) -> None:
     """A 2-bit quantized latent cache changes the continuation's NLL (it is read back from the cache); the
     dense one does not; the protocol records the storage."""

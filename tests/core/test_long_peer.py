@@ -78,6 +78,18 @@ def test_tasks_round_trip_to_lrkv_windows_and_prompts(long_peer, tokenizer, data
         assert prompt["answer"] not in question
 
 
+def test_strided_tasks_record_their_stride_and_never_score_a_token_twice(long_peer, tokenizer, dataset):
+    tasks = long_peer.build_tasks(tokenizer, dataset, lengths=[96], continuation=16, windows=50, stride=24,
+                                  samples=0)  # fmt: skip
+    seqs, prefix = token_sequences(dataset, tokenizer), window_prefix(dataset, tokenizer)
+    expected = cut_windows(seqs, 96 + 16, 50, prefix, stride=24)
+    [block] = tasks["continuation"]
+    assert torch.equal(torch.tensor(block["windows"]), expected) and len(block["windows"]) > 1
+    assert tasks["protocol"]["stride"] == 24 and tasks["retrieval"] == []
+    with pytest.raises(ValueError, match="twice"):
+        long_peer.build_tasks(tokenizer, dataset, lengths=[96], continuation=16, stride=8, samples=0)
+
+
 def test_matched_press_ratio_keeps_the_lrkv_bytes(long_peer):
     assert long_peer.matched_press_ratio(0.5) == 0.5
     # 3-bit latents at half width with fp16 scale and zero-point per token and group of 96 latents:
