@@ -197,6 +197,8 @@ def strided_windows(seq: torch.Tensor, length: int, stride: int, prefix: Sequenc
     """(N, length) windows of ``seq`` starting every ``stride`` tokens (overlapping where ``stride`` is
     shorter than a window), each ``prefix`` then ``length - len(prefix)`` consecutive tokens of ``seq``; the
     tail that does not fill a window is dropped."""
+    if stride < 1:
+        raise ValueError(f"stride must be at least 1 token, got {stride}")
     body = _body_length(length, prefix)
     head = torch.tensor(list(prefix), dtype=seq.dtype)
     rows = [torch.cat([head, seq[a : a + body]]) for a in range(0, seq.numel() - body + 1, stride)]

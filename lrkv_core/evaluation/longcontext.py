@@ -282,8 +282,6 @@ def cut_windows(
     if stride is None:
         parts = [consecutive_windows(s.reshape(-1), length, prefix) for s in seqs]
     else:
-        if stride < 1:
-            raise ValueError(f"stride must be at least 1 token, got {stride}")
         parts = [strided_windows(s.reshape(-1), length, stride, prefix) for s in seqs]
     out = torch.cat(parts) if parts else torch.empty(0, length, dtype=torch.long)
     return out if max_windows is None else out[:max_windows]
