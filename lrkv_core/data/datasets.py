@@ -186,20 +186,16 @@ def _body_length(length: int, prefix: Sequence[int]) -> int:
 def consecutive_windows(seq: torch.Tensor, length: int, prefix: Sequence[int] = ()) -> torch.Tensor:
     """(N, length) non-overlapping windows from the start of ``seq`` (the short tail dropped): each one
     ``prefix`` (e.g. :func:`window_prefix`) then ``length - len(prefix)`` consecutive tokens of ``seq``."""
-    body = _body_length(length, prefix)
-    n = seq.numel() // body
-    rows = seq[: n * body].reshape(n, body)  # (N, body)
-    head = torch.tensor(list(prefix), dtype=seq.dtype).expand(n, -1)  # (N, len(prefix))
-    return torch.cat([head, rows], dim=1)
+    return strided_windows(seq, length, _body_length(length, prefix), prefix)
 
 
 def strided_windows(seq: torch.Tensor, length: int, stride: int, prefix: Sequence[int] = ()) -> torch.Tensor:
     """(N, length) windows of ``seq`` starting every ``stride`` tokens (overlapping where ``stride`` is
     shorter than a window), each ``prefix`` then ``length - len(prefix)`` consecutive tokens of ``seq``; the
     tail that does not fill a window is dropped."""
+    body = _body_length(length, prefix)
     if stride < 1:
         raise ValueError(f"stride must be at least 1 token, got {stride}")
-    body = _body_length(length, prefix)
     head = torch.tensor(list(prefix), dtype=seq.dtype)
     rows = [torch.cat([head, seq[a : a + body]]) for a in range(0, seq.numel() - body + 1, stride)]
     return torch.stack(rows) if rows else torch.empty(0, length, dtype=seq.dtype)

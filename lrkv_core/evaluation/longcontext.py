@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrkv_core.cache import cache_kwargs, cache_nbytes, output_cache
-from lrkv_core.data.datasets import consecutive_windows, strided_windows
+from lrkv_core.data.datasets import strided_windows
 from lrkv_core.evaluation.needles import TASKS, PromptTooShort, generate_answer, is_exact_match, make_samples
 
 Progress = Callable[[int, int], None] | None
@@ -279,10 +279,8 @@ def cut_windows(
     then ``length - len(prefix)`` consecutive tokens. Windows do not overlap, or with ``stride`` each starts
     ``stride`` tokens after the one before: a stream too short for many long windows gives more of them,
     whose last ``stride`` tokens (what a continuation of at most ``stride`` tokens scores) are distinct."""
-    if stride is None:
-        parts = [consecutive_windows(s.reshape(-1), length, prefix) for s in seqs]
-    else:
-        parts = [strided_windows(s.reshape(-1), length, stride, prefix) for s in seqs]
+    step = length - len(prefix) if stride is None else stride  # None: each window after the last
+    parts = [strided_windows(s.reshape(-1), length, step, prefix) for s in seqs]
     out = torch.cat(parts) if parts else torch.empty(0, length, dtype=torch.long)
     return out if max_windows is None else out[:max_windows]
 
