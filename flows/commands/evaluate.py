@@ -61,7 +61,8 @@ def eval_cmd(
         str,
         typer.Option(
             help="standard: prefill/decode PPL, KV bytes; long: continuation NLL after long contexts and "
-            "needle retrieval through the model's cache (--lengths, --depths, --samples, --continuation)"
+            "needle retrieval through the model's cache (--lengths, --depths, --samples, --continuation, "
+            "--stride)"
         ),
     ] = "standard",
     lengths: Annotated[
@@ -72,6 +73,13 @@ def eval_cmd(
     ] = None,
     samples: Annotated[int, typer.Option(help="--suite long: prompts per task × length × depth")] = 4,
     continuation: Annotated[int, typer.Option(help="--suite long: tokens scored after each context")] = 256,
+    stride: Annotated[
+        Optional[int],
+        typer.Option(
+            help="--suite long: continuation windows start this many tokens apart (≥ --continuation; "
+            "default: windows do not overlap)"
+        ),
+    ] = None,
     needles: Annotated[
         Optional[str],
         typer.Option(help="--suite long: passkey,needle,multikey,variables (default the first three)"),
@@ -82,7 +90,7 @@ def eval_cmd(
     device = device or "cpu"
     if suite != "standard":
         long_options = dict(lengths=lengths, depths=depths, samples=samples, continuation=continuation)
-        long_options |= {"needles": needles, "seed": seed}
+        long_options |= {"needles": needles, "seed": seed, "stride": stride}
         return _eval_long(
             model_dir, dataset, suite, long_options, max_windows, json_out,
             base_dir=base, hf_quantized_cache=hf_quant_cache, cache=cache, device=device,
@@ -154,7 +162,7 @@ def _eval_long(
             "depths": csv_list(opts["depths"], float),
             "needles": csv_list(opts["needles"]),
         }
-        fixed = {"continuation": opts["continuation"], "samples": opts["samples"], "seed": opts["seed"]}
+        fixed = {k: opts[k] for k in ("continuation", "samples", "seed", "stride")}
         section = LongEvalRecipe(**{k: v for k, v in given.items() if v}, **fixed, windows=windows or 8)
         protocol = section.protocol(dataset)
         with rich_progress(), step("long-context suite") as advance:

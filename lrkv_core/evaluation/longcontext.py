@@ -1,10 +1,12 @@
 """Long-context evaluation through the deployed cache: continuation after a long context, and retrieval.
 
 *Continuation*: the held-out token stream is cut into non-overlapping windows of ``C + N`` tokens per context
-length ``C``; the context is prefilled into a fresh cache in chunks of ``chunk_size`` tokens (memory stays
-bounded), then the ``N`` continuation tokens are scored teacher-forced at their true positions ``C..C+N-1``:
-the context's last logits predict the first, one forward of the continuation against the cache the rest
-(equal to decoding them one by one up to float rounding, tested). A compressed model reads every key and value
+length ``C`` (or windows starting every ``stride`` tokens, ``stride ≥ N``: more windows from a stream too
+short for many long ones, each scoring tokens no other window scores); the context is prefilled into a
+fresh cache in chunks of ``chunk_size`` tokens (memory stays bounded), then the ``N`` continuation tokens
+are scored teacher-forced at their true positions ``C..C+N-1``: the context's last logits predict the first,
+one forward of the continuation against the cache the rest (equal to decoding them one by one up to float
+rounding, tested). A compressed model reads every key and value
 back from its :class:`~lrkv_core.cache.LatentCache`, in whatever storage its config names (dense, quantized,
 GEAR, TALE); an original model runs through transformers' ``DynamicCache``.
 
@@ -47,6 +49,7 @@ class LongContextProtocol:
     lengths: tuple[int, ...]  # context / prompt lengths asked for
     continuation: int = 256  # N tokens scored after each context
     windows: int | None = 8  # continuation windows per length (None: all the stream holds)
+    stride: int | None = None  # continuation windows start this many tokens apart (None: do not overlap)
     chunk_size: int = 1024  # context prefill chunk
     depths: tuple[float, ...] = DEFAULT_DEPTHS
     samples: int = 4  # retrieval prompts per task × length × depth
@@ -319,6 +322,11 @@ def evaluate_long_context(
         raise ValueError("continuation and samples must be >= 0 (0 skips that part) and chunk_size >= 1")
     if protocol.windows is not None and protocol.windows < 1:
         raise ValueError(f"windows must be >= 1 (or None: all), got {protocol.windows}")
+    if protocol.stride is not None and protocol.stride < max(1, protocol.continuation):
+        raise ValueError(
+            f"a stride of {protocol.stride} tokens would score some of the {protocol.continuation} "
+            "continuation tokens twice: give a stride of at least the continuation"
+        )
     if not protocol.lengths or min(protocol.lengths) < 1:
         raise ValueError(f"lengths must be positive, got {list(protocol.lengths)}")
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -350,7 +358,8 @@ def evaluate_long_context(
             )
     plan = []  # (C, (N, C + N) windows)
     for c in cont_lengths:
-        windows = cut_windows(seqs, c + protocol.continuation, protocol.windows, prefix)
+        n = c + protocol.continuation
+        windows = cut_windows(seqs, n, protocol.windows, prefix, stride=protocol.stride)
         if windows.shape[0] == 0:
             result.skipped.append(
                 f"continuation at {c}: the data holds no {c + protocol.continuation}-token window"

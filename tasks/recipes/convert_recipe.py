@@ -173,6 +173,11 @@ class LongEvalRecipe(Strict):
     )
     continuation: int = Field(256, ge=0, description="tokens scored after each context (0: no continuation)")
     windows: int | None = Field(8, ge=1, description="continuation windows per length (null: all there are)")
+    stride: int | None = Field(
+        None,
+        ge=1,
+        description="continuation windows start this many tokens apart, ≥ continuation (null: no overlap)",
+    )
     depths: list[float] = Field(list(DEFAULT_DEPTHS), min_length=1, description="needle depths in 0..1")
     samples: int = Field(4, ge=0, description="retrieval prompts per task × length × depth (0: none)")
     needles: list[str] = Field(list(DEFAULT_TASKS), description=f"retrieval tasks: {', '.join(NEEDLE_TASKS)}")
@@ -201,6 +206,15 @@ class LongEvalRecipe(Strict):
             raise ValueError(f"unknown retrieval task(s) {unknown}; known: {', '.join(NEEDLE_TASKS)}")
         return v
 
+    @model_validator(mode="after")
+    def _stride(self) -> LongEvalRecipe:
+        if self.stride is not None and self.stride < self.continuation:
+            raise ValueError(
+                f"a stride of {self.stride} tokens would score some of the {self.continuation} continuation "
+                "tokens twice: give a stride of at least the continuation"
+            )
+        return self
+
     def protocol(self, dataset: str) -> LongContextProtocol:
         """The core's protocol of this section on ``dataset``."""
         return LongContextProtocol(
@@ -208,6 +222,7 @@ class LongEvalRecipe(Strict):
             lengths=tuple(self.lengths),
             continuation=self.continuation,
             windows=self.windows,
+            stride=self.stride,
             chunk_size=self.chunk_size,
             depths=tuple(self.depths),
             samples=self.samples,

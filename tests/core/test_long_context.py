@@ -221,6 +221,24 @@ def test_strided_windows_overlap_and_score_distinct_tokens() -> None:
         cut_windows([stream], 56, None, stride=0)
 
 
+def test_the_suite_scores_strided_windows_and_refuses_a_stride_that_scores_twice() -> None:
+    """With ``stride``, the suite's windows are the strided ones (more of them than fit apart), scored as
+    :func:`continuation_nll` scores them, and the protocol records the stride; a stride under the
+    continuation is refused."""
+    model = tiny_model("llama", 2, 0, max_position_embeddings=256)
+    stream = torch.randint(3, 61, (300,), generator=torch.Generator().manual_seed(4))
+    protocol = LongContextProtocol(
+        dataset="random", lengths=(56,), continuation=16, stride=30, windows=None, tasks=()
+    )
+    res = evaluate_long_context(model, None, [stream], protocol)
+    windows = cut_windows([stream], 72, None, stride=30)
+    assert windows.shape[0] == 8 > cut_windows([stream], 72, None).shape[0] == 4
+    assert res.continuation[0].windows == 8 and res.protocol.stride == 30
+    assert res.continuation[0].nll == pytest.approx(continuation_nll(model, windows, context_len=56)[0] / 128)
+    with pytest.raises(ValueError, match="stride of 15 tokens would score some of the 16"):
+        evaluate_long_context(model, None, [stream], replace(protocol, stride=15))
+
+
 def test_continuation_reads_the_storage_the_config_names(compress) -> None:
     """A 2-bit quantized latent cache changes the continuation's NLL (it is read back from the cache); the
     dense one does not; the protocol records the storage."""

@@ -51,6 +51,14 @@ def test_eval_suite_long_reports_continuation_and_retrieval_with_its_protocol(
     )  # 4-bit
     assert set(result["grid"]["passkey"]) == {"0", "1"} and len(result["retrieval"]) == 4
 
+    strided = [*args[:6], "--lengths", "1024", "--samples", "0", "--continuation", "16", "--max-windows", "4"]
+    res = CliRunner().invoke(app, [*strided, "--stride", "40", "--json-out", str(report)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(report.read_text())  # 1024 capped to 304: a stream for 2 windows apart, 4 at 40
+    assert result["protocol"]["stride"] == 40 and [c["windows"] for c in result["continuation"]] == [4]
+    bad = CliRunner().invoke(app, [*strided, "--stride", "8"])
+    assert bad.exit_code == 1
+    assert "stride of 8 tokens would score some of the 16" in " ".join(bad.output.split())
     bad = CliRunner().invoke(app, [*args[:6], "--suite", "longer"])
     assert bad.exit_code == 1 and "--suite must be standard or long" in " ".join(bad.output.split())
     bad = CliRunner().invoke(app, [*args[:8], "--depths", "0,1.5", "--samples", "1"])
