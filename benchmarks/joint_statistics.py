@@ -10,6 +10,12 @@ Fisher also as the relative Frobenius distance: a pass with the attention Gram r
 rounding can move a target drawn from the model's predictions, so its value may differ by a few draws):
 
     OMP_NUM_THREADS=2 python benchmarks/joint_statistics.py --threads 2 --rows 32
+
+With ``--fisher-rows K`` it compares instead the joint pass with the output Fisher on every row against the
+joint pass with the output Fisher on the first K rows (a gradient pass over K rows, a forward pass over the
+rest), and how far the K-row Fisher lies from the all-row one:
+
+    OMP_NUM_THREADS=2 python benchmarks/joint_statistics.py --threads 2 --rows 16 --fisher-rows 8
 """
 
 from __future__ import annotations
@@ -60,27 +66,35 @@ def alternate(ways: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict, d
 def main() -> None:
     p = rows_parser(__doc__.splitlines()[0], 32, "calibration rows")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--fisher-rows", type=int, default=None, help="the output Fisher on the first K rows")
     args = p.parse_args()
     model, rows = load_rows(p, args)
+    if args.fisher_rows is not None and not 1 <= args.fisher_rows <= len(rows):
+        p.error(f"--fisher-rows must be between 1 and --rows ({len(rows)}), got {args.fisher_rows}")
     stats = [STATISTICS.create(n) for n in NAMES]
-    ways = {
-        "one pass each": lambda: [s.collect(model, rows, batch_size=args.batch_size) for s in stats],
-        "one joint pass": lambda: collect_joint(stats, model, rows, batch_size=args.batch_size),
-    }
+    if args.fisher_rows is None:
+        first, second = "one pass each", "one joint pass"
+        other = stats
+        ways = {first: lambda: [s.collect(model, rows, batch_size=args.batch_size) for s in stats]}
+    else:
+        first, second = "one joint pass", f"one joint pass, the output Fisher on {args.fisher_rows} rows"
+        other = [*stats[:2], STATISTICS.create({"name": "output_fisher", "n_samples": args.fisher_rows})]
+        ways = {first: lambda: collect_joint(stats, model, rows, batch_size=args.batch_size)}
+    ways[second] = lambda: collect_joint(other, model, rows, batch_size=args.batch_size)
     print(
         f"{len(rows)} rows of {args.seq_len} tokens, {args.batch_size} row(s) per pass, "
         f"{torch.get_num_threads()} thread(s), best of {args.repeats}",
         flush=True,
     )
     best, peak, values = alternate(ways, args.repeats)
-    base = best["one pass each"]
+    base = best[first]
     print("| collection | seconds | ratio | peak RSS, GiB |")
     print("|---|---|---|---|")
     for name in ways:
         print(f"| {name} | {best[name]:.1f} | {best[name] / base:.3f} | {gib(peak[name])} |")
     print("| statistic | largest entry gap (relative) | Frobenius gap (relative) |")
     print("|---|---|---|")
-    apart, together = values["one pass each"], values["one joint pass"]
+    apart, together = values[first], values[second]
     for s, (alone, _), (joint, _) in zip(stats, apart, together, strict=True):
         pairs = zip(_tensors(joint), _tensors(alone), strict=True)
         entry = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)

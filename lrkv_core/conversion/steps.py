@@ -13,9 +13,10 @@ it reads, so independent steps run at once). Neither lists the steps itself.
 A statistic whose collection can be split (:attr:`~lrkv_core.statistics.Statistic.shardable`) becomes
 ``shards`` steps over disjoint slices of the calibration rows plus one step that merges them, so several
 workers share a whole-model pass; the merged value equals the one-pass value. Statistics collected in one
-pass each that can share it (:attr:`~lrkv_core.statistics.Statistic.joint`, the same rows) are collected
-together instead: one ``statistics`` step (:mod:`lrkv_core.statistics.joint`) and, for each of them, a
-``pick`` step named as its own collection would be, which takes its value from the joint step's.
+pass each that can share it (:attr:`~lrkv_core.statistics.Statistic.joint`; each on its own number of
+rows) are collected together instead: one ``statistics`` step (:mod:`lrkv_core.statistics.joint`) and, for
+each of them, a ``pick`` step named as its own collection would be, which takes its value from the joint
+step's.
 """
 
 from __future__ import annotations
@@ -126,18 +127,16 @@ def _collection_steps(
     seq_len: int | None,
     factor_inputs: tuple[str, ...],
 ) -> list[Step]:
-    """The steps collecting ``stats``: those that can share one pass over the same rows (each collected in
-    one pass) in a joint step with a pick step each, every other one by :func:`_statistic_steps`."""
-    groups: dict[Any, list[Any]] = {}
-    for stat in stats:
-        one_pass = _shard_count(stat, shards, rows, batch_size, seq_len) <= 1
-        if stat.joint and not stat.uses_factors and one_pass:
-            groups.setdefault(stat.n_samples, []).append(stat)
-    joined = {s.name for group in groups.values() if len(group) > 1 for s in group}
+    """The steps collecting ``stats``: those that can share a pass (each collected in one pass, on however
+    many of the rows) in a joint step with a pick step each, every other one by :func:`_statistic_steps`."""
+    group = [
+        stat
+        for stat in stats
+        if stat.joint and not stat.uses_factors and _shard_count(stat, shards, rows, batch_size, seq_len) <= 1
+    ]
+    joined = {s.name for s in group} if len(group) > 1 else set()
     steps: list[Step] = []
-    for group in groups.values():
-        if len(group) < 2:
-            continue
+    if joined:
         joint = joint_step([s.name for s in group])
         steps.append(Step(joint, "statistics", {"statistics": [s.to_dict() for s in group]}, factor_inputs))
         steps += [Step(statistic_step(s.name), "pick", {"statistic": s.to_dict()}, (joint,)) for s in group]

@@ -190,22 +190,27 @@ class Statistic(Method, ABC):
         if indices != list(range(count)):
             raise ValueError(f"merge {self.name}: need each of the {count} shards once, got shards {indices}")
         parts = sorted(parts, key=lambda p: p.shard[0])
-        sums = parts[0].sums
-        counts = dict(parts[0].counts)
+        total = (parts[0].sums, dict(parts[0].counts))
         for p in parts[1:]:
-            if set(p.counts) != set(counts) or len(p.sums) != len(sums):
+            if set(p.counts) != set(total[1]) or len(p.sums) != len(total[0]):
                 raise ValueError(f"merge {self.name}: shards with different layers or counts")
-            sums = [_add(a, b) for a, b in zip(sums, p.sums, strict=True)]
-            counts = {k: v + p.counts[k] for k, v in counts.items()}
-        return self.finish(sums, counts)
+            total = add_sums(total, (p.sums, p.counts))
+        return self.finish(*total)
 
 
-def _add(a: LayerValue, b: LayerValue) -> LayerValue:
-    if isinstance(a, torch.Tensor):
-        return a + b
-    if set(a) != set(b):
-        raise ValueError(f"shards hold different keys: {sorted(a)} and {sorted(b)}")
-    return {k: a[k] + b[k] for k in a}
+def add_sums(
+    a: tuple[list[LayerValue], Counts], b: tuple[list[LayerValue], Counts]
+) -> tuple[list[LayerValue], Counts]:
+    """Two ``(sums, counts)`` of one statistic over disjoint rows added up: its sums over both."""
+
+    def add(x: LayerValue, y: LayerValue) -> LayerValue:
+        if isinstance(x, torch.Tensor):
+            return x + y
+        if set(x) != set(y):
+            raise ValueError(f"sums hold different keys: {sorted(x)} and {sorted(y)}")
+        return {k: x[k] + y[k] for k in x}
+
+    return [add(x, y) for x, y in zip(a[0], b[0], strict=True)], {k: v + b[1][k] for k, v in a[1].items()}
 
 
 def shard_span(n_rows: int, shard: tuple[int, int], unit: int = 1) -> tuple[int, int]:

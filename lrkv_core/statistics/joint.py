@@ -1,4 +1,4 @@
-"""Several calibration statistics collected in one pass over the same rows.
+"""Several calibration statistics collected in one pass over their rows.
 
 The Gram, the attention Gram and the output Fisher all run the model over every calibration row: the first
 two read what a forward pass computes (each layer's k/v_proj input, the attention weights), the third one
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .base import Counts, LayerValue, Progress, Statistic, forward_rows
+from .base import Counts, LayerValue, Progress, Statistic, add_sums, forward_rows
 from .gradients import Targets, Visit, shared_gradient_passes
 
 JOINT = ("forward", "gradient")
@@ -120,20 +120,6 @@ class JointStatistic(Statistic):
         return part
 
 
-def joint_rows(stats: Sequence[Statistic], rows: torch.Tensor) -> torch.Tensor:
-    """The calibration rows every one of ``stats`` uses (they must use the same: ``n_samples`` alike)."""
-    if not stats:
-        raise ValueError("a joint pass needs at least one statistic")
-    counts = {s.n_samples for s in stats}
-    if len(counts) > 1:
-        names = [s.name for s in stats]
-        raise ValueError(
-            f"statistics {names} use different calibration rows (n_samples "
-            f"{sorted(counts, key=str)}): a joint pass needs the same rows for all"
-        )
-    return stats[0].rows(rows)
-
-
 def collect_joint(
     stats: Sequence[Statistic],
     model: nn.Module,
@@ -143,8 +129,36 @@ def collect_joint(
     progress: Progress = None,
 ) -> list[tuple[list[LayerValue], dict]]:
     """Each statistic's ``collect`` (values, metadata), in the order of ``stats``, from one pass over their
-    rows (the module doc)."""
-    sums = accumulate_joint(
-        stats, model, joint_rows(stats, rows), first_row=0, batch_size=batch_size, progress=progress
-    )
+    rows (the module doc).
+
+    Statistics that read different numbers of rows (``n_samples``) share the rows they have in common: the
+    rows are cut where one statistic's rows end, and each stretch is one pass of the statistics that read it
+    (a gradient pass while a gradient statistic reads it, a forward pass after), its sums added to theirs.
+    So an output Fisher on the first 128 of 256 rows costs a gradient pass over 128 rows and a forward pass
+    over the other 128, with the Gram reading both."""
+    if not stats:
+        raise ValueError("a joint pass needs at least one statistic")
+    used = [s.rows(rows).shape[0] for s in stats]  # a clear error for a statistic asking too many rows
+    total = max(used)
+    sums: list[tuple[list[LayerValue], Counts] | None] = [None] * len(stats)
+    bounds = sorted({0, *used})
+    for start, stop in zip(bounds, bounds[1:]):
+        reading = [i for i, n in enumerate(used) if n > start]
+        part = accumulate_joint(
+            [stats[i] for i in reading],
+            model,
+            rows[start:stop],
+            first_row=start,
+            batch_size=batch_size,
+            progress=_offset(progress, start, total),
+        )
+        for i, (values, counts) in zip(reading, part, strict=True):
+            sums[i] = (values, counts) if sums[i] is None else add_sums(sums[i], (values, counts))
     return [s.finish(*r) for s, r in zip(stats, sums, strict=True)]
+
+
+def _offset(progress: Progress, start: int, total: int) -> Progress:
+    """``progress`` for a stretch of rows starting at ``start``, reported as rows done of ``total``."""
+    if progress is None:
+        return None
+    return lambda done, _n: progress(start + done, total)

@@ -78,13 +78,46 @@ def test_forward_statistics_alone_share_one_forward_pass(make_tiny) -> None:
         assert max_relative_gap(values, s.collect(model, rows, batch_size=BATCH)[0]) <= TOLERANCE[s.name]
 
 
+@pytest.mark.parametrize(
+    "rows_of",
+    [{"output_fisher": 2}, {"gram": 4, "attention_gram": 2}, {"output_fisher": 4, "attention_gram": 2}],
+    ids=["fewer-gradient-rows", "fewer-forward-rows", "three-stretches"],
+)
+def test_statistics_on_different_rows_share_the_rows_they_have_in_common(make_tiny, rows_of) -> None:
+    """Statistics on different numbers of rows (``n_samples``) in one joint pass: each gets what it gets
+    collected alone, every row runs through the layers once, and the backward pass runs only over the rows
+    a gradient statistic reads."""
+    model, rows = _setup(make_tiny)
+    stats = [STATISTICS.create({"name": n, "n_samples": rows_of.get(n)}) for n in JOINED]
+    alone = [s.collect(model, rows, batch_size=BATCH) for s in stats]
+    calls, handle = _layer_calls(model)
+    backward = [0]  # backward passes through the first layer's k_proj
+
+    def count_backward(_module, _args, out) -> None:
+        if out.requires_grad:
+            out.register_hook(lambda _g: backward.__setitem__(0, backward[0] + 1))
+
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(count_backward)
+    seen: list[tuple[int, int]] = []
+    joint = collect_joint(stats, model, rows, batch_size=BATCH, progress=lambda d, n: seen.append((d, n)))
+    handle.remove()
+    hook.remove()
+    assert calls[0] == ROWS // BATCH  # the stretches' batches: 2 + 2 + 2 rows
+    gradient_rows = rows_of.get("output_fisher", ROWS)
+    assert backward[0] == -(-gradient_rows // BATCH)
+    assert seen[-1] == (ROWS, ROWS) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    for s, (values, meta), (want, want_meta) in zip(stats, joint, alone, strict=True):
+        assert meta == want_meta, s.name
+        assert max_relative_gap(values, want) <= TOLERANCE[s.name], s.name
+
+
 def test_a_joint_pass_refuses_what_it_cannot_share(make_tiny) -> None:
     model, rows = _setup(make_tiny)
     gram = STATISTICS.create("gram")
     with pytest.raises(ValueError, match="fisher cannot share a pass"):
         collect_joint([gram, STATISTICS.create("fisher")], model, rows)
-    with pytest.raises(ValueError, match="different calibration rows"):
-        collect_joint([gram, STATISTICS.create({"name": "output_fisher", "n_samples": 4})], model, rows)
+    with pytest.raises(ValueError, match="asks for 8 calibration rows, the calibration has 6"):
+        collect_joint([gram, STATISTICS.create({"name": "output_fisher", "n_samples": 8})], model, rows)
     with pytest.raises(ValueError, match="each statistic once"):
         collect_joint([gram, gram], model, rows)
     with pytest.raises(ValueError, match="at least one"):
@@ -93,8 +126,9 @@ def test_a_joint_pass_refuses_what_it_cannot_share(make_tiny) -> None:
 
 def test_the_graph_collects_the_shareable_statistics_in_one_step() -> None:
     """The default decomposition's three statistics: one joint step and a pick step each, named as their
-    own collection would be; the allocator's KL response (it reads the factors) and a weight Fisher (its
-    own passes) stay steps of their own; statistics in shards, or on different rows, are not joined."""
+    own collection would be, also when they read different numbers of rows; the allocator's KL response (it
+    reads the factors) and a weight Fisher (its own passes) stay steps of their own; statistics in shards
+    are not joined."""
     config = CompressionConfig(allocator="fisher-greedy", group_size=1, rank_multiple=1).for_model(_config())
     graph = conversion_steps(config, 2)
     joint = graph[joint_step(JOINED)]
@@ -109,8 +143,7 @@ def test_the_graph_collects_the_shareable_statistics_in_one_step() -> None:
         group_size=1, rank_multiple=1, statistics=[{"name": "output_fisher", "n_samples": 4}]
     ).for_model(_config())
     kinds = {s.name: s.kind for s in conversion_steps(apart, 2)}
-    assert kinds[joint_step(["attention_gram", "gram"])] == "statistics"
-    assert kinds[statistic_step("output_fisher")] == "statistic"
+    assert kinds[joint_step(JOINED)] == "statistics" and kinds[statistic_step("output_fisher")] == "pick"
 
 
 def test_plan_conversion_runs_the_joint_step(make_tiny) -> None:
