@@ -117,7 +117,7 @@ def test_a_joint_pass_refuses_what_it_cannot_share(make_tiny) -> None:
     with pytest.raises(ValueError, match="fisher cannot share a pass"):
         collect_joint([gram, STATISTICS.create("fisher")], model, rows)
     with pytest.raises(ValueError, match="asks for 8 calibration rows, the calibration has 6"):
-        collect_joint([gram, STATISTICS.create({"name": "output_fisher", "n_samples": 8})], model, rows)
+        collect_joint([STATISTICS.create({"name": "gram", "n_samples": 8})], model, rows)
     with pytest.raises(ValueError, match="each statistic once"):
         collect_joint([gram, gram], model, rows)
     with pytest.raises(ValueError, match="at least one"):

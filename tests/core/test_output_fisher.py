@@ -66,6 +66,21 @@ def test_output_fisher_sampled_targets_are_seeded(make_tiny, one_thread) -> None
         STATISTICS.create({"name": "output_fisher", "labels": "model"})
 
 
+def test_output_fisher_reads_the_first_128_rows_by_default(make_tiny, one_thread) -> None:
+    """By default the first 128 calibration rows (a smaller calibration whole, no error); ``None``: all."""
+    stat = STATISTICS.create("output_fisher")
+    assert stat.used_rows(256, 256) == 128 and stat.used_rows(64, 2048) == 64
+    assert STATISTICS.create({"name": "output_fisher", "n_samples": None}).used_rows(256, 256) == 256
+    model = make_tiny("llama", 2)
+    rows = torch.randint(3, 61, (130, 4), generator=torch.Generator().manual_seed(1))
+    values, meta = stat.collect(model, rows, batch_size=65)
+    first, _ = STATISTICS.create({"name": "output_fisher", "n_samples": None}).collect(
+        model, rows[:128], batch_size=64
+    )
+    assert meta["n_tokens"] == 128 * 3
+    assert torch.allclose(values[0]["k"], first[0]["k"], rtol=1e-4, atol=1e-9)
+
+
 def test_fisher_keys_minimise_the_kronecker_loss_proxy() -> None:
     """Keys cut to rank r with ``keys="fisher"`` minimise ``tr(δW G δWᵀ M)`` (the K-FAC loss change, G the
     input Gram, M the output Fisher scaled to mean eigenvalue 1 and damped by ``KEY_FISHER_DAMPING``): it
