@@ -6,9 +6,9 @@ short for many long ones, each scoring tokens no other window scores); the conte
 fresh cache in chunks of ``chunk_size`` tokens (memory stays bounded), then the ``N`` continuation tokens
 are scored teacher-forced at their true positions ``C..C+N-1``: the context's last logits predict the first,
 one forward of the continuation against the cache the rest (equal to decoding them one by one up to float
-rounding, tested). A compressed model reads every key and value
-back from its :class:`~lrkv_core.cache.LatentCache`, in whatever storage its config names (dense, quantized,
-GEAR, TALE); an original model runs through transformers' ``DynamicCache``.
+rounding, tested). A compressed model reads every key and value back from its
+:class:`~lrkv_core.cache.LatentCache`, in whatever storage its config names (dense, quantized, GEAR, TALE);
+an original model runs through transformers' ``DynamicCache``.
 
 *Retrieval*: the tasks of :mod:`lrkv_core.evaluation.needles` at every length × depth, answered by greedy
 ``generate()`` through the same cache and scored by exact match: a depth × length accuracy grid per task.
@@ -288,6 +288,16 @@ def cut_windows(
     return out if max_windows is None else out[:max_windows]
 
 
+def check_stride(stride: int | None, continuation: int) -> None:
+    """Refuse a stride of continuation windows (``None``: no overlap) under one token or under the
+    ``continuation`` tokens each window scores (a token would be scored twice)."""
+    if stride is not None and stride < max(1, continuation):
+        raise ValueError(
+            f"a stride of {stride} tokens would score some of the {continuation} continuation tokens twice: "
+            "give a stride of at least the continuation"
+        )
+
+
 def cap_lengths(lengths: Sequence[int], limit: int | None, reserve: int) -> tuple[int, ...]:
     """Lengths with ``length + reserve <= limit``, longer ones replaced by ``limit - reserve``; sorted."""
     if limit is None:
@@ -322,11 +332,7 @@ def evaluate_long_context(
         raise ValueError("continuation and samples must be >= 0 (0 skips that part) and chunk_size >= 1")
     if protocol.windows is not None and protocol.windows < 1:
         raise ValueError(f"windows must be >= 1 (or None: all), got {protocol.windows}")
-    if protocol.stride is not None and protocol.stride < max(1, protocol.continuation):
-        raise ValueError(
-            f"a stride of {protocol.stride} tokens would score some of the {protocol.continuation} "
-            "continuation tokens twice: give a stride of at least the continuation"
-        )
+    check_stride(protocol.stride, protocol.continuation)
     if not protocol.lengths or min(protocol.lengths) < 1:
         raise ValueError(f"lengths must be positive, got {list(protocol.lengths)}")
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -361,9 +367,7 @@ def evaluate_long_context(
         n = c + protocol.continuation
         windows = cut_windows(seqs, n, protocol.windows, prefix, stride=protocol.stride)
         if windows.shape[0] == 0:
-            result.skipped.append(
-                f"continuation at {c}: the data holds no {c + protocol.continuation}-token window"
-            )
+            result.skipped.append(f"continuation at {c}: the data holds no {n}-token window")
         else:
             plan.append((c, windows))
     cells = []  # (task, length, depth, samples)
@@ -428,6 +432,7 @@ __all__ = [
     "RetrievalScore",
     "cap_lengths",
     "continuation_nll",
+    "check_stride",
     "cut_windows",
     "evaluate_long_context",
 ]

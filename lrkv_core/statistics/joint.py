@@ -133,7 +133,7 @@ def collect_joint(
 
     Statistics that read different numbers of rows (``n_samples``) share the rows they have in common: the
     rows are cut where one statistic's rows end, and each stretch is one pass of the statistics that read it
-    (a gradient pass while a gradient statistic reads it, a forward pass after), its sums added to theirs.
+    (a gradient pass where a gradient statistic reads it, else a forward pass), its sums added to theirs.
     So an output Fisher on the first 128 of 256 rows costs a gradient pass over 128 rows and a forward pass
     over the other 128, with the Gram reading both."""
     if not stats:

@@ -19,7 +19,7 @@ a forward pass over the rest.
 
 Each gradient is that of the row's summed loss (the batch-mean loss's gradient times the B·(T − 1) scored
 positions), so batches of any size add up alike; accumulated in float64. Cost: one forward and backward
-pass over the calibration rows, whose forward pass the Gram and the attention Gram can observe
+pass over the rows it reads, whose forward pass the Gram and the attention Gram can observe
 (:mod:`lrkv_core.statistics.joint`).
 """
 

@@ -32,6 +32,7 @@ from lrkv_core.evaluation.longcontext import (
     DEFAULT_LENGTHS,
     DEFAULT_TASKS,
     LongContextProtocol,
+    check_stride,
 )
 from lrkv_core.evaluation.needles import TASKS as NEEDLE_TASKS
 from lrkv_core.lora import RecoveryConfig
@@ -208,11 +209,7 @@ class LongEvalRecipe(Strict):
 
     @model_validator(mode="after")
     def _stride(self) -> LongEvalRecipe:
-        if self.stride is not None and self.stride < self.continuation:
-            raise ValueError(
-                f"a stride of {self.stride} tokens would score some of the {self.continuation} continuation "
-                "tokens twice: give a stride of at least the continuation"
-            )
+        check_stride(self.stride, self.continuation)
         return self
 
     def protocol(self, dataset: str) -> LongContextProtocol:
