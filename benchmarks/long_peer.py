@@ -44,7 +44,13 @@ from transformers import AutoConfig
 from lrkv_core.conversion.pipeline import use_cache_storage
 from lrkv_core.data.datasets import token_sequences, window_prefix
 from lrkv_core.evaluation import metrics, needles
-from lrkv_core.evaluation.longcontext import ANSWER_RESERVE, cap_lengths, continuation_nll, cut_windows
+from lrkv_core.evaluation.longcontext import (
+    ANSWER_RESERVE,
+    cap_lengths,
+    check_stride,
+    continuation_nll,
+    cut_windows,
+)
 from lrkv_core.evaluation.needles import (
     NeedleSample,
     answer_tokens,
@@ -80,8 +86,7 @@ def build_tasks(
     unknown = set(retrieval) - set(needles.TASKS)
     if unknown:
         raise ValueError(f"unknown retrieval tasks {sorted(unknown)}; known: {', '.join(needles.TASKS)}")
-    if stride is not None and stride < continuation:
-        raise ValueError(f"a stride of {stride} tokens would score some of the {continuation} tokens twice")
+    check_stride(stride, continuation)
     seqs = token_sequences(dataset, tokenizer)
     prefix = window_prefix(dataset, tokenizer)  # e.g. BOS, as lrkv's suite puts before each window
     haystack = torch.cat([s.reshape(-1) for s in seqs])
