@@ -1,15 +1,16 @@
 """The bench flow: how fast a model and its compressed versions serve on one device, as cached tasks.
 
 For the original model, a data-free compressed version at each ratio (dense latents, and ``bits``-bit rotated
-latents when asked) and any compressed directories given, it measures on the flow's device
-(``LRKV_DEVICE``): decode-step latency at every context (one batch size), prefill throughput, the KV bytes
-the cache holds and peak memory (:mod:`lrkv_core.evaluation.serving`); then the serving trade: within the
-memory the original's cache takes at the batch and the longest context, each compressed model runs the largest
-batch that fits, and its tokens/s are set against the original's; and one layer's decode attention alone at
-every context against its roofline (bytes and FLOPs of the step, a copy's bandwidth measured in the same task:
-:func:`~lrkv_core.evaluation.serving.measure_kernels`). Results are logged to MLflow (tables, metrics,
-the JSON) and attached to the flow run as a markdown artifact; every measurement is a cached task whose key
-names the device, so a re-run on the same machine is served from the store.
+latents when asked) for each form of the cached keys asked (``keys``: latents of the keys before RoPE, rebuilt
+at every step, or after it, ``rotated``), and any compressed directories given, it measures on the flow's
+device (``LRKV_DEVICE``): decode-step latency at every context (one batch size), prefill throughput, the KV
+bytes the cache holds and peak memory (:mod:`lrkv_core.evaluation.serving`); then the serving trade: within
+the memory the original's cache takes at the batch and the longest context, each compressed model runs the
+largest batch that fits, and its tokens/s are set against the original's; and one layer's decode attention
+alone at every context against its roofline (bytes and FLOPs of the step, a copy's bandwidth measured in the
+same task: :func:`~lrkv_core.evaluation.serving.measure_kernels`). Results are logged to MLflow (tables,
+metrics, the JSON) and attached to the flow run as a markdown artifact; every measurement is a cached task
+whose key names the device, so a re-run on the same machine is served from the store.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from lrkv_core.decompositions import KEY_LATENTS
 from lrkv_core.evaluation.serving import batch_within_budget
 from lrkv_tasks import bench as b
 from lrkv_tasks import convert as t
@@ -46,10 +48,15 @@ def bench_flow(
     store: str | None = None,
     static: bool = False,
     compiled: bool = False,
+    keys: list[str] | None = None,
 ) -> dict:
     """Serving measurements of ``model`` and its compressed versions (see the module); ``static``: every
-    model decodes over a preallocated cache, ``compiled``: its decode step compiled too."""
+    model decodes over a preallocated cache, ``compiled``: its decode step compiled too; ``keys``: the forms
+    of the cached keys the data-free versions take (``rebuilt``, the default, and/or ``rotated``)."""
     ratios = [0.5] if ratios is None else ratios
+    keys = keys or ["rebuilt"]
+    if not set(keys) <= set(KEY_LATENTS) or len(set(keys)) != len(keys):
+        raise ValueError(f"keys must be distinct among {', '.join(KEY_LATENTS)}, got {keys}")
     contexts = sorted(contexts or [1024, 4096, 16384])
     if batch < 1 or steps < 1 or warmup < 0 or not contexts or min(contexts) < 1:
         raise ValueError("batch, steps and every context must be ≥ 1 and warmup ≥ 0")
@@ -66,11 +73,13 @@ def bench_flow(
     device_id = b.device_identity(task_device())
     original = _record(timings, "resolve_model", stored(t.resolve_model).submit(model, root))
     models = {"original": original}
-    for ratio in ratios:
-        for nbits in [None, *(bits or [])]:
-            label = f"lrkv r{ratio}" + (f" {nbits}-bit" if nbits else "")
-            future = stored(b.bench_convert).submit(original, ratio, nbits, dtype, root)
-            models[label] = _record(timings, f"bench_convert[{label}]", future)
+    for key_latents in keys:
+        for ratio in ratios:
+            for nbits in [None, *(bits or [])]:
+                label = f"lrkv r{ratio}" + (f" {nbits}-bit" if nbits else "")
+                label += " rotated keys" if key_latents == "rotated" else ""
+                future = stored(b.bench_convert).submit(original, ratio, nbits, dtype, root, key_latents)
+                models[label] = _record(timings, f"bench_convert[{label}]", future)
     for path in compressed or []:
         models[f"lrkv {Path(path).name}"] = _record(
             timings, f"resolve_model[{path}]", stored(t.resolve_model).submit(path, root)
@@ -118,6 +127,7 @@ def bench_flow(
         "steps": steps,
         "static": static,
         "compiled": compiled,
+        "keys": keys,
         "rows": rows,
         "serving": {"context": longest, "cache_budget_bytes": budget, "rows": serving},
         "kernel": kernel_rows,

@@ -36,15 +36,21 @@ def device_identity(device: str) -> str:
 
 
 @task(name="bench_convert", cache_key_fn=TASK_KEY, **CACHED)
-def bench_convert(model: ArtifactRef, ratio: float, bits: int | None, dtype: str, store: str) -> ArtifactRef:
+def bench_convert(
+    model: ArtifactRef, ratio: float, bits: int | None, dtype: str, store: str, key_latents: str = "rebuilt"
+) -> ArtifactRef:
     """A data-free compressed version of ``model`` (plain SVD, uniform ranks) at ``ratio``, with dense latents
-    or ``bits``-bit rotated latents: decode speed depends on the ranks and the storage, not on the plan."""
+    or ``bits``-bit rotated latents, of keys before RoPE (``key_latents="rebuilt"``) or after it
+    (``"rotated"``): decode speed depends on the ranks, the storage and the keys' form, not on the plan."""
     label = f"r{ratio}" + (f"-{bits}bit" if bits else "")
+    label += "-rotated-keys" if key_latents == "rotated" else ""
     with model_pass(), step(f"convert {label} (data-free)"):
         source = _local(model)
         return _stored(
             store, "model", "bench-models", "",
-            lambda out: pipeline.convert_data_free_dir(source, out, ratio=ratio, bits=bits, dtype=dtype),
+            lambda out: pipeline.convert_data_free_dir(
+                source, out, ratio=ratio, bits=bits, dtype=dtype, key_latents=key_latents
+            ),
         )  # fmt: skip
 
 

@@ -31,6 +31,13 @@ def bench(
     bits: Annotated[
         Optional[str], typer.Option(help="also each ratio with B-bit rotated latents, comma list (2,3,4,8)")
     ] = None,
+    keys: Annotated[
+        str,
+        typer.Option(
+            help="the forms of the cached keys the data-free versions take, comma list: rebuilt (latents of "
+            "the keys before RoPE, rebuilt at each step), rotated (latents of the keys after RoPE)"
+        ),
+    ] = "rebuilt",
     compressed: Annotated[
         Optional[list[str]], typer.Option(help="a compressed model directory to measure too (repeatable)")
     ] = None,
@@ -65,6 +72,7 @@ def bench(
     try:
         ratio_list, context_list = csv_list(ratios, float), csv_list(contexts, int)
         bit_list = csv_list(bits, int) or []
+        key_list = csv_list(keys, str)
     except ValueError as e:
         raise fail(f"invalid option: {e}", 2) from None
     bad_bits = any(b not in (2, 3, 4, 8) for b in bit_list)
@@ -72,6 +80,8 @@ def bench(
         raise fail("--ratios must be in (0, 1] and --bits among 2, 3, 4, 8", 2)
     if not context_list or min(context_list) < 1 or batch < 1 or steps < 1 or warmup < 0:
         raise fail("--contexts, --batch and --steps must be ≥ 1 and --warmup ≥ 0", 2)
+    if not key_list or not set(key_list) <= {"rebuilt", "rotated"} or len(set(key_list)) != len(key_list):
+        raise fail(f"--keys takes rebuilt and/or rotated, each once (got {keys!r})", 2)
     if compile_steps and not static:
         raise fail("--compile needs --static (a compiled step runs over a preallocated cache)", 2)
     if compile_steps and warmup < 1:
@@ -84,7 +94,7 @@ def bench(
         with supervise, rich_progress(), user_errors():
             result = bench_flow(
                 model, ratio_list, bit_list, compressed, context_list, batch, steps, warmup, dtype,
-                TrackingRecipe(experiment=experiment), store, static, compile_steps,
+                TrackingRecipe(experiment=experiment), store, static, compile_steps, key_list,
             )  # fmt: skip
     console.print(result["markdown"])
     if json_out:

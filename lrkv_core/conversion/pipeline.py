@@ -337,11 +337,21 @@ def build_file(
 
 
 def convert_data_free_dir(
-    model_dir: str, out_dir: str, *, ratio: float, bits: int | None = None, dtype: str = "float32"
+    model_dir: str,
+    out_dir: str,
+    *,
+    ratio: float,
+    bits: int | None = None,
+    dtype: str = "float32",
+    key_latents: str = "rebuilt",
 ) -> dict:
     """A data-free compressed version of a model (plain SVD of the weights, uniform ranks, the default group
     size), with dense latents or, with ``bits``, quantized latents rotated first (``rotation: auto``), saved
-    to ``out_dir``: what decode speed is measured on, since it depends on the ranks and the storage only."""
+    to ``out_dir``: what decode speed is measured on, since it depends on the ranks and the storage only.
+
+    With ``key_latents="rotated"`` it caches latents of the keys after RoPE
+    (:mod:`~lrkv_core.model.attention_rotated`), their RoPE-equivariant basis fitted to ``W_k`` and ``W_q``
+    alone (the layer input's Gram taken as the identity): the ranks and shapes a calibrated basis has."""
     from .convert import CompressionConfig, convert
 
     model, tokenizer = load_model(model_dir, dtype=dtype)
@@ -352,11 +362,16 @@ def convert_data_free_dir(
         allocator="uniform",
         cache=cache,
         rotation="auto" if bits else "none",
+        key_latents=key_latents,
     )
-    convert(model, None, config)
+    given = {}
+    if key_latents == "rotated":  # the basis reads the input's Gram: the identity, for want of data
+        shape = get_adapter(model.config).shape(model.config)
+        given["gram"] = [torch.eye(shape.d, dtype=torch.float64) for _ in range(shape.L)]
+    convert(model, None, config, statistics=given)
     card = model_card(LrkvFormat.of(model.config), model_dir)
     save_compressed(model, out_dir, tokenizer=tokenizer, card=card)
-    return {"ratio": ratio, "bits": bits}
+    return {"ratio": ratio, "bits": bits, "key_latents": key_latents}
 
 
 def evaluate_dir(

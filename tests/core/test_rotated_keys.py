@@ -95,6 +95,37 @@ def test_a_decode_through_the_cache_matches_the_full_forward_at_half_key_rank(tm
     assert torch.equal(greedy(loaded, prompt, mask), dynamic)
 
 
+def test_a_data_free_version_with_rotated_keys(tmp_path) -> None:
+    """What ``lrkv bench --keys rotated`` measures: with no calibration the basis is fitted to the weights
+    alone (the input's Gram the identity); at full rank the saved model is the original, at half width it
+    caches latents of rotated keys at the plan's ranks, and a 4-bit version holds packed codes."""
+    from transformers import AutoModelForCausalLM
+
+    from lrkv_core.conversion.pipeline import convert_data_free_dir
+    from tests.support.models import tiny_model_dir
+
+    source = tiny_model_dir(tmp_path, "llama", 2)
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    ids = ids_for(2, 20)
+    outs = {}
+    for ratio, bits in [(1.0, None), (0.5, None), (0.5, 4)]:
+        out = tmp_path / f"r{ratio}-{bits}"
+        record = convert_data_free_dir(str(source), str(out), ratio=ratio, bits=bits, key_latents="rotated")
+        assert record == {"ratio": ratio, "bits": bits, "key_latents": "rotated"}
+        outs[ratio, bits] = load_compressed(out)
+        assert outs[ratio, bits].config.lrkv["rope"] == "rotated-keys"
+        assert isinstance(get_adapter(model.config).attention(outs[ratio, bits], 1), RotatedKeyAttention)
+    with torch.no_grad():
+        assert max_diff(outs[1.0, None](ids).logits, model(ids).logits) <= 1e-4
+        half = outs[0.5, None]
+        assert 1e-3 < max_diff(half(ids).logits, model(ids).logits)
+        assert half.config.lrkv["ranks_k"] == half.config.lrkv["ranks_v"] == [[8], [8]]  # of 2 heads of 8
+        cache = output_cache(half(ids, use_cache=True))
+        assert cache_nbytes(cache) == 2 * (2 * 20 * 4 * (8 + 8))  # 2 layers of float32 latents, no positions
+        packed = output_cache(outs[0.5, 4](ids, use_cache=True))
+        assert cache_nbytes(packed) <= cache_nbytes(cache) / 4  # 4-bit codes and their scales
+
+
 @pytest.mark.parametrize(
     "arch", ["llama", "phi3", "phi3_partial"], ids=["llama", "phi3-fused-qkv", "phi3-partial-rope"]
 )

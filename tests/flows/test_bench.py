@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from lrkv_core.evaluation import serving
@@ -89,3 +90,25 @@ def test_batch_within_budget() -> None:
     assert serving.batch_within_budget(1000, 10.0, 10) == 10
     assert serving.batch_within_budget(999, 10.0, 10) == 9
     assert serving.batch_within_budget(5, 10.0, 10) == 1  # never below one row
+
+
+def test_bench_flow_measures_data_free_versions_with_rotated_keys(prefect_api, mlflow_server, tmp_path):
+    """``keys``: beside the rebuilt-keys version, one caching latents of the keys after RoPE, which holds no
+    positions and whose step rebuilds no key (fewer FLOPs for the same ranks)."""
+    model_dir = tiny_model_dir(tmp_path)
+    tracking = TrackingRecipe(mlflow_uri=mlflow_server, experiment="bench-test")
+    result = bench_flow(
+        str(model_dir), ratios=[0.5], keys=["rebuilt", "rotated"], contexts=[24], batch=2, steps=2, warmup=1,
+        tracking=tracking, store=str(tmp_path / "store"),
+    )  # fmt: skip
+    assert result["keys"] == ["rebuilt", "rotated"]
+    rows = {r["model"]: r for r in result["rows"]}
+    assert set(rows) == {"original", "lrkv r0.5", "lrkv r0.5 rotated keys"}
+    assert rows["lrkv r0.5 rotated keys"]["decode_ms"] > 0
+    assert rows["lrkv r0.5 rotated keys"]["kv_bytes_per_token"] < rows["lrkv r0.5"]["kv_bytes_per_token"]
+    kernel = {r["model"]: r for r in result["kernel"]}
+    assert kernel["lrkv r0.5 rotated keys"]["flops"] < kernel["lrkv r0.5"]["flops"]
+    assert kernel["lrkv r0.5 rotated keys"]["path"] == "torch unfused"
+    assert "| lrkv r0.5 rotated keys | 24 |" in result["markdown"]
+    with pytest.raises(ValueError, match="keys must be distinct among rebuilt, rotated"):
+        bench_flow(str(model_dir), keys=["after-rope"], tracking=tracking, store=str(tmp_path / "store"))

@@ -323,7 +323,8 @@ def test_convert_refuses_conflicting_or_broken_options_before_any_work(tmp_path,
 
 
 def test_bench_refuses_a_compiled_step_without_a_static_cache_or_a_warmup(tmp_path, monkeypatch):
-    """``--compile`` needs ``--static`` and an eager warmup step: exit 2 with the reason, before any work."""
+    """``--compile`` needs ``--static`` and an eager warmup step, ``--keys`` rebuilt and/or rotated once
+    each: exit 2 with the reason, before any work."""
     from typer.testing import CliRunner
 
     from lrkv_flows.cli import app
@@ -334,6 +335,8 @@ def test_bench_refuses_a_compiled_step_without_a_static_cache_or_a_warmup(tmp_pa
     for args, why in [
         (bench, "--compile needs --static"),
         ([*bench, "--static", "--warmup", "0"], "--compile needs --warmup ≥ 1"),
+        ([*bench[:3], "--keys", "rotated,post-rope"], "--keys takes rebuilt and/or rotated"),
+        ([*bench[:3], "--keys", "rotated,rotated"], "each once (got 'rotated,rotated')"),
     ]:
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2 and why in " ".join(res.output.split()), (args, res.output)
