@@ -223,7 +223,10 @@ def bench_markdown(model: str, result: dict) -> str:
 
 def _log(model: str, result: dict, tracking: TrackingRecipe) -> dict:
     """One MLflow run: the decode and serving tables, the headline ratios as metrics, the whole result."""
+    from prefect.runtime import flow_run
+
     tags = {"lrkv.kind": "bench", "lrkv.model": model, "lrkv.device": result["device"]}
+    tags["lrkv.prefect_flow_run"] = str(flow_run.id)
     run = open_run(tracking.mlflow_uri, tracking.experiment, f"bench-{Path(model).name}", tags)
     metrics = {}
     for r in result["rows"]:
@@ -238,7 +241,8 @@ def _log(model: str, result: dict, tracking: TrackingRecipe) -> dict:
         metrics[f"{r['model'].replace(' ', '_')}.kernel_fraction_of_copy.ctx{r['context']}"] = r[
             "fraction_of_copy"
         ]
-    params = {k: result[k] for k in ("device", "dtype", "contexts", "batch", "steps")} | {"model": model}
+    keys = ("device", "dtype", "contexts", "batch", "steps", "static", "compiled", "keys")
+    params = {k: result[k] for k in keys} | {"model": model}
     try:
         log_results(
             run,

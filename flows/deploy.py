@@ -5,6 +5,9 @@
 - ``lrkv-convert/convert``: the convert flow; its parameter is a whole recipe, pre-filled with the given
   one, so the UI's Run button (or ``prefect deployment run``) converts with it or an edited copy;
 - ``lrkv-evaluate/evaluate``: the evaluate flow;
+- ``lrkv-bench/bench``: the bench flow (:mod:`lrkv_flows.bench`: serving speed of the recipe's model and its
+  data-free compressed versions, measured where the run's worker is), pre-filled with the recipe's model,
+  ratio, tracking and store;
 - ``lrkv-nightly/nightly``: :func:`nightly_flow` on a cron schedule (default 02:00 UTC), converting every
   model of its ``models`` parameter with the same recipe; given a search recipe instead,
   ``lrkv-nightly-search/nightly-search``: :func:`nightly_search_flow`, a search (:mod:`lrkv_flows.search`)
@@ -27,6 +30,7 @@ from lrkv_tasks.device import ENV as DEVICE_ENV
 from lrkv_tasks.recipes.convert_recipe import ConvertRecipe, EvalRecipe
 from lrkv_tasks.recipes.search_recipe import SearchRecipe
 
+from .bench import bench_flow
 from .cluster import ENV as DASK_ENV
 from .cluster import parse_dask
 from .convert import convert_flow
@@ -103,7 +107,7 @@ def deploy(
     device: str | None = None,
     search: SearchRecipe | None = None,
 ) -> dict[str, str]:
-    """Register the three deployments (see the module docstring); returns deployment name -> id.
+    """Register the four deployments (see the module docstring); returns deployment name -> id.
 
     ``search``: the nightly deployment searches each model with this recipe (its ``base.model`` replaced)
     instead of converting it with ``recipe``.
@@ -132,6 +136,17 @@ def deploy(
             "evaluate",
             parameters={"model": recipe.model, "eval": (eval_recipe or recipe.eval).model_dump(mode="json")},
             tags=["lrkv"],
+            **common,
+        ),
+        "lrkv-bench/bench": bench_flow.to_deployment(
+            "bench",
+            parameters={
+                "model": recipe.model,
+                "ratios": [recipe.compression.ratio],
+                "tracking": recipe.tracking.model_dump(mode="json"),
+                "store": recipe.store,
+            },
+            tags=["lrkv", "bench"],
             **common,
         ),
     }

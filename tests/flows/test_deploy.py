@@ -47,7 +47,9 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
     # the runs' tasks on Dask, by configuration alone: each run starts a local cluster of one worker process
     models = [str(model_dir), "builtin:pydoc-llama"]
     ids = deploy(recipe, models, cron="30 1 * * *", pool=pool, dask="local:1", device="cpu")
-    assert set(ids) == {"lrkv-convert/convert", "lrkv-evaluate/evaluate", "lrkv-nightly/nightly"}
+    assert set(ids) == {
+        "lrkv-convert/convert", "lrkv-evaluate/evaluate", "lrkv-bench/bench", "lrkv-nightly/nightly"
+    }  # fmt: skip
 
     with get_client(sync_client=True) as client:
         nightly = client.read_deployment_by_name("lrkv-nightly/nightly")
@@ -58,9 +60,17 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
         assert convert.parameters["recipe"]["model"] == str(model_dir)
         env = {"LRKV_DASK": "local:1", "LRKV_DEVICE": "cpu"}  # the runs' tasks read both
         assert convert.job_variables == nightly.job_variables == {"env": env}
+        bench = client.read_deployment_by_name("lrkv-bench/bench")
+        assert bench.entrypoint == "lrkv_flows.bench.bench_flow" and bench.job_variables == {"env": env}
+        assert {k: bench.parameters[k] for k in ("model", "ratios", "store")} == {
+            "model": str(model_dir), "ratios": [0.5], "store": str(tmp_path / "store")
+        }  # fmt: skip
+        assert bench.parameters["tracking"]["experiment"] == "deploy-test"
 
     # what the UI's Run button does: create a flow run of the deployment through the API
     flow_run = run_deployment("lrkv-convert/convert", timeout=0)
+    small = {"contexts": [16], "batch": 2, "steps": 2, "warmup": 1}  # the Run button's form, edited
+    bench_run = run_deployment("lrkv-bench/bench", parameters=small, timeout=0)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "LRKV_HOME": str(tmp_path / "home")}
     worker = subprocess.Popen(
         [
@@ -84,8 +94,8 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
         deadline = time.monotonic() + 600
         with get_client(sync_client=True) as client:
             while True:
-                state = client.read_flow_run(flow_run.id).state
-                if state.is_final() or time.monotonic() > deadline:
+                state, bench_state = (client.read_flow_run(r.id).state for r in (flow_run, bench_run))
+                if (state.is_final() and bench_state.is_final()) or time.monotonic() > deadline:
                     break
                 time.sleep(1)
         worker.wait(timeout=120)
@@ -95,11 +105,17 @@ def test_deployments_with_a_nightly_schedule_and_a_run_completed_by_a_worker(pre
             worker.wait(timeout=30)
     log = (tmp_path / "worker.log").read_text()
     assert state.is_completed(), f"{state.name}: {state.message}\n{log[-3000:]}"
+    assert bench_state.is_completed(), f"{bench_state.name}: {bench_state.message}\n{log[-3000:]}"
     assert "Creating a new Dask cluster with `distributed.deploy.local.LocalCluster`" in log, log[-3000:]
     client = MlflowClient(mlflow_uri)
     runs = client.search_runs([client.get_experiment_by_name("deploy-test").experiment_id])
-    assert [r.info.status for r in runs] == ["FINISHED"]
-    assert runs[0].data.tags["lrkv.prefect_flow_run"] == str(flow_run.id)
+    assert sorted(r.data.tags["lrkv.kind"] for r in runs) == ["bench", "convert"]
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    converted = next(r for r in runs if r.data.tags["lrkv.kind"] == "convert")
+    assert converted.data.tags["lrkv.prefect_flow_run"] == str(flow_run.id)
+    measured = next(r for r in runs if r.data.tags["lrkv.kind"] == "bench")
+    assert measured.data.tags["lrkv.prefect_flow_run"] == str(bench_run.id)
+    assert measured.data.metrics["lrkv_r0.5.decode_ms.ctx16"] > 0
 
 
 def test_the_evaluate_flow_logs_a_run(prefect_api, tmp_path):

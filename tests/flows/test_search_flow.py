@@ -128,6 +128,7 @@ def test_a_nightly_deployment_searches_instead_of_converting(searched):
     assert set(ids) == {
         "lrkv-convert/convert",
         "lrkv-evaluate/evaluate",
+        "lrkv-bench/bench",
         "lrkv-nightly-search/nightly-search",
     }
     with get_client(sync_client=True) as client:
