@@ -207,16 +207,19 @@ def bench_markdown(model: str, result: dict) -> str:
     lines += [
         "",
         "One layer's decode attention alone, against the bytes it must move (cache + key up-projections + "
-        "queries and output) and a copy's bandwidth measured in the same task:",
+        "queries and output) and a copy's bandwidth, and its FLOPs against a matrix product's rate, both "
+        "measured in the same task:",
         "",
-        "| model | context | path | µs | KB moved | GB/s | of copy | copy GB/s | GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | context | path | µs | KB moved | GB/s | of copy | copy GB/s | GFLOP/s | of matmul | "
+        "matmul GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["kernel"]:
         lines.append(
             f"| {r['model']} | {r['context']} | {r['path']} | {r['time_ms'] * 1e3:.1f} | "
             f"{r['bytes'] / 1e3:.1f} | {r['achieved_gb_per_s']:.3g} | {r['fraction_of_copy']:.3g} | "
-            f"{r['copy_gb_per_s']:.3g} | {r['gflop_per_s']:.3g} |"
+            f"{r['copy_gb_per_s']:.3g} | {r['gflop_per_s']:.3g} | {r['fraction_of_matmul']:.3g} | "
+            f"{r['matmul_gflop_per_s']:.3g} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -238,9 +241,8 @@ def _log(model: str, result: dict, tracking: TrackingRecipe) -> dict:
             "tokens_per_s_over_original"
         ]
     for r in result["kernel"]:
-        metrics[f"{r['model'].replace(' ', '_')}.kernel_fraction_of_copy.ctx{r['context']}"] = r[
-            "fraction_of_copy"
-        ]
+        key = f"{r['model'].replace(' ', '_')}.kernel_fraction_of_%s.ctx{r['context']}"
+        metrics[key % "copy"], metrics[key % "matmul"] = r["fraction_of_copy"], r["fraction_of_matmul"]
     keys = ("device", "dtype", "contexts", "batch", "steps", "static", "compiled", "keys")
     params = {k: result[k] for k in keys} | {"model": model}
     try:

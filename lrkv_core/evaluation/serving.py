@@ -299,17 +299,34 @@ def copy_bandwidth(device: torch.device, nbytes: int, *, steps: int = 8, warmup:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
+@torch.no_grad()
+def matmul_flops(
+    device: torch.device, dtype: torch.dtype, n: int, *, steps: int = 8, warmup: int = 2
+) -> float:
+    """The device's achievable matrix-multiply rate in FLOP/s for ``dtype``: an ``n``×``n`` by ``n``×``n``
+    product (4096 on a GPU: tensor cores at full occupancy) timed as :func:`time_call` does, ``2·n³`` over
+    the median time. The compute roof a decode step's FLOPs are set against."""
+    if n < 1:
+        raise ValueError(f"the product needs n ≥ 1, got {n}")
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
+    ms = statistics.median(time_call(lambda: a @ b, device, steps=steps, warmup=warmup))
+    return 2 * n**3 / (ms * 1e-3)
+
+
 @dataclass(frozen=True)
 class KernelPoint:
-    """One layer's decode attention alone at one (context, batch), set against the copy bandwidth."""
+    """One layer's decode attention alone at one (context, batch), set against the copy bandwidth and the
+    matrix-multiply rate measured in the same task (its roofs)."""
 
     context: int
     batch: int
-    path: str  # what ran: "torch sdpa", "triton flash" or "torch unfused"
+    path: str  # what ran: "torch sdpa", "triton flash", "triton absorbed" or "torch unfused"
     time_ms: float  # median
     bytes: int
     flops: int
     copy_bytes_per_s: float
+    matmul_flop_per_s: float
 
     @property
     def bytes_per_s(self) -> float:
@@ -322,6 +339,8 @@ class KernelPoint:
             "copy_gb_per_s": self.copy_bytes_per_s / 1e9,
             "fraction_of_copy": self.bytes_per_s / self.copy_bytes_per_s,
             "gflop_per_s": self.flops / (self.time_ms * 1e-3) / 1e9,
+            "matmul_gflop_per_s": self.matmul_flop_per_s / 1e9,
+            "fraction_of_matmul": self.flops / (self.time_ms * 1e-3) / self.matmul_flop_per_s,
         }
 
 
@@ -332,6 +351,7 @@ def measure_attention(
     context: int,
     batch: int,
     copy_bytes_per_s: float,
+    matmul_flop_per_s: float,
     steps: int = 16,
     warmup: int = 2,
     seed: int = 0,
@@ -389,6 +409,7 @@ def measure_attention(
         bytes=cost.bytes,
         flops=cost.flops,
         copy_bytes_per_s=copy_bytes_per_s,
+        matmul_flop_per_s=matmul_flop_per_s,
     )
 
 
@@ -400,10 +421,12 @@ def measure_kernels(
     steps: int = 16,
     warmup: int = 2,
     copy_nbytes: int | None = None,
+    matmul_n: int | None = None,
     progress: Progress = None,
 ) -> list[KernelPoint]:
-    """The device's :func:`copy_bandwidth` (of ``copy_nbytes``, default 256 MiB on CUDA, 32 MiB elsewhere),
-    then :func:`measure_attention` at every context against it. A compressed model without RoPE gives no
+    """The device's :func:`copy_bandwidth` (of ``copy_nbytes``, default 256 MiB on CUDA, 32 MiB elsewhere)
+    and :func:`matmul_flops` in the model's dtype (``matmul_n``, default 4096 on CUDA, 512 elsewhere), then
+    :func:`measure_attention` at every context against them. A compressed model without RoPE gives no
     rows: its latent attention has no decode path of its own (``B_k`` is folded into ``q_proj``)."""
     latents = [m for m in model.modules() if isinstance(m, LatentAttentionBase)]
     if latents and not any(isinstance(m, DECODING_ATTENTIONS) for m in latents):
@@ -411,12 +434,14 @@ def measure_kernels(
     device = next(model.parameters()).device
     nbytes = copy_nbytes or (256 << 20 if device.type == "cuda" else 32 << 20)
     copy = copy_bandwidth(device, nbytes, steps=steps, warmup=warmup)
+    dtype = next(model.parameters()).dtype
+    n = matmul_n or (4096 if device.type == "cuda" else 512)
+    peak = matmul_flops(device, dtype, n, steps=steps, warmup=warmup)
     out = []
     for i, context in enumerate(contexts):
+        roofs = {"copy_bytes_per_s": copy, "matmul_flop_per_s": peak}
         out.append(
-            measure_attention(
-                model, context=context, batch=batch, copy_bytes_per_s=copy, steps=steps, warmup=warmup
-            )
+            measure_attention(model, context=context, batch=batch, steps=steps, warmup=warmup, **roofs)
         )
         if progress is not None:
             progress(i + 1, len(contexts))

@@ -58,6 +58,16 @@ def test_copy_bandwidth_is_measured() -> None:
         serving.copy_bandwidth(torch.device("cpu"), 4)
 
 
+ROOFS = dict(context=12, batch=2, copy_bytes_per_s=1e9, matmul_flop_per_s=1e9, steps=2, warmup=1)
+
+
+def test_matmul_rate_is_measured() -> None:
+    rate = serving.matmul_flops(torch.device("cpu"), torch.float32, 64, steps=2, warmup=1)
+    assert math.isfinite(rate) and rate > 0
+    with pytest.raises(ValueError, match="n ≥ 1"):
+        serving.matmul_flops(torch.device("cpu"), torch.float32, 0)
+
+
 def test_time_call_times_every_step() -> None:
     calls = []
     times = serving.time_call(lambda: calls.append(1), torch.device("cpu"), steps=3, warmup=2)
@@ -74,10 +84,10 @@ def test_attention_alone_counts_the_caches_it_reads(compress) -> None:
     original, comp = tiny_model(), tiny_compressed(compress)
     cfg = original.config
     D = cfg.hidden_size // cfg.num_attention_heads
-    dense = serving.measure_attention(original, context=12, batch=2, copy_bytes_per_s=1e9, steps=2, warmup=1)
+    dense = serving.measure_attention(original, **ROOFS)
     expected = serving.dense_attention_cost(2, 12, cfg.num_attention_heads, cfg.num_key_value_heads, D, 4)
     assert dense.path == "torch sdpa" and (dense.bytes, dense.flops) == (expected.bytes, expected.flops)
-    latent = serving.measure_attention(comp, context=12, batch=2, copy_bytes_per_s=1e9, steps=2, warmup=1)
+    latent = serving.measure_attention(comp, **ROOFS)
     layer = next(m for m in comp.modules() if isinstance(m, LatentAttention))
     cache = 2 * 12 * (sum(layer.layout.ranks_k) + sum(layer.layout.ranks_v)) * 4 + 2 * 12 * 4  # + positions
     weights = sum(p.numel() * 4 for up in layer.k_up for p in up.parameters())
@@ -87,6 +97,7 @@ def test_attention_alone_counts_the_caches_it_reads(compress) -> None:
     for point in (dense, latent):
         row = point.to_dict()
         assert row["time_ms"] > 0 and row["fraction_of_copy"] == row["achieved_gb_per_s"] / 1.0
+        assert math.isclose(row["fraction_of_matmul"], row["gflop_per_s"] / 1.0)
 
 
 def test_a_compressed_model_without_rope_gives_no_kernel_rows(compress) -> None:
@@ -95,7 +106,7 @@ def test_a_compressed_model_without_rope_gives_no_kernel_rows(compress) -> None:
     from tests.support.latents import tiny_compressed
     from tests.support.models import tiny_model
 
-    kw = dict(batch=2, steps=1, warmup=0, copy_nbytes=1 << 16)
+    kw = dict(batch=2, steps=1, warmup=0, copy_nbytes=1 << 16, matmul_n=16)
     assert serving.measure_kernels(tiny_compressed(compress, "opt"), [8], **kw) == []
     assert [p.path for p in serving.measure_kernels(tiny_model("opt", 4), [8], **kw)] == ["torch sdpa"]
 
@@ -146,11 +157,12 @@ def test_attention_alone_over_latents_of_rotated_keys_counts_no_rebuilt_keys(com
     comp = plan_conversion(model, rows, config).apply(model)
     layer = next(m for m in comp.modules() if isinstance(m, RotatedKeyAttention))
     cfg, (r_k,), (r_v,) = comp.config, layer.layout.ranks_k, layer.layout.ranks_v
-    point = serving.measure_attention(comp, context=12, batch=2, copy_bytes_per_s=1e9, steps=2, warmup=1)
+    point = serving.measure_attention(comp, **ROOFS)
     H, D = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
     cache = 2 * 12 * (r_k + r_v) * 4  # latents only: no positions
     io = 2 * (H * D + H * r_v) * 4
     up = layer.layout.group_size * D * r_k * 4  # B_k, which the queries absorb
     assert point.path == "torch unfused" and point.bytes == cache + up + io
     assert point.flops == 2 * (2 * H * D * r_k + 2 * H * 12 * r_k + 2 * H * 12 * r_v)
-    assert len(serving.measure_kernels(comp, [12], 2, steps=1, warmup=0, copy_nbytes=1 << 20)) == 1
+    kw = dict(steps=1, warmup=0, copy_nbytes=1 << 20, matmul_n=16)
+    assert len(serving.measure_kernels(comp, [12], 2, **kw)) == 1

@@ -53,6 +53,8 @@ def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_ser
     for r in kernel.values():
         assert r["time_ms"] > 0 and r["copy_gb_per_s"] > 0 and r["gflop_per_s"] > 0
         assert math.isclose(r["fraction_of_copy"], r["achieved_gb_per_s"] / r["copy_gb_per_s"])
+        assert r["matmul_gflop_per_s"] > 0
+        assert math.isclose(r["fraction_of_matmul"], r["gflop_per_s"] / r["matmul_gflop_per_s"])
     assert len({r["time_ms"] for r in kernel.values()}) > 1
     assert (
         kernel["lrkv r0.5 4-bit", 48]["bytes"]
@@ -70,6 +72,7 @@ def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_ser
     assert "| lrkv r0.5 4-bit | 48 |" in first["markdown"]
     assert "| lrkv r0.5 4-bit | 48 | torch unfused |" in first["markdown"]
     assert "lrkv_r0.5.kernel_fraction_of_copy.ctx48" in run.data.metrics
+    assert "lrkv_r0.5.kernel_fraction_of_matmul.ctx48" in run.data.metrics
 
     second = bench_flow(str(model_dir), **kwargs)  # the same machine: every measurement from the store
     assert {row["state"] for row in second["timings"]} == {"Cached"}, second["timings"]
