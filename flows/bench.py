@@ -7,10 +7,11 @@ device (``LRKV_DEVICE``): decode-step latency at every context (one batch size),
 bytes the cache holds and peak memory (:mod:`lrkv_core.evaluation.serving`); then the serving trade: within
 the memory the original's cache takes at the batch and the longest context, each compressed model runs the
 largest batch that fits, and its tokens/s are set against the original's; and one layer's decode attention
-alone at every context against its roofline (bytes and FLOPs of the step, a copy's bandwidth measured in the
-same task: :func:`~lrkv_core.evaluation.serving.measure_kernels`). Results are logged to MLflow (tables,
-metrics, the JSON) and attached to the flow run as a markdown artifact; every measurement is a cached task
-whose key names the device, so a re-run on the same machine is served from the store.
+alone at every context against its roofline (bytes and FLOPs of the step, a copy's bandwidth and a matrix
+product's rate measured in the same task: :func:`~lrkv_core.evaluation.serving.measure_kernels`). Results are
+logged to MLflow (tables, metrics, the JSON) and attached to the flow run as a markdown artifact; every
+measurement is a cached task whose key names the device, so a re-run on the same machine is served from the
+store.
 """
 
 from __future__ import annotations
