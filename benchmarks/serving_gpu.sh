@@ -9,7 +9,7 @@
 # test and anchor extras, and the packages the target already has (HAVE: a file of names, one per line; by
 # default the list below, a GPU image's). It unpacks them into one folder, drops what `lrkv bench` never
 # reads (MLflow's web UI, botocore's models of services other than S3 and STS) and packs it as
-# .bundle/site.tar.xz (about 40 MB).
+# .bundle/site.tar.xz (about 45 MB).
 #
 # run unpacks the bundle to /tmp/lrkv-site, saves a Llama of SmolLM2-135M's shape with random weights
 # (benchmarks/random_model.py) and runs `lrkv bench` on the GPU over static caches with compiled decode

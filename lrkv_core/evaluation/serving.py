@@ -327,6 +327,7 @@ class KernelPoint:
     flops: int
     copy_bytes_per_s: float
     matmul_flop_per_s: float
+    taken: bool = True  # the path the model's decode step takes here (False: the torch path beside a kernel)
 
     @property
     def bytes_per_s(self) -> float:
@@ -355,12 +356,14 @@ def measure_attention(
     steps: int = 16,
     warmup: int = 2,
     seed: int = 0,
-) -> KernelPoint:
+) -> list[KernelPoint]:
     """The first layer's decode attention alone, after a prefill of ``batch`` × ``context`` random tokens:
     torch SDPA over the original's dense K/V cache, or a compressed model's latent path as its decode step
     takes it on this device (``attend_latents`` of :class:`~lrkv_core.model.attention.LatentAttention`, or
     of ``RotatedKeyAttention`` for latents of rotated keys: the flash or the absorbed kernel on CUDA, else
-    the unfused torch path), with random queries; the median of ``steps`` calls."""
+    the unfused torch path), with random queries; the median of ``steps`` calls. Where the step takes a
+    kernel, the unfused torch path over the same cache is timed too (a second point, ``taken=False``): what
+    the kernel is worth on this device."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(model.config.vocab_size, (batch, context), generator=gen).to(device)
@@ -378,7 +381,7 @@ def measure_attention(
         heads = model.config.num_attention_heads
         q = torch.randn(batch, heads, 1, k.shape[-1], generator=gen).to(device, k.dtype)
         cost = dense_attention_cost(batch, k.shape[2], heads, k.shape[1], k.shape[-1], k.element_size())
-        path = "torch sdpa"
+        paths = {"torch sdpa": None}
 
         def step() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -394,23 +397,36 @@ def measure_attention(
             batch, view.keys[0].shape[1], H, D, layout.group_size, layout.ranks_k, layout.ranks_v,
             view_nbytes(view), sum(p.numel() * p.element_size() for p in ups), itemsize, rotated,
         )  # fmt: skip
-        fused = "triton absorbed" if rotated else "triton flash"
-        path = fused if latent.decodes_fused(q) else "torch unfused"
+        kernel = "triton absorbed" if rotated else "triton flash"
+        paths = {kernel: None, "torch unfused": False} if latent.decodes_fused(q) else {"torch unfused": None}
 
         def step() -> torch.Tensor:  # a fresh view per step, as the model's decode step reads the store
             return latent.attend_latents(q, store.view(), None)
 
-    times = time_call(step, device, steps=steps, warmup=warmup)
-    return KernelPoint(
-        context=context,
-        batch=batch,
-        path=path,
-        time_ms=statistics.median(times),
-        bytes=cost.bytes,
-        flops=cost.flops,
-        copy_bytes_per_s=copy_bytes_per_s,
-        matmul_flop_per_s=matmul_flop_per_s,
-    )
+    points = []
+    for taken, (path, fused) in enumerate(paths.items()):
+        chosen = latent.fused_decode if latent is not None else None
+        if fused is not None:
+            latent.fused_decode = fused
+        try:
+            times = time_call(step, device, steps=steps, warmup=warmup)
+        finally:
+            if latent is not None:
+                latent.fused_decode = chosen
+        points.append(
+            KernelPoint(
+                context=context,
+                batch=batch,
+                path=path,
+                time_ms=statistics.median(times),
+                bytes=cost.bytes,
+                flops=cost.flops,
+                copy_bytes_per_s=copy_bytes_per_s,
+                matmul_flop_per_s=matmul_flop_per_s,
+                taken=taken == 0,
+            )  # fmt: skip
+        )
+    return points
 
 
 def measure_kernels(
@@ -440,9 +456,7 @@ def measure_kernels(
     out = []
     for i, context in enumerate(contexts):
         roofs = {"copy_bytes_per_s": copy, "matmul_flop_per_s": peak}
-        out.append(
-            measure_attention(model, context=context, batch=batch, steps=steps, warmup=warmup, **roofs)
-        )
+        out += measure_attention(model, context=context, batch=batch, steps=steps, warmup=warmup, **roofs)
         if progress is not None:
             progress(i + 1, len(contexts))
     return out

@@ -84,10 +84,10 @@ def test_attention_alone_counts_the_caches_it_reads(compress) -> None:
     original, comp = tiny_model(), tiny_compressed(compress)
     cfg = original.config
     D = cfg.hidden_size // cfg.num_attention_heads
-    dense = serving.measure_attention(original, **ROOFS)
+    [dense] = serving.measure_attention(original, **ROOFS)
     expected = serving.dense_attention_cost(2, 12, cfg.num_attention_heads, cfg.num_key_value_heads, D, 4)
     assert dense.path == "torch sdpa" and (dense.bytes, dense.flops) == (expected.bytes, expected.flops)
-    latent = serving.measure_attention(comp, **ROOFS)
+    [latent] = serving.measure_attention(comp, **ROOFS)  # the kernel is not taken on the CPU
     layer = next(m for m in comp.modules() if isinstance(m, LatentAttention))
     cache = 2 * 12 * (sum(layer.layout.ranks_k) + sum(layer.layout.ranks_v)) * 4 + 2 * 12 * 4  # + positions
     weights = sum(p.numel() * 4 for up in layer.k_up for p in up.parameters())
@@ -97,7 +97,28 @@ def test_attention_alone_counts_the_caches_it_reads(compress) -> None:
     for point in (dense, latent):
         row = point.to_dict()
         assert row["time_ms"] > 0 and row["fraction_of_copy"] == row["achieved_gb_per_s"] / 1.0
-        assert math.isclose(row["fraction_of_matmul"], row["gflop_per_s"] / 1.0)
+        assert math.isclose(row["fraction_of_matmul"], row["gflop_per_s"] / 1.0) and row["taken"]
+
+
+@pytest.mark.parametrize("key_latents", ["rebuilt", "rotated"])
+def test_where_the_step_takes_a_kernel_the_torch_path_is_timed_beside_it(key_latents) -> None:
+    """With the kernel on (here in Triton's interpreter), the kernel's point is the one taken, and the
+    unfused torch path over the same cache and with the same floor is timed beside it; the module's choice
+    is left as it was."""
+    from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
+    from lrkv_core.model.attention import set_fused_decode
+    from tests.support.models import tiny_model
+
+    rows = torch.randint(3, 61, (4, 16), generator=torch.Generator().manual_seed(0))
+    options = dict(ratio=0.5, group_size=2, allocator="uniform", rank_multiple=2, key_latents=key_latents)
+    comp = plan_conversion(tiny_model(), rows, CompressionConfig(**options)).apply(tiny_model())
+    modules = set_fused_decode(comp, True)
+    kernel, torch_path = serving.measure_attention(comp, **ROOFS)
+    assert kernel.path == ("triton absorbed" if key_latents == "rotated" else "triton flash") and kernel.taken
+    assert torch_path.path == "torch unfused" and not torch_path.taken
+    assert (torch_path.bytes, torch_path.flops) == (kernel.bytes, kernel.flops)
+    assert kernel.time_ms > 0 and torch_path.time_ms > 0
+    assert all(m.fused_decode is True for m in modules)
 
 
 def test_a_compressed_model_without_rope_gives_no_kernel_rows(compress) -> None:
@@ -157,7 +178,7 @@ def test_attention_alone_over_latents_of_rotated_keys_counts_no_rebuilt_keys(com
     comp = plan_conversion(model, rows, config).apply(model)
     layer = next(m for m in comp.modules() if isinstance(m, RotatedKeyAttention))
     cfg, (r_k,), (r_v,) = comp.config, layer.layout.ranks_k, layer.layout.ranks_v
-    point = serving.measure_attention(comp, **ROOFS)
+    [point] = serving.measure_attention(comp, **ROOFS)
     H, D = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
     cache = 2 * 12 * (r_k + r_v) * 4  # latents only: no positions
     io = 2 * (H * D + H * r_v) * 4
