@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/serving_gpu.sh pack     # here, where pip reaches an index: writes .bundle/site.tar.xz
 #   bash benchmarks/serving_gpu.sh run      # there, from a copy of this checkout with .bundle beside it
+#   bash benchmarks/serving_gpu.sh test     # there: the kernel tests on the GPU (TESTS names them)
 #
 # pack downloads, for the target's Python (PY_VERSION, default 3.12) on x86-64 Linux, the wheels of the
 # packages this checkout's .venv holds at the versions it holds, except torch, Triton, CUDA's libraries, the
@@ -62,21 +63,32 @@ pack() {
   echo "pack: wrote $BUNDLE/site.tar.xz ($(du -h "$BUNDLE/site.tar.xz" | cut -f1))"
 }
 
-run() {
-  local out=${OUT:-bench-out} site=/tmp/lrkv-site pkgs=/tmp/lrkv-packages model=/tmp/${SHAPE:-smollm2}-random
-  mkdir -p "$out" "$site" "$pkgs"
-  tar -C "$site" -xJf "$BUNDLE/site.tar.xz"
+environment() {  # the bundle unpacked (once) and the checkout's packages on PYTHONPATH
+  local site=/tmp/lrkv-site pkgs=/tmp/lrkv-packages
+  mkdir -p "$OUT" "$site" "$pkgs"
+  [ -f "$site/.unpacked" ] || { tar -C "$site" -xJf "$BUNDLE/site.tar.xz" && touch "$site/.unpacked"; }
   # the checkout's folders under the names lrkv imports them by (pyproject's package-dir)
   ln -sfn "$PWD/lrkv_core" "$pkgs/lrkv_core"
   ln -sfn "$PWD/kernels" "$pkgs/lrkv_kernels"
   ln -sfn "$PWD/demo" "$pkgs/lrkv_demo"
   ln -sfn "$PWD/tasks" "$pkgs/lrkv_tasks"
   ln -sfn "$PWD/flows" "$pkgs/lrkv_flows"
-  export PYTHONPATH="$pkgs:$site" PYTHONUNBUFFERED=1 LRKV_HOME=${LRKV_HOME:-/tmp/lrkv-home}
-  local python=${PYTHON:-python3}
-  "$python" -c "import torch, transformers, triton, prefect, mlflow; print('torch', torch.__version__, \
+  export PYTHONPATH="$pkgs:$site:." PYTHONUNBUFFERED=1 LRKV_HOME=${LRKV_HOME:-/tmp/lrkv-home}
+  "$PYTHON" -c "import torch, transformers, triton, prefect, mlflow; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'triton', triton.__version__, 'device', \
-torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" | tee "$out/versions.txt"
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" | tee "$OUT/versions.txt"
+}
+
+kernel_tests() {
+  environment
+  set -o pipefail
+  "$PYTHON" -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels/test_flash_absorbed.py \
+    tests/kernels/test_flash_decode_packed.py tests/core/test_cuda.py} 2>&1 | tee "$OUT/pytest.log"
+}
+
+run() {
+  local model=/tmp/${SHAPE:-smollm2}-random python=$PYTHON out=$OUT
+  environment
   [ -d "$model" ] || "$python" benchmarks/random_model.py --shape "${SHAPE:-smollm2}" --out "$model"
   local contexts=${CONTEXTS:-65536} keys=${KEYS:-rebuilt,rotated} ratios=${RATIOS:-0.5} bits=${BITS-3}
   local name="bench-${contexts//,/_}-${keys//,/_}"
@@ -87,8 +99,11 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" | tee "$o
     2>&1 | tee "$out/$name.log"
 }
 
+OUT=${OUT:-bench-out}
+PYTHON=${PYTHON:-python3}
 case ${1:-} in
   pack) pack ;;
   run) run ;;
-  *) echo "usage: bash benchmarks/serving_gpu.sh pack|run" >&2; exit 2 ;;
+  test) kernel_tests ;;
+  *) echo "usage: bash benchmarks/serving_gpu.sh pack|run|test" >&2; exit 2 ;;
 esac
