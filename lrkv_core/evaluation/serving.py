@@ -18,9 +18,10 @@ timing; the first warmup step runs eagerly, the others absorb the compilation an
 
 The decode attention alone (:func:`measure_kernels`): one layer's attention timed apart from the rest of the
 step, what it runs on the device (SDPA over the original's dense K/V; a compressed model's latent path, the
-flash kernel on CUDA), with the bytes and FLOPs the step must move and compute
-(:func:`dense_attention_cost`, :func:`latent_attention_cost`) and the device's copy bandwidth measured in the
-same call (:func:`copy_bandwidth`), so the time reads against its roofline.
+flash kernel on CUDA, and beside it the torch path over the same cache), with the bytes and FLOPs the step
+must move and compute (:func:`dense_attention_cost`, :func:`latent_attention_cost`) and the device's copy
+bandwidth and matrix-multiply rate measured in the same call (:func:`copy_bandwidth`,
+:func:`matmul_flops`), so the time reads against its roofline.
 """
 
 from __future__ import annotations
@@ -404,7 +405,7 @@ def measure_attention(
             return latent.attend_latents(q, store.view(), None)
 
     points = []
-    for taken, (path, fused) in enumerate(paths.items()):
+    for i, (path, fused) in enumerate(paths.items()):
         chosen = latent.fused_decode if latent is not None else None
         if fused is not None:
             latent.fused_decode = fused
@@ -423,7 +424,7 @@ def measure_attention(
                 flops=cost.flops,
                 copy_bytes_per_s=copy_bytes_per_s,
                 matmul_flop_per_s=matmul_flop_per_s,
-                taken=taken == 0,
+                taken=i == 0,
             )  # fmt: skip
         )
     return points
