@@ -110,14 +110,15 @@ def deploy(
         ),
     ] = None,
 ) -> None:
-    """Register the convert, evaluate and nightly deployments on the Prefect server (the one `lrkv up`
+    """Register the convert, evaluate, bench and nightly deployments on the Prefect server (the one `lrkv up`
     started, or $PREFECT_API_URL)."""
     from lrkv_tasks.recipes.convert_recipe import load_recipe, read_yaml
     from lrkv_tasks.recipes.search_recipe import SearchRecipe
 
     from ..apiserver import running_services
 
-    if not os.environ.get("PREFECT_API_URL"):
+    api_from_env = bool(os.environ.get("PREFECT_API_URL"))
+    if not api_from_env:
         services = running_services()
         if not services:
             raise fail("no Prefect server: run `lrkv up` or set PREFECT_API_URL")
@@ -140,7 +141,13 @@ def deploy(
         console.print(f"their tasks run on Dask ({dask})")
     if device:
         console.print(f"their models compute on {device}")
-    console.print("run one now: prefect deployment run lrkv-convert/convert (or the UI's Run button)")
+    # Prefect's own CLI finds `lrkv up`'s server only through the variable
+    api = "" if api_from_env else f"PREFECT_API_URL={os.environ['PREFECT_API_URL']} "
+    console.print(
+        f"run one now: {api}prefect deployment run lrkv-convert/convert (or lrkv-bench/bench; or the UI's "
+        "Run button)",
+        soft_wrap=True,
+    )
 
 
 def up() -> None:

@@ -82,6 +82,19 @@ def test_up_serves_the_cli_runs_inspects_and_down_stops_everything(tmp_path):
         compared, _ = _lrkv(["runs", "compare", run_full, run_half], env)
         assert "achieved_ratio" in compared and "recipe.compression.ratio" in compared
         assert "-0.5000" in compared  # achieved ratio b − a
+
+        # deployments on lrkv up's server, and the command it prints next finds them with Prefect's own CLI
+        deployed, _ = _lrkv(["deploy"], env)
+        assert "deployment lrkv-bench/bench" in deployed
+        hint = deployed.split("run one now: ")[1].split(" (or")[0]
+        api = services["prefect_api"]
+        assert hint == f"PREFECT_API_URL={api} prefect deployment run lrkv-convert/convert"
+        variable, value = hint.split()[0].split("=", 1)
+        inspect = [sys.executable, "-m", "prefect", "deployment", "inspect", "lrkv-bench/bench"]
+        found = subprocess.run(
+            inspect, env=env | {variable: value}, capture_output=True, text=True, timeout=120
+        )
+        assert found.returncode == 0 and "'name': 'bench'" in found.stdout, found.stdout[-2000:]
     finally:
         _lrkv(["down"], env)
     _, alive = psutil.wait_procs(pids, timeout=30)
