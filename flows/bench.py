@@ -246,8 +246,8 @@ def _log(model: str, result: dict, tracking: TrackingRecipe) -> dict:
     for r in (r for r in result["kernel"] if r["taken"]):  # the path each model's decode step takes
         key = f"{r['model'].replace(' ', '_')}.kernel_fraction_of_%s.ctx{r['context']}"
         metrics[key % "copy"], metrics[key % "matmul"] = r["fraction_of_copy"], r["fraction_of_matmul"]
-    keys = ("device", "dtype", "contexts", "batch", "steps", "static", "compiled", "keys")
-    params = {k: result[k] for k in keys} | {"model": model}
+    names = ("device", "dtype", "contexts", "batch", "steps", "static", "compiled", "keys")
+    params = {k: result[k] for k in names} | {"model": model}
     try:
         log_results(
             run,

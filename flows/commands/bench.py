@@ -67,6 +67,7 @@ def bench(
     """Measure serving speed (decode-step latency by context, prefill throughput, KV bytes, peak memory, and
     tokens/s at the original's cache budget) of a model and its compressed versions, as cached Prefect
     tasks logged to MLflow."""
+    from lrkv_core.decompositions import KEY_LATENTS
     from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
 
     try:
@@ -80,7 +81,7 @@ def bench(
         raise fail("--ratios must be in (0, 1] and --bits among 2, 3, 4, 8", 2)
     if not context_list or min(context_list) < 1 or batch < 1 or steps < 1 or warmup < 0:
         raise fail("--contexts, --batch and --steps must be ≥ 1 and --warmup ≥ 0", 2)
-    if not key_list or not set(key_list) <= {"rebuilt", "rotated"} or len(set(key_list)) != len(key_list):
+    if not key_list or not set(key_list) <= set(KEY_LATENTS) or len(set(key_list)) != len(key_list):
         raise fail(f"--keys takes rebuilt and/or rotated, each once (got {keys!r})", 2)
     if compile_steps and not static:
         raise fail("--compile needs --static (a compiled step runs over a preallocated cache)", 2)

@@ -382,7 +382,7 @@ def measure_attention(
         heads = model.config.num_attention_heads
         q = torch.randn(batch, heads, 1, k.shape[-1], generator=gen).to(device, k.dtype)
         cost = dense_attention_cost(batch, k.shape[2], heads, k.shape[1], k.shape[-1], k.element_size())
-        paths = {"torch sdpa": None}
+        path = "torch sdpa"
 
         def step() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -398,35 +398,27 @@ def measure_attention(
             batch, view.keys[0].shape[1], H, D, layout.group_size, layout.ranks_k, layout.ranks_v,
             view_nbytes(view), sum(p.numel() * p.element_size() for p in ups), itemsize, rotated,
         )  # fmt: skip
-        kernel = "triton absorbed" if rotated else "triton flash"
-        paths = {kernel: None, "torch unfused": False} if latent.decodes_fused(q) else {"torch unfused": None}
+        fused = latent.decodes_fused(q)
+        path = ("triton absorbed" if rotated else "triton flash") if fused else "torch unfused"
 
         def step() -> torch.Tensor:  # a fresh view per step, as the model's decode step reads the store
             return latent.attend_latents(q, store.view(), None)
 
-    points = []
-    for i, (path, fused) in enumerate(paths.items()):
-        chosen = latent.fused_decode if latent is not None else None
-        if fused is not None:
-            latent.fused_decode = fused
+    def point(path: str, taken: bool) -> KernelPoint:
+        times = time_call(step, device, steps=steps, warmup=warmup)
+        return KernelPoint(
+            context=context, batch=batch, path=path, time_ms=statistics.median(times), bytes=cost.bytes,
+            flops=cost.flops, copy_bytes_per_s=copy_bytes_per_s, matmul_flop_per_s=matmul_flop_per_s,
+            taken=taken,
+        )  # fmt: skip
+
+    points = [point(path, True)]
+    if latent is not None and fused:  # the torch path over the same cache, beside the kernel
+        chosen, latent.fused_decode = latent.fused_decode, False
         try:
-            times = time_call(step, device, steps=steps, warmup=warmup)
+            points.append(point("torch unfused", False))
         finally:
-            if latent is not None:
-                latent.fused_decode = chosen
-        points.append(
-            KernelPoint(
-                context=context,
-                batch=batch,
-                path=path,
-                time_ms=statistics.median(times),
-                bytes=cost.bytes,
-                flops=cost.flops,
-                copy_bytes_per_s=copy_bytes_per_s,
-                matmul_flop_per_s=matmul_flop_per_s,
-                taken=i == 0,
-            )  # fmt: skip
-        )
+            latent.fused_decode = chosen
     return points
 
 
