@@ -47,8 +47,15 @@ def target_modules(model: nn.Module, roles: Sequence[str]) -> dict[str, nn.Linea
     return out
 
 
-def check_targets(model_type_rope: bool, roles: Sequence[str]) -> None:
-    """Fail before any work when a role cannot exist: ``k_up`` needs a model whose keys are rebuilt (RoPE)."""
+def check_targets(model_type_rope: bool, roles: Sequence[str], key_latents: str = "rebuilt") -> None:
+    """Fail before any work when a role cannot exist: ``k_up`` needs a model whose keys are rebuilt (RoPE,
+    not latents of rotated keys)."""
+    if "k_up" in roles and key_latents == "rotated":
+        raise ValueError(
+            "LoRA target 'k_up' cannot adapt latents of rotated keys: the queries absorb it after RoPE, "
+            "where a change would make the scores depend on absolute positions (k_down adapts the keys "
+            "before RoPE)"
+        )
     if "k_up" in roles and not model_type_rope:
         raise ValueError(
             "LoRA target 'k_up' needs a RoPE model: without RoPE the key up-projection is folded into q_proj "

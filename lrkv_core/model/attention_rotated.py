@@ -18,6 +18,7 @@ latent key head (multi-query attention within the group), as for models without 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -59,8 +60,10 @@ class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
 
     A decode step (one query token) on CUDA goes through the absorbed flash-decoding kernel
     (:func:`~lrkv_kernels.latent_rope.absorbed_decode_attention`: the whole layer in one launch, a quantized
-    cache's packed codes read in the kernel; ``fused_decode`` chooses: :class:`FusedDecode`). Everything else
-    calls the model's attention interface.
+    cache's packed codes read in the kernel; ``fused_decode`` chooses: :class:`FusedDecode`). Elsewhere a
+    decode step under SDPA calls torch's attention once per group with the group's query heads as the query
+    rows of its one latent head (:meth:`decodes_packed`: no copy of the latents per query head, compiled or
+    not); everything else calls the model's attention interface.
     """
 
     k_norm = None  # no QK-norm (refused): the kernel layout's keys are not normed
@@ -96,6 +99,13 @@ class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
         view = self.cached_latents(h_k, h_v, None, past_key_values, cache)  # per group (B, S, r_g)
         return self.o_proj(self.attend_latents(q, view, attention_mask, **kwargs)), None  # (B, T, d)
 
+    def projections(self) -> dict[str, list[nn.Linear]]:
+        """The projections LoRA recovery may adapt, by role: the keys' role ``k_down`` is ``k_proj``, the keys
+        before RoPE, where any change keeps the latents' map commuting with RoPE. An adapter on ``k_down``
+        (after RoPE) or ``k_up`` (absorbed by the queries after RoPE) would make the scores depend on the
+        tokens' absolute positions: it would hold only at the positions it was trained on."""
+        return super().projections() | {"k_down": [self.k_proj]}
+
     def attend_latents(
         self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None, **kwargs
     ) -> torch.Tensor:
@@ -110,11 +120,32 @@ class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
             q_lats.append(torch.einsum("bsntd,sdr->bsntr", q_g, b_g).flatten(1, 2))
         if self.decodes_fused(q):
             return self.fused_decode_attention(q_lats, view, attention_mask)
+        packed = self.decodes_packed(q, attention_mask)
         outs = []
         for q_lat, hk_g, hv_g in zip(q_lats, view.keys, view.values, strict=True):
             k_g, v_g = hk_g.unsqueeze(1), hv_g.unsqueeze(1)  # (B, 1, S, r_g)
-            outs.append(self.attend(q_lat, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_v)
+            if packed:  # the group's query heads as the query rows of its one latent head: (B, 1, nq, r_v)
+                out = F.scaled_dot_product_attention(
+                    q_lat.transpose(1, 2), k_g, v_g, attn_mask=attention_mask, scale=self.scaling
+                )
+                outs.append(out.flatten(2))
+            else:
+                outs.append(self.attend(q_lat, k_g, v_g, attention_mask, **kwargs))  # (B, T, s·n_rep·r_v)
         return torch.cat(outs, dim=-1)
+
+    def decodes_packed(self, q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+        """Whether this forward (queries q (B, H, T, D)) is a decode step torch's SDPA takes with each group's
+        query heads as query rows: one query token, not training, the model under SDPA with a mask shared by
+        the heads that carries any window. transformers' SDPA interface copies the latents once per query
+        head where it is compiled or the mask is set; this reads them once (the same attention)."""
+        shared = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))
+        return (
+            q.shape[2] == 1
+            and not self.training
+            and self.config._attn_implementation == "sdpa"
+            and set(self._interface_kwargs) <= {"sliding_window"}
+            and shared
+        )
 
     def fused_decode_attention(
         self, q_lats: list[torch.Tensor], view: LatentView, attention_mask: torch.Tensor | None

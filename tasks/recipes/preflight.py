@@ -127,7 +127,8 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
         check_writable(out)
     lora = recipe.lora
     if lora is not None:
-        lora = _prepare_lora(lora, dataset, eval_dataset, has_tokenizer, get_adapter(config).rope, notes)
+        rope = get_adapter(config).rope
+        lora = _prepare_lora(lora, dataset, eval_dataset, has_tokenizer, rope, resolved.key_latents, notes)
     concrete = recipe.model_copy(
         update={
             "calibration": calibration.model_copy(update={"dataset": dataset}),
@@ -192,11 +193,17 @@ def _absolute_paths(recipe: ConvertRecipe) -> ConvertRecipe:
 
 
 def _prepare_lora(
-    lora: LoraRecipe, calibration: str, evaluation: str | None, has_tokenizer: bool, rope: bool, notes: list
+    lora: LoraRecipe,
+    calibration: str,
+    evaluation: str | None,
+    has_tokenizer: bool,
+    rope: bool,
+    key_latents: str,
+    notes: list,
 ) -> LoraRecipe:
     """The LoRA section with its data resolved (training: the calibration data unless given; held-out rows:
     the evaluation data for ``heldout``) and checked, and its targets checked against the architecture."""
-    check_targets(rope, lora.targets)
+    check_targets(rope, lora.targets, key_latents)
     dataset = lora.dataset
     if dataset is None:
         dataset = calibration

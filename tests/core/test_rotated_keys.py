@@ -9,11 +9,13 @@ import dataclasses
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 from lrkv_core import load_compressed, save_compressed
 from lrkv_core.cache import LatentCache, StaticLatentCache, cache_kwargs, cache_nbytes, output_cache
 from lrkv_core.conversion.convert import CompressionConfig, build_params, plan_conversion
 from lrkv_core.conversion.refine import PlanWeights
+from lrkv_core.lora import RecoveryConfig, TrainingData, check_targets, merge_lora, target_modules, train_lora
 from lrkv_core.model.adapters import get_adapter
 from lrkv_core.model.attention_rotated import RotatedKeyAttention, check_rotated_keys
 from lrkv_core.model.fuse import attention_kind, compress_model
@@ -241,6 +243,45 @@ def test_the_step_graph_carries_the_option_only_when_asked() -> None:
 
 
 @pytest.mark.parametrize(
+    "arch, overrides",
+    [("llama", {}), ("mistral", {"sliding_window": SLIDING_WINDOW})],
+    ids=["llama", "mistral-sliding"],
+)
+def test_a_decode_step_under_sdpa_reads_each_groups_latents_once(monkeypatch, arch, overrides) -> None:
+    """Under SDPA a decode step attends with each group's query heads as the query rows of its one latent
+    head, not through transformers' interface (which copies the latents per query head when compiled): the
+    same tokens and scores as the interface under eager attention, over dynamic (left-padded) and static
+    caches, a sliding layer past its window, and a static step compiled whole."""
+    comp = rotated(tiny_model(arch, 2, **overrides), 2, 0.5)
+    assert comp.config._attn_implementation == "sdpa"
+    prompt, mask = left_padded((9, 4))
+    interface_calls = []
+    attend = RotatedKeyAttention.attend
+    monkeypatch.setattr(
+        RotatedKeyAttention, "attend", lambda *a, **k: interface_calls.append(1) or attend(*a, **k)
+    )
+    kwargs = dict(max_new_tokens=6, output_scores=True, return_dict_in_generate=True)
+    packed = greedy(comp, prompt, mask, **kwargs)
+    assert len(interface_calls) == 2  # the prompt's forward in each layer; no decode step
+    static = greedy(comp, prompt, mask, cache_implementation="static", **kwargs)
+
+    eager = copy.deepcopy(comp)
+    eager.set_attn_implementation("eager")
+    interface_calls.clear()
+    reference = greedy(eager, prompt, mask, **kwargs)
+    assert len(interface_calls) == 2 * 6
+    for got in (packed, static):
+        assert torch.equal(got.sequences, reference.sequences)
+        assert max_diff(torch.stack(got.scores), torch.stack(reference.scores)) <= 1e-4
+
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True  # generate()'s compilation of decode steps, allowed on the CPU
+    compiled = greedy(comp, prompt, mask, cache_implementation="static", compile_config=config, **kwargs)
+    assert torch.equal(compiled.sequences, reference.sequences)
+
+
+@pytest.mark.parametrize(
     "cache",
     [None, {"name": "quantized", "bits": 4}, {"name": "quantized", "bits": 3}],
     ids=["dense", "4bit", "3bit"],
@@ -270,3 +311,37 @@ def test_a_decode_step_through_the_absorbed_kernel_is_the_unfused_step(monkeypat
     assert len(calls) == 2 * 7  # every layer of every decode step after the prompt's
     assert torch.equal(fused.sequences, unfused.sequences)
     assert max_diff(torch.stack(fused.scores), torch.stack(unfused.scores)) <= 1e-4
+
+
+def _shifted(model, ids: torch.Tensor, offset: int) -> torch.Tensor:
+    """Logits of ``ids`` (B, T) at positions ``offset … offset + T − 1``."""
+    positions = (torch.arange(ids.shape[1]) + offset).expand(ids.shape[0], -1)
+    with torch.no_grad():
+        return model(ids, position_ids=positions).logits
+
+
+def test_lora_recovery_adapts_the_keys_before_rope_so_the_scores_stay_relative() -> None:
+    """With latents of rotated keys, LoRA's key role ``k_down`` adapts ``k_proj`` (keys before RoPE): the
+    trained and merged model gives the same logits whatever the offset of the positions, as the original
+    does. An adapter on the latents' map after RoPE would make the scores depend on absolute positions (it
+    would hold only at the positions it was trained on). ``k_up`` cannot be adapted."""
+    comp = rotated(tiny_model("llama", 2), 2, 0.5)
+    found = target_modules(comp, ("k_down",))
+    assert sorted(found) == [f"model.layers.{i}.self_attn.k_proj" for i in range(2)]
+    ids = ids_for(2, 12)
+    before = _shifted(comp, ids, 0)
+    assert max_diff(_shifted(comp, ids, 3000), before) <= 1e-4
+    ranks_k = comp.config.lrkv["ranks_k"]
+    rows = ids_for(24, 16, seed=3)
+    roles = ("k_down", "v_down", "q_proj", "o_proj")
+    config = RecoveryConfig(steps=4, r=4, alpha=8, lr=2e-2, batch_size=4, seq_len=16, targets=roles)
+    trained = train_lora(copy.deepcopy(comp), TrainingData(rows, rows.clone(), "random"), config)
+    merged = merge_lora(trained.model)
+    assert max_diff(_shifted(merged, ids, 0), before) > 1e-3  # training changed the model
+    assert max_diff(_shifted(merged, ids, 3000), _shifted(merged, ids, 0)) <= 1e-4
+    assert merged.config.lrkv["ranks_k"] == ranks_k
+
+    with pytest.raises(ValueError, match="'k_up' does not exist in RotatedKeyAttention"):
+        target_modules(comp, ("k_up",))
+    with pytest.raises(ValueError, match="latents of rotated keys"):
+        check_targets(True, ("k_down", "k_up"), key_latents="rotated")

@@ -70,6 +70,10 @@ def test_preflight_resolves_the_lora_data_and_checks_targets(tmp_path):
     with pytest.raises(ValueError, match="'k_up' needs a RoPE model"):
         prepare(load_recipe(None, {**base, "model": opt, "compression.group_size": 4,
                                    "lora": {"targets": ["k_up"]}}))  # fmt: skip
+    with pytest.raises(ValueError, match="'k_up' cannot adapt latents of rotated keys"):
+        rotated = {"compression.rank_multiple": 2, "compression.key_latents": "rotated"}
+        prepare(load_recipe(None, {**base, **rotated, "model": str(tiny_model_dir(tmp_path)),
+                                   "lora": {"targets": ["k_up"]}}))  # fmt: skip
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         prepare(load_recipe(None, {**base, "model": opt, "compression.group_size": 4,
                                    "lora": {"dataset": f"text:{tmp_path / 'missing.txt'}"}}))  # fmt: skip
