@@ -8,8 +8,9 @@ by a module-name pattern:
 
 - ``k_down``, ``v_down`` (default): the down-projections whose outputs the cache stores. Training them
   changes the latents, not their width: after the merge the cache holds as many bytes per token as before.
-- ``k_up``: the per-group key up-projections (RoPE models; models without RoPE have none, their ``B_k`` is
-  folded into ``q_proj``).
+  With latents of rotated keys ``k_down`` adapts ``k_proj``, before RoPE, so the scores stay relative.
+- ``k_up``: the per-group key up-projections (RoPE models whose keys are rebuilt; models without RoPE have
+  none, their ``B_k`` is folded into ``q_proj``; latents of rotated keys refuse it).
 - ``q_proj``, ``o_proj``: the query projection and the output projection with ``B_v`` folded in.
 """
 
