@@ -162,16 +162,18 @@ class FusedDecode:
     fused_decode: bool | None = None
 
     def decodes_fused(self, q: torch.Tensor) -> bool:
-        """Whether this forward (queries q (B, H, T, D)) takes the fused decode path: one query token, not
-        training, allowed by ``fused_decode``, and a mask the kernel reads (eager/SDPA, the window in it)."""
-        if q.shape[2] != 1 or self.training or self.fused_decode is False:
+        """Whether this forward (queries q (B, H, T, D)) takes the fused decode path: a
+        :meth:`masked_decode_step`, allowed by ``fused_decode``, under eager or SDPA attention."""
+        if not self.masked_decode_step(q) or self.fused_decode is False:
             return False
         if self.fused_decode is None and not (q.is_cuda and triton_runs_on(q.device)):
             return False
-        return (
-            self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
-            and set(self._interface_kwargs) <= {"sliding_window"}  # the mask carries the window
-        )
+        return self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
+
+    def masked_decode_step(self, q: torch.Tensor) -> bool:
+        """Whether this forward (queries q (B, H, T, D)) is a decode step (one query token, not training)
+        whose attention mask says all the interface would be told (any window is in it)."""
+        return q.shape[2] == 1 and not self.training and set(self._interface_kwargs) <= {"sliding_window"}
 
 
 class LatentAttention(FusedDecode, LatentAttentionBase):

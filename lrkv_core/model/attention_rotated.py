@@ -135,17 +135,12 @@ class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
 
     def decodes_packed(self, q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
         """Whether this forward (queries q (B, H, T, D)) is a decode step torch's SDPA takes with each group's
-        query heads as query rows: one query token, not training, the model under SDPA with a mask shared by
-        the heads that carries any window. transformers' SDPA interface copies the latents once per query
-        head where it is compiled or the mask is set; this reads them once (the same attention)."""
+        query heads as query rows: a :meth:`masked_decode_step` of the model under SDPA, its mask shared by
+        the heads. transformers' SDPA interface, in a compiled step with a mask (or keys and values of
+        different widths), copies the latents once per query head; this reads them once (the same
+        attention)."""
         shared = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))
-        return (
-            q.shape[2] == 1
-            and not self.training
-            and self.config._attn_implementation == "sdpa"
-            and set(self._interface_kwargs) <= {"sliding_window"}
-            and shared
-        )
+        return self.masked_decode_step(q) and self.config._attn_implementation == "sdpa" and shared
 
     def fused_decode_attention(
         self, q_lats: list[torch.Tensor], view: LatentView, attention_mask: torch.Tensor | None
