@@ -1,14 +1,16 @@
-"""The ``lrkv`` command's entry point: the CLI, with Ctrl-C handled while its modules load.
+"""The ``lrkv`` command's entry point: the CLI (:mod:`lrkv_flows.cli`), with Ctrl-C handled while it loads.
 
-Loading the CLI imports torch, transformers and Prefect, which takes seconds; a SIGINT in that time would
-otherwise end in a KeyboardInterrupt traceback from deep inside an import. Here it ends the command with one
-line and exit code 130, as an interrupt does once the command runs.
+Loading a command imports torch, transformers, Prefect or MLflow, which takes seconds; a SIGINT in that time
+would otherwise end in a KeyboardInterrupt traceback from deep inside an import. Inside :func:`loading` it
+ends the command with one line and exit code 130, as an interrupt does once the command runs.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def _interrupted_while_loading(signum, frame) -> None:
@@ -16,15 +18,19 @@ def _interrupted_while_loading(signum, frame) -> None:
     raise SystemExit(130)
 
 
-def main() -> None:
+@contextmanager
+def loading() -> Iterator[None]:
+    """Inside: modules load; a SIGINT is one line and exit code 130."""
     previous = signal.signal(signal.SIGINT, _interrupted_while_loading)
     try:
-        from lrkv_core.system.memory import limit_malloc_arenas
-
-        from .cli import app
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    limit_malloc_arenas()  # before the flows' task threads start (and inherited by the workers it starts)
+
+
+def main() -> None:
+    with loading():
+        from .cli import app
     app()
 
 

@@ -124,6 +124,43 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(tmp_path):
     assert "interrupted (SIGINT) while lrkv was starting" in errors and "Traceback" not in errors + rest
 
 
+def test_the_command_list_loads_no_command_and_each_command_loads_on_its_own(tmp_path):
+    """``lrkv --help`` lists every command with its summary without importing any command's module (nor
+    torch, Prefect or MLflow); a command's own help loads that command only; a mistyped command names the
+    close ones, loaded or not."""
+    from lrkv_flows.cli import COMMANDS, load_command
+
+    probe = (
+        "import sys\nfrom lrkv_flows.main import main\nsys.argv = ['lrkv', *sys.argv[1:]]\ntry:\n    main()\n"
+        "except SystemExit:\n    pass\nprint('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'prefect', 'mlflow', 'lrkv_core') or m.startswith('lrkv_flows.commands.')))"
+    )
+    env = {**os.environ, "LRKV_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+
+    def lrkv(*args):
+        res = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env)
+        assert "Traceback" not in res.stderr, res.stderr[-2000:]
+        out, _, loaded = res.stdout.rpartition("LOADED ")
+        return " ".join((out + res.stderr).replace("│", " ").split()), eval(loaded)
+
+    listing, loaded = lrkv("--help")
+    assert loaded == [], loaded
+    for name, (_, summary) in COMMANDS.items():
+        assert f" {name} {summary} " in listing, (name, listing)
+    assert not (tmp_path / "home").exists()
+
+    text, loaded = lrkv("eval", "--help")
+    assert "Usage: lrkv eval [OPTIONS] {model_dir}" in text and "--dataset" in text
+    assert "lrkv_flows.commands.evaluate" in loaded and "lrkv_flows.commands.convert" not in loaded
+
+    text, loaded = lrkv("convrt")
+    assert "No such command 'convrt'. Did you mean 'convert'?" in text and loaded == []
+
+    for name, (_, summary) in COMMANDS.items():  # each entry names a command that loads, under its name
+        command = load_command(name)
+        assert (command.name, command.short_help) == (name, summary) and command.help
+
+
 def test_a_search_budget_or_bits_that_do_not_parse_are_one_line_naming_the_flag(tmp_path):
     model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"

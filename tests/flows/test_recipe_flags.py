@@ -115,9 +115,9 @@ def test_schema_fields_reach_core_sections_and_registries():
     ],
 )
 def test_the_commands_flags_say_what_the_schema_says(command, flags, root, prefix):
-    from lrkv_flows.cli import app
+    from lrkv_flows.cli import load_command
 
-    params = {p.name: p for p in typer.main.get_command(app).commands[command].params}
+    params = {p.name: p for p in load_command(command).params}
     for flag in flags:
         field = schema_field(root, prefix + flag.key)
         assert field.description or field.registry, f"{flag.key} has no description in the schema"
