@@ -133,7 +133,7 @@ def _convert(recipe: ConvertRecipe, run: dict) -> ConvertResult:
     if recipe.lora is not None:  # downstream, "compressed" is the recovered model
         lora = recipe.lora.model_dump(mode="json")
         recovered = _record(
-            timings, "lora_recover", stored(lora_recover).submit(built, lora, recipe.dtype, store)
+            timings, "lora_recover", stored(lora_recover).submit(built, lora, recipe.dtype, store, model)
         )
         before_lora, built = built, recovered
     base_eval = comp_eval = pre_eval = None

@@ -37,13 +37,17 @@ def checkpoint_dir(store: str, run_id: str) -> Path:
 
 
 @task(name="lora_recover", cache_key_fn=checked(lora_key), **CACHED)
-def lora_recover(built: ArtifactRef, lora: dict, dtype: str, store: str) -> ArtifactRef:
+def lora_recover(
+    built: ArtifactRef, lora: dict, dtype: str, store: str, original: ArtifactRef | None = None
+) -> ArtifactRef:
     """Recover a compressed model with LoRA (resuming from a checkpoint) and store the merged model.
 
     ``lora`` is the recipe's ``lora`` section with its datasets resolved
-    (:mod:`lrkv_tasks.recipes.preflight`).
+    (:mod:`lrkv_tasks.recipes.preflight`); ``original`` is the model it was compressed from, which the
+    ``distill`` objective fits.
     """
-    ckpt = checkpoint_dir(store, lora_run_id({"built": built, "lora": lora, "dtype": dtype, "store": store}))
+    params = {"built": built, "lora": lora, "dtype": dtype, "store": store, "original": original}
+    ckpt = checkpoint_dir(store, lora_run_id(params))
     dataset, eval_dataset = lora["dataset"], lora["eval_dataset"]
     options = {k: v for k, v in lora.items() if k not in ("dataset", "eval_dataset")}
     summary: dict = {}
@@ -68,6 +72,7 @@ def lora_recover(built: ArtifactRef, lora: dict, dtype: str, store: str) -> Arti
                     device=task_device(),
                     progress=advance,
                     on_step=report,
+                    teacher_dir=_local(original) if original and options["objective"] == "distill" else None,
                 )
             )
         if summary["resumed_from"] is not None:

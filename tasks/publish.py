@@ -45,6 +45,9 @@ def conversion_metrics(
     if eval_ and eval_.kl is not None:
         metrics["kl_base_compressed"] = eval_.kl_to_base
         metrics["top1_agreement"] = eval_.top1_agreement
+    if before_lora and before_lora.kl is not None:
+        metrics["before_lora_kl_base_compressed"] = before_lora.kl_to_base
+        metrics["before_lora_top1_agreement"] = before_lora.top1_agreement
     if base_eval and eval_:
         metrics["kv_bytes_ratio"] = Evaluations(base_eval, eval_).kv_bytes_ratio
     return metrics

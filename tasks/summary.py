@@ -34,6 +34,9 @@ def measure_rows(result: ConvertResult) -> list[tuple[str, str, str]]:
         if comp.kl is not None:
             rows.append(("KL(base ‖ compressed) nats/token", "0", f"{comp.kl_to_base:.5f}"))
             rows.append(("top-1 agreement", "1", f"{comp.top1_agreement:.4f}"))
+            if before and before.kl is not None:
+                rows.append(("KL before LoRA", "", f"{before.kl_to_base:.5f}"))
+                rows.append(("top-1 agreement before LoRA", "", f"{before.top1_agreement:.4f}"))
         base_scores = base.zeroshot_scores()
         for task, scores in comp.zeroshot_scores().items():
             for metric, value in scores.items():

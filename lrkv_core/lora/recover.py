@@ -31,7 +31,7 @@ def recover(
     """Train LoRA on ``model`` (changed in place) and merge it: ``(merged model, training result)``.
 
     Keyword arguments go to :func:`lrkv_core.lora.train.train_lora` (``eval_data``, ``checkpoint_dir``,
-    ``fingerprint``, ``progress``, ``on_step``).
+    ``fingerprint``, ``progress``, ``on_step``, ``teacher``).
     """
     trained = train_lora(model, data, config or RecoveryConfig(), **kwargs)
     return merge_lora(trained.model), trained
@@ -54,8 +54,11 @@ def recover_dir(
     device: str = "cpu",
     progress: Progress = None,
     on_step: OnStep = None,
+    teacher_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Recover the compressed model at ``model_dir`` with LoRA on ``dataset`` and save it to ``out_dir``.
+
+    ``teacher_dir`` is the original model, which the ``distill`` objective needs (and no other reads).
 
     A run killed part way resumes from ``checkpoint_dir`` when called again with the same model, data and
     options (the checkpoints carry a fingerprint of all three). Returns the run's summary: steps, the steps
@@ -65,11 +68,17 @@ def recover_dir(
         config = RecoveryConfig.from_dict(dict(config))
     model, tokenizer = load_model(model_dir, dtype=dtype, device=device)
     fmt = LrkvFormat.of(model.config)  # a compressed model, or a clear error
+    teacher = None
+    if config.objective == "distill":
+        if teacher_dir is None:
+            raise ValueError("the LoRA objective 'distill' needs the original model (teacher_dir)")
+        teacher, _ = load_model(teacher_dir, dtype=dtype, device=device)
     data = training_data(dataset, tokenizer, seq_len=config.seq_len)
     held = training_data(eval_dataset, tokenizer, seq_len=config.seq_len) if eval_dataset else None
     fingerprint = hash_json(
         {
             "model": hash_dir(model_dir),
+            "teacher": hash_dir(teacher_dir) if teacher is not None else None,
             "lora": config.to_dict(),
             "data": data_fingerprint(data),
             "eval": data_fingerprint(held) if held is not None else None,
@@ -85,6 +94,7 @@ def recover_dir(
         fingerprint=fingerprint,
         progress=progress,
         on_step=on_step,
+        teacher=teacher,
     )
     state = trained.state
     summary = {
@@ -116,10 +126,12 @@ def lora_card(config: RecoveryConfig, summary: Mapping[str, Any], fmt: LrkvForma
             f" Held-out loss {summary['eval_loss_before']:.4f} before, {summary['eval_loss_after']:.4f} "
             f"after (on {summary['eval_dataset']})."
         )
+    fits = "the original model's predictions" if config.objective == "distill" else "its next tokens"
     return (
         f"\n## LoRA recovery\n\nAfter compression, LoRA adapters (r′ = {config.r}, α = {config.alpha}) on "
         f"{', '.join(config.targets)} were trained for {summary['steps']} steps of "
-        f"{config.rows_per_step} × {config.seq_len} tokens on `{summary['dataset']}` (AdamW, lr {config.lr}, "
+        f"{config.rows_per_step} × {config.seq_len} tokens on `{summary['dataset']}` (fitting {fits}; "
+        f"AdamW, lr {config.lr}, "
         f"{config.scheduler}) and merged into those projections: the latent widths, the cache storage "
         f"({fmt.cache['name']}) and the KV bytes per token are unchanged.{losses}\n"
     )

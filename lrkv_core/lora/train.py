@@ -1,11 +1,13 @@
-"""LoRA recovery training: PEFT adapters on a compressed model's latent projections, causal-LM loss.
+"""LoRA recovery training: PEFT adapters on a compressed model's latent projections.
 
 Each optimizer step trains on ``batch_size · grad_accum`` rows (:meth:`TrainingData.rows_for_step`), its loss
-the mean next-token NLL over every scored token of those rows (micro-batches are weighted by their token
-counts, so accumulation equals one big batch). AdamW, gradient clipping, a warm-up then cosine/linear/constant
-learning rate. A held-out loss is measured before the first step, every ``eval_every`` steps and after the
-last. With a checkpoint directory the run saves every ``checkpoint_every`` steps and after the last, and a
-restarted run resumes from the newest checkpoint (:mod:`lrkv_core.lora.checkpoint`).
+the mean over every scored token of those rows (micro-batches are weighted by their token counts, so
+accumulation equals one big batch) of the next-token NLL, or, with the ``distill`` objective, of the KL
+divergence from a teacher's (the original model's) next-token distribution to the model's. AdamW, gradient
+clipping, a warm-up then cosine/linear/constant learning rate. A held-out loss (the NLL) is measured before
+the first step, every ``eval_every`` steps and after the last. With a checkpoint directory the run saves
+every ``checkpoint_every`` steps and after the last, and a restarted run resumes from the newest checkpoint
+(:mod:`lrkv_core.lora.checkpoint`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,16 @@ def _nll_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch
     )
 
 
+def _kl_sum(model: nn.Module, teacher: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed KL(teacher ‖ model) of the next-token distributions at the positions whose next token is
+    scored: ids, labels (B, T) → scalar (float32); no gradient reaches the teacher."""
+    scored = labels[:, 1:] != IGNORE  # (B, T-1)
+    with torch.no_grad():
+        target = F.log_softmax(teacher(input_ids=ids, use_cache=False).logits[:, :-1][scored].float(), -1)
+    log_q = F.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1][scored].float(), -1)
+    return F.kl_div(log_q, target, log_target=True, reduction="sum")
+
+
 @torch.no_grad()
 def heldout_loss(model: nn.Module, data: TrainingData, *, rows: int, batch_size: int) -> float:
     """Mean next-token NLL on the first ``rows`` rows of ``data`` (eval mode, no gradient)."""
@@ -118,6 +130,7 @@ def fit_lora(
     fingerprint: str = "",
     progress: Progress = None,
     on_step: OnStep = None,
+    teacher: nn.Module | None = None,
 ) -> TrainResult:
     """Train the trainable parameters of ``peft_model`` (its adapters) with ``config``'s optimisation.
 
@@ -131,7 +144,13 @@ def fit_lora(
     progress : ``progress(step, steps)`` after every step (and once on start with the resumed step).
     on_step : ``on_step({"step", "loss", "lr"[, "eval_loss"]})`` after every step, once its checkpoint (if
         any) is written.
+    teacher : the model whose predictions the ``distill`` objective fits (the original; required then, on
+        the same device, used in eval mode). The held-out loss stays the NLL of the held-out text.
     """
+    if (config.objective == "distill") != (teacher is not None):
+        raise ValueError("the distill objective takes a teacher model, and only it does")
+    if teacher is not None:
+        teacher.eval()
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(config))
@@ -166,7 +185,11 @@ def fit_lora(
         loss = 0.0
         for chunk in range(0, len(rows), config.batch_size):
             part = slice(chunk, chunk + config.batch_size)
-            micro = _nll_sum(peft_model, ids[part].to(device), labels[part].to(device)) / max(n_tokens, 1)
+            b_ids, b_labels = ids[part].to(device), labels[part].to(device)
+            if teacher is None:
+                micro = _nll_sum(peft_model, b_ids, b_labels) / max(n_tokens, 1)
+            else:
+                micro = _kl_sum(peft_model, teacher, b_ids, b_labels) / max(n_tokens, 1)
             micro.backward()
             loss += micro.item()
         if config.max_grad_norm is not None:

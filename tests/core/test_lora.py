@@ -18,7 +18,7 @@ from lrkv_core.lora import (
     target_modules,
     train_lora,
 )
-from lrkv_core.lora.train import _nll_sum
+from lrkv_core.lora.train import _kl_sum, _nll_sum
 from tests.support.inputs import greedy, ids_for, max_diff
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,6 +74,39 @@ def test_one_step_does_not_raise_the_loss(make_tiny, compress):
     with torch.no_grad():
         after = _nll_sum(trained.model, data.input_ids, data.labels).item()
     assert after < before
+
+
+def test_the_distill_objective_fits_the_original_models_predictions(make_tiny, compress):
+    """``objective: distill``: each scored token's loss is KL(original ‖ compressed) of the next-token
+    distributions (zero against itself); training lowers it on the training rows; the objective and the
+    teacher go together."""
+    original = make_tiny("llama")
+    model = compress(original, group_size=2, ratio=0.3, rank_multiple=2)[0]
+    data = _data(rows=4)
+    data.labels[:, :5] = -100  # unscored targets: not in the loss
+    ids, labels = data.input_ids, data.labels
+    with torch.no_grad():
+        p = torch.log_softmax(original(ids).logits[:, :-1].float(), -1)
+        q = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
+        by_token = (p.exp() * (p - q)).sum(-1)[labels[:, 1:] != -100]  # KL(p ‖ q) per scored token
+        before = _kl_sum(model, original, ids, labels)
+        assert abs(before.item() - by_token.sum().item()) < 1e-3 * by_token.sum().item()
+        assert _kl_sum(original, copy.deepcopy(original), ids, labels).item() < 1e-5
+    config = RecoveryConfig(
+        steps=10, r=4, lr=1e-2, batch_size=4, seq_len=16, eval_every=0, objective="distill"
+    )
+    with pytest.raises(ValueError, match="distill objective takes a teacher model"):
+        train_lora(copy.deepcopy(model), data, config)
+    with pytest.raises(ValueError, match="distill objective takes a teacher model"):
+        train_lora(copy.deepcopy(model), data, RecoveryConfig(steps=1, r=4), teacher=original)
+    with pytest.raises(ValueError, match="unknown LoRA objective 'kl'; choose from nll, distill"):
+        RecoveryConfig(objective="kl")
+    trained = train_lora(model, data, config, teacher=original)
+    assert not any(p.requires_grad and p.grad is not None for p in original.parameters())
+    with torch.no_grad():
+        after = _kl_sum(trained.model, original, ids, labels)
+    assert after < 0.8 * before, (before, after)
+    assert trained.state.history[0]["loss"] == pytest.approx(before.item() / by_token.numel(), rel=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -71,12 +71,34 @@ def test_lora_step_trains_logs_and_is_cached(prefect_api, tmp_path):
     assert sorted(m.step for m in client.get_metric_history(run_id, "lora_eval_loss")) == [0, 3, 6]
     metrics = client.get_run(run_id).data.metrics
     assert metrics["lora_steps"] == 6 and "before_lora_decode_ppl" in metrics
+    assert metrics["before_lora_kl_base_compressed"] == before.kl_to_base > 0
+    assert metrics["before_lora_top1_agreement"] == before.top1_agreement
     assert metrics["before_lora_kv_bytes_per_token"] == metrics["compressed_kv_bytes_per_token"]
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"lora_loss_curve.png", "lora_history.json"} <= artifacts
 
     second = convert_flow(recipe)
     assert set(_states(second).values()) == {"Cached"}, second.timings
+
+
+def test_the_distill_objective_trains_on_the_original_models_predictions(prefect_api, tmp_path):
+    """``lora.objective: distill``: the flow hands the task the original model, whose predictions the steps
+    fit (their losses are KL divergences to it, far below the text's NLL of about log 64); the model card
+    says what was fitted; without the original the task refuses."""
+    recipe = _recipe(tmp_path, objective="distill")
+    result = convert_flow(recipe)
+    assert _states(result)["lora_recover"] == "Completed"
+    client = MlflowClient(tracking_uri=recipe.tracking.mlflow_uri)
+    run_id = result.mlflow["run_id"]
+    train = [m.value for m in client.get_metric_history(run_id, "lora_train_loss")]
+    held_out = [m.value for m in client.get_metric_history(run_id, "lora_eval_loss")]  # the NLL
+    assert len(train) == 6 and max(train) < 1.0 and min(held_out) > 3.0, (train, held_out)
+    assert result.eval.before_lora.kl["kl"] < 1.0  # the scale of the train losses: KL to the original
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "fitting the original model's predictions" in card
+    lora = result.recipe.lora.model_dump(mode="json")  # its datasets resolved
+    with pytest.raises(ValueError, match="'distill' needs the original model"):
+        lora_recover.fn(result.before_lora, lora, recipe.dtype, str(tmp_path / "s2"))
 
 
 def test_a_flow_killed_in_training_resumes_from_the_checkpoint(prefect_api, tmp_path, monkeypatch):
@@ -134,6 +156,7 @@ def test_cli_lora_steps_runs_the_recovery_and_keeps_a_quantized_cache(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = " ".join(res.stdout.split())
     assert "lora_recover" in text and "decode ppl before LoRA" in text and "LoRA steps (this run)" in text
+    assert "KL before LoRA" in text and "top-1 agreement before LoRA" in text
     assert "LoRA trains on" in text and "steps: 3" in text  # the note and the recipe echoed
     assert "## LoRA recovery" in (out / "README.md").read_text()  # the model card says what was merged
     section = load_compressed(out).config.lrkv
