@@ -15,7 +15,7 @@ import importlib
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from .main import loading
+from .loading import loading
 
 # name: ("module:attr" under lrkv_flows.commands, a command function or Typer app; its line in `lrkv --help`)
 COMMANDS = {
@@ -34,7 +34,7 @@ COMMANDS = {
 
 def load_command(name: str) -> TyperCommand | TyperGroup:
     """The click command ``name`` of :data:`COMMANDS`, its module imported (a SIGINT meanwhile: one line and
-    exit code 130, :func:`lrkv_flows.main.loading`)."""
+    exit code 130, :func:`lrkv_flows.loading.loading`)."""
     module, attr = COMMANDS[name][0].split(":")
     with loading():
         target = getattr(importlib.import_module(f"lrkv_flows.commands.{module}"), attr)

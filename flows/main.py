@@ -1,31 +1,9 @@
-"""The ``lrkv`` command's entry point: the CLI (:mod:`lrkv_flows.cli`), with Ctrl-C handled while it loads.
-
-Loading a command imports torch, transformers, Prefect or MLflow, which takes seconds; a SIGINT in that time
-would otherwise end in a KeyboardInterrupt traceback from deep inside an import. Inside :func:`loading` it
-ends the command with one line and exit code 130, as an interrupt does once the command runs.
-"""
+"""The ``lrkv`` command's entry point: the CLI (:mod:`lrkv_flows.cli`), with Ctrl-C handled while it loads
+(:mod:`lrkv_flows.loading`)."""
 
 from __future__ import annotations
 
-import signal
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-
-def _interrupted_while_loading(signum, frame) -> None:
-    print("interrupted (SIGINT) while lrkv was starting", file=sys.stderr)
-    raise SystemExit(130)
-
-
-@contextmanager
-def loading() -> Iterator[None]:
-    """Inside: modules load; a SIGINT is one line and exit code 130."""
-    previous = signal.signal(signal.SIGINT, _interrupted_while_loading)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+from .loading import loading
 
 
 def main() -> None:

@@ -59,6 +59,7 @@ def lora_recover(
                         options["steps"], record["loss"], record["eval_loss"])  # fmt: skip
 
     def train(out: str) -> dict:
+        teacher = _local(original) if original and options.get("objective") == "distill" else None
         with model_pass(), step("LoRA recovery") as advance:
             summary.update(
                 recover_dir(
@@ -72,7 +73,7 @@ def lora_recover(
                     device=task_device(),
                     progress=advance,
                     on_step=report,
-                    teacher_dir=_local(original) if original and options["objective"] == "distill" else None,
+                    teacher_dir=teacher,
                 )
             )
         if summary["resumed_from"] is not None:

@@ -78,7 +78,10 @@ def test_output_fisher_reads_the_first_128_rows_by_default(make_tiny, one_thread
         model, rows[:128], batch_size=64
     )
     assert meta["n_tokens"] == 128 * 3
-    assert torch.allclose(values[0]["k"], first[0]["k"], rtol=1e-4, atol=1e-9)
+    # float32 sums in batches of 65 and 64: equal to ~2e-7 of the matrix's scale (rows 129-130 would move it
+    # by ~6e-3 of it); entries far below the scale differ relatively more (1.4e-4 measured with AVX-512)
+    scale = first[0]["k"].abs().max()
+    assert torch.allclose(values[0]["k"], first[0]["k"], rtol=1e-4, atol=1e-6 * scale)
 
 
 def test_fisher_keys_minimise_the_kronecker_loss_proxy() -> None:
