@@ -191,7 +191,15 @@ def _convert(recipe: ConvertRecipe, run: dict) -> ConvertResult:
             timings,
             "register_model",
             stored(register_model).submit(
-                logged, built, recipe.model, base_eval, comp_eval, registry, store, overlap=overlap
+                logged,
+                built,
+                recipe.model,
+                base_eval,
+                comp_eval,
+                registry,
+                store,
+                overlap=overlap,
+                before_lora=pre_eval,
             ),
         )
     exported = None

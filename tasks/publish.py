@@ -127,9 +127,13 @@ def lora_results(lora: ArtifactRef) -> tuple[dict[str, float], dict[str, list[tu
 
 
 def quality(
-    base_eval: EvalResult | None, eval_: EvalResult | None, overlap: str | None = None
+    base_eval: EvalResult | None,
+    eval_: EvalResult | None,
+    overlap: str | None = None,
+    before_lora: EvalResult | None = None,
 ) -> dict | None:
-    """What the registry's quality gate compares: prefill perplexities, a fingerprint of their protocol and,
+    """What the registry's quality gate compares: prefill perplexities, a fingerprint of their protocol,
+    KL(original ‖ compressed) on those windows where measured (and before LoRA recovery, with it) and,
     when the evaluation data overlaps the calibration data, the line saying so (the gate then refuses)."""
     if not base_eval or not eval_:
         return None
@@ -138,6 +142,10 @@ def quality(
         "base_ppl": base_eval.prefill_ppl,
         "protocol": hash_json(eval_.prefill["protocol"])[:16],
     }
+    if eval_.kl is not None:
+        out["kl"] = eval_.kl_to_base
+        if before_lora is not None and before_lora.kl is not None:
+            out["before_lora_kl"] = before_lora.kl_to_base
     return out | ({"calibration_overlap": overlap} if overlap else {})
 
 
@@ -225,16 +233,18 @@ def register_model(
     registry: dict,
     store: str | None = None,
     overlap: str | None = None,
+    before_lora: dict | None = None,
 ) -> dict:
     """Register the logged model as ``lrkv-<model>`` with alias ``candidate`` (and ``champion`` if the
     quality gate passes; never when ``overlap`` says the evaluation data overlaps the calibration data);
-    nothing is left half-registered on failure."""
+    nothing is left half-registered on failure. ``before_lora``: the evaluation before LoRA recovery."""
     name = registry["name"] or model_name(model_ref)
     return register_version(
         logged,
         logged["model"],
         built.sha256,
         name,
-        quality(eval_result(base_eval), eval_result(eval_), overlap),
+        quality(eval_result(base_eval), eval_result(eval_), overlap, eval_result(before_lora)),
         registry["max_ppl_rise"],
+        registry.get("max_kl"),
     )

@@ -303,6 +303,12 @@ class RegistryRecipe(Strict):
         ge=0,
         description="champion only if prefill PPL rose at most this much (relative) over the original",
     )
+    max_kl: float | None = Field(
+        None,
+        ge=0,
+        description="champion only if KL(original ‖ compressed), nats per token of the evaluation's prefill "
+        "windows, is at most this; null: no bound",
+    )
 
 
 class ConvertRecipe(Strict):

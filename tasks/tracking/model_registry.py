@@ -26,6 +26,7 @@ DATA_NAME = "lrkv-model"
 CANDIDATE, CHAMPION = "candidate", "champion"
 SHA_TAG, COMPLETE_TAG = "lrkv.sha256", "lrkv.complete"
 PPL_TAG, BASE_PPL_TAG, PROTOCOL_TAG, GATE_TAG = "lrkv.ppl", "lrkv.base_ppl", "lrkv.protocol", "lrkv.gate"
+KL_TAG = "lrkv.kl"  # KL(original ‖ compressed) per token on the evaluation's prefill windows
 PREVIOUS_TAG = "lrkv.previous."  # + alias: the version the alias named before this version took it
 
 
@@ -74,10 +75,22 @@ def log_model(run: dict, model_dir: Path, sha256: str) -> dict[str, str]:
     return {"model_id": logged.model_id, "source": logged.artifact_location}
 
 
-def quality_gate(quality: dict | None, champion: dict | None, max_ppl_rise: float) -> tuple[bool, str]:
-    """Whether a version becomes champion: its perplexity rose at most ``max_ppl_rise`` (relative) over the
-    original's, and it beats the current champion measured on the same protocol; never when it was evaluated
-    on data that overlaps its calibration data (``quality["calibration_overlap"]``). Returns ``(ok, why)``."""
+def quality_gate(
+    quality: dict | None, champion: dict | None, max_ppl_rise: float, max_kl: float | None = None
+) -> tuple[bool, str]:
+    """Whether a version becomes champion. Returns ``(ok, why)``. It must:
+
+    - have been evaluated on data that does not overlap its calibration data
+      (``quality["calibration_overlap"]`` says when it does);
+    - raise its perplexity at most ``max_ppl_rise`` (relative) over the original's;
+    - stay within ``max_kl`` nats/token of the original (KL(original ‖ compressed), ``quality["kl"]``), when
+      given;
+    - after LoRA recovery, be no further from the original than before it (``quality["before_lora_kl"]``):
+      a recovery that lowers perplexity by fitting the evaluation text's domain while its predictions move
+      away from the original's is not a better compression of that model;
+    - beat the current champion measured on the same protocol: on KL to the original where both measured
+      it (the closer one reproduces the original better), else on perplexity.
+    """
     if quality is None:
         return False, "not evaluated"
     if quality.get("calibration_overlap"):
@@ -85,14 +98,34 @@ def quality_gate(quality: dict | None, champion: dict | None, max_ppl_rise: floa
     rise = quality["ppl"] / quality["base_ppl"] - 1
     if rise > max_ppl_rise:
         return False, f"perplexity rise {rise:+.2%} exceeds the gate's {max_ppl_rise:.2%}"
-    if champion is not None:
-        if champion.get("protocol") != quality["protocol"]:
-            return False, f"champion v{champion['version']} was measured on another protocol: not comparable"
-        if quality["ppl"] >= champion["ppl"]:
-            return False, f"perplexity {quality['ppl']:.4f} does not beat champion v{champion['version']}'s"
-    return True, f"perplexity rise {rise:+.2%} within {max_ppl_rise:.2%}" + (
-        f", better than champion v{champion['version']}" if champion else ", first champion"
-    )
+    kl = quality.get("kl")
+    within = f"perplexity rise {rise:+.2%} within {max_ppl_rise:.2%}"
+    if max_kl is not None:
+        if kl is None:
+            return False, "KL to the original was not measured: the gate's max_kl cannot be checked"
+        if kl > max_kl:
+            return False, f"KL to the original {kl:.5f} nats/token exceeds the gate's {max_kl:g}"
+        within += f", KL {kl:.5f} within {max_kl:g}"
+    before = quality.get("before_lora_kl")
+    if kl is not None and before is not None and kl > before:
+        return False, (
+            f"LoRA recovery moved the model away from the original (KL {before:.5f} → {kl:.5f} nats/token): "
+            "it fitted the text, not the original's predictions (lora.objective=distill fits those)"
+        )
+    if champion is None:
+        return True, within + ", first champion"
+    if champion.get("protocol") != quality["protocol"]:
+        return False, f"champion v{champion['version']} was measured on another protocol: not comparable"
+    if kl is not None and champion.get("kl") is not None:
+        if kl >= champion["kl"]:
+            return False, (
+                f"KL to the original {kl:.5f} nats/token does not beat champion v{champion['version']}'s "
+                f"{champion['kl']:.5f}"
+            )
+        return True, within + f", closer to the original than champion v{champion['version']}"
+    if quality["ppl"] >= champion["ppl"]:
+        return False, f"perplexity {quality['ppl']:.4f} does not beat champion v{champion['version']}'s"
+    return True, within + f", better than champion v{champion['version']}"
 
 
 def _alias_version(mc, name: str, alias: str):
@@ -118,6 +151,7 @@ def _quality_of(version) -> dict | None:
         "version": version.version,
         "ppl": float(version.tags[PPL_TAG]),
         "protocol": version.tags.get(PROTOCOL_TAG),
+        "kl": float(version.tags[KL_TAG]) if KL_TAG in version.tags else None,
     }
 
 
@@ -132,15 +166,22 @@ def _ensure_registered(mc, name: str) -> None:
 
 
 def register_version(
-    run: dict, logged: dict, sha256: str, name: str, quality: dict | None, max_ppl_rise: float
+    run: dict,
+    logged: dict,
+    sha256: str,
+    name: str,
+    quality: dict | None,
+    max_ppl_rise: float,
+    max_kl: float | None = None,
 ) -> dict:
     """Register the logged model as a new version of ``name`` (all-or-nothing; see the module docstring).
 
-    ``quality``: ``{"ppl", "base_ppl", "protocol"}`` of the compressed model (None: not evaluated).
+    ``quality``: ``{"ppl", "base_ppl", "protocol"}`` of the compressed model, with ``"kl"`` (and
+    ``"before_lora_kl"``) where measured (None: not evaluated); the gate's bounds: :func:`quality_gate`.
     Returns ``{"name", "version", "aliases", "gate"}``.
     """
     with _registration_lock(name):
-        return _register_version(run, logged, sha256, name, quality, max_ppl_rise)
+        return _register_version(run, logged, sha256, name, quality, max_ppl_rise, max_kl)
 
 
 def _registration_lock(name: str):
@@ -158,7 +199,13 @@ def _registration_lock(name: str):
 
 
 def _register_version(
-    run: dict, logged: dict, sha256: str, name: str, quality: dict | None, max_ppl_rise: float
+    run: dict,
+    logged: dict,
+    sha256: str,
+    name: str,
+    quality: dict | None,
+    max_ppl_rise: float,
+    max_kl: float | None,
 ) -> dict:
     mc = client(run["tracking_uri"])
     _ensure_registered(mc, name)
@@ -171,11 +218,13 @@ def _register_version(
             BASE_PPL_TAG: repr(quality["base_ppl"]),
             PROTOCOL_TAG: quality["protocol"],
         }
+        if quality.get("kl") is not None:
+            tags[KL_TAG] = repr(quality["kl"])
     version = mc.create_model_version(
         name, logged["source"], run_id=run["run_id"], tags=tags, model_id=logged["model_id"]
     )
     try:
-        ok, why = quality_gate(quality, _quality_of(before[CHAMPION]), max_ppl_rise)
+        ok, why = quality_gate(quality, _quality_of(before[CHAMPION]), max_ppl_rise, max_kl)
         mc.set_model_version_tag(name, version.version, GATE_TAG, ("passed: " if ok else "failed: ") + why)
         mc.set_registered_model_alias(name, CANDIDATE, version.version)
         if ok:
