@@ -155,5 +155,21 @@ def parse_group_size(value: str | None) -> int | str | None:
         raise typer.BadParameter(f"--group-size takes a positive integer or 'auto', got {value!r}") from None
 
 
-def csv_list(value: str | None, cast=str) -> list | None:
-    return None if value is None else [cast(v.strip()) for v in value.split(",") if v.strip()]
+KINDS = {int: "integers", float: "numbers"}
+
+
+def csv_list(value: str | None, cast=str, flag: str = "the option") -> list | None:
+    """A comma list's items, each through ``cast``; for numbers, a ValueError names ``flag`` and the item."""
+    if value is None:
+        return None
+    out = []
+    for item in (v.strip() for v in value.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(cast(item))
+        except ValueError:
+            if cast not in KINDS:
+                raise
+            raise ValueError(f"{flag} takes a comma list of {KINDS[cast]}, got {item!r}") from None
+    return out

@@ -60,6 +60,10 @@ def ablate(
     """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
     from lrkv_tasks.recipes.convert_recipe import AblateRecipe, apply_overrides, read_yaml
 
+    try:
+        ratio_list = csv_list(ratios, float, "--ratios")
+    except ValueError as e:
+        raise fail(f"invalid option: {e}", 2) from None
     flags = {
         "base.model": model,
         "base.calibration.dataset": dataset,
@@ -67,7 +71,7 @@ def ablate(
         "decompositions": csv_list(decompositions),
         "group_sizes": csv_list(group_sizes, parse_group_size),
         "allocators": csv_list(allocators),
-        "ratios": csv_list(ratios, float),
+        "ratios": ratio_list,
     }
     overrides = flag_overrides(flags, "base.eval.dataset") | parse_set(set_ or [])
     try:

@@ -71,8 +71,8 @@ def bench(
     from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
 
     try:
-        ratio_list, context_list = csv_list(ratios, float), csv_list(contexts, int)
-        bit_list = csv_list(bits, int) or []
+        ratio_list, context_list = csv_list(ratios, float, "--ratios"), csv_list(contexts, int, "--contexts")
+        bit_list = csv_list(bits, int, "--bits") or []
         key_list = csv_list(keys, str)
     except ValueError as e:
         raise fail(f"invalid option: {e}", 2) from None

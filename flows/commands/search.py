@@ -95,6 +95,10 @@ def search(
         caches = csv_list(bits, lambda b: "dense" if b == "dense" else {"name": "quantized", "bits": int(b)})
     except ValueError:
         raise fail(f"invalid option: --bits takes e.g. 3,4,dense, got {bits!r}", 2) from None
+    try:
+        ratio_list = csv_list(ratios, float, "--ratios")
+    except ValueError as e:
+        raise fail(f"invalid option: {e}", 2) from None
     flags = {
         "base.model": model,
         "base.calibration.dataset": dataset,
@@ -103,7 +107,7 @@ def search(
         "base.store": store,
         "search.max_ppl_rise": rise,
         "search.max_kl": max_kl,
-        "search.ratios": csv_list(ratios, float),
+        "search.ratios": ratio_list,
         "search.caches": caches,
         "search.allocators": csv_list(allocators),
     }

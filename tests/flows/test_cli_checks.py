@@ -161,14 +161,23 @@ def test_the_command_list_loads_no_command_and_each_command_loads_on_its_own(tmp
         assert (command.name, command.short_help) == (name, summary) and command.help
 
 
-def test_a_search_budget_or_bits_that_do_not_parse_are_one_line_naming_the_flag(tmp_path):
+def test_a_list_budget_or_bits_that_do_not_parse_are_one_line_naming_the_flag(tmp_path):
     model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
-    for flag, value, message in [
-        ("--max-ppl-rise", "abc", "invalid option: --max-ppl-rise takes 1% or 0.01, got 'abc'"),
-        ("--bits", "3,x", "invalid option: --bits takes e.g. 3,4,dense, got '3,x'"),
+    for command, flag, value, message in [
+        ("search", "--max-ppl-rise", "abc", "invalid option: --max-ppl-rise takes 1% or 0.01, got 'abc'"),
+        ("search", "--bits", "3,x", "invalid option: --bits takes e.g. 3,4,dense, got '3,x'"),
+        ("search", "--ratios", "0.5,x", "invalid option: --ratios takes a comma list of numbers, got 'x'"),
+        ("ablate", "--ratios", "0.5,,x", "invalid option: --ratios takes a comma list of numbers, got 'x'"),
+        (
+            "bench",
+            "--contexts",
+            "64,1e3",
+            "invalid option: --contexts takes a comma list of integers, got '1e3'",
+        ),
     ]:
-        res = _lrkv(["search", "--model", str(model_dir), "--dataset", data, flag, value], tmp_path / "home")
+        args = [command, "--model", str(model_dir)] + (["--dataset", data] if command != "bench" else [])
+        res = _lrkv([*args, flag, value], tmp_path / "home")
         output = res.stdout + res.stderr
         assert res.returncode == 2, output[-2000:]
         assert f"error: {message}" in " ".join(output.split()), output[-2000:]
