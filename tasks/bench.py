@@ -20,7 +20,7 @@ from lrkv_core.model.loading import load_model, parse_device
 
 from .convert import CACHED, TASK_KEY, _local, _stored
 from .device import model_pass, task_device
-from .progress import step
+from .progress import note, step
 from .store.artifacts import ArtifactRef
 
 
@@ -76,7 +76,7 @@ def bench_model(
         loaded, _ = load_model(_local(model), dtype=dtype, device=device)
         points = serving.measure_grid(
             loaded, contexts, batches, steps=steps, warmup=warmup, static=static, compiled=compiled,
-            progress=advance,
+            progress=advance, on_point=lambda p: note(f"bench {label}: {p.line()}"),
         )  # fmt: skip
     return {
         "label": label,
@@ -106,6 +106,7 @@ def bench_kernel(
     with model_pass(), step(f"kernel {label}") as advance:
         loaded, _ = load_model(_local(model), dtype=dtype, device=device)
         points = serving.measure_kernels(
-            loaded, contexts, batch, steps=steps, warmup=warmup, progress=advance
-        )
+            loaded, contexts, batch, steps=steps, warmup=warmup, progress=advance,
+            on_point=lambda p: note(f"kernel {label}: {p.line()}"),
+        )  # fmt: skip
     return {"label": label, "device": device_id, "dtype": dtype, "points": [p.to_dict() for p in points]}

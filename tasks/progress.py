@@ -72,6 +72,12 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
     return get_run_logger()
 
 
+def note(message: str) -> None:
+    """One line to the current run's log and the ``lrkv`` logger (a step's result, as it is known)."""
+    for logger in {run_logger(), log}:
+        logger.info("%s", message)
+
+
 class _Lines:
     """The log lines of one step: start, each quarter, a heartbeat while quiet, the end."""
 

@@ -71,6 +71,14 @@ class ServingPoint:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"tokens_per_s": self.tokens_per_s}
 
+    def line(self) -> str:
+        """The point in one line, as a log shows it while a run goes on."""
+        return (
+            f"context {self.context} × batch {self.batch}: decode {self.decode_ms:.3f} ms/step "
+            f"({self.tokens_per_s:.1f} tokens/s), prefill {self.prefill_tokens_per_s:.0f} tokens/s, "
+            f"KV {self.kv_bytes_per_token:.0f} B/token, peak {self.peak_memory_bytes / 2**20:.0f} MiB"
+        )
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -179,8 +187,10 @@ def measure_grid(
     static: bool = False,
     compiled: bool = False,
     progress: Progress = None,
+    on_point: Callable[[ServingPoint], Any] | None = None,
 ) -> list[ServingPoint]:
-    """:func:`measure_point` at every context × batch, contexts outermost."""
+    """:func:`measure_point` at every context × batch, contexts outermost; ``on_point`` gets each point as it
+    is measured."""
     points = [(c, b) for c in contexts for b in batches]
     out = []
     for i, (context, batch) in enumerate(points):
@@ -197,6 +207,8 @@ def measure_grid(
                 compiled=compiled,
             )
         )
+        if on_point is not None:
+            on_point(out[-1])
         if progress is not None:
             progress(i + 1, len(points))
     return out
@@ -334,6 +346,15 @@ class KernelPoint:
     def bytes_per_s(self) -> float:
         return self.bytes / (self.time_ms * 1e-3)
 
+    def line(self) -> str:
+        """The point in one line, as a log shows it while a run goes on."""
+        d = self.to_dict()
+        return (
+            f"context {self.context} × batch {self.batch}, {self.path}"
+            f"{'' if self.taken else ' (not taken)'}: {self.time_ms * 1e3:.1f} µs, "
+            f"{d['fraction_of_copy']:.3f} of copy, {d['fraction_of_matmul']:.3f} of matmul"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         gbs = self.bytes_per_s / 1e9
         return asdict(self) | {
@@ -432,11 +453,13 @@ def measure_kernels(
     copy_nbytes: int | None = None,
     matmul_n: int | None = None,
     progress: Progress = None,
+    on_point: Callable[[KernelPoint], Any] | None = None,
 ) -> list[KernelPoint]:
     """The device's :func:`copy_bandwidth` (of ``copy_nbytes``, default 256 MiB on CUDA, 32 MiB elsewhere)
     and :func:`matmul_flops` in the model's dtype (``matmul_n``, default 4096 on CUDA, 512 elsewhere), then
     :func:`measure_attention` at every context against them. A compressed model without RoPE gives no
-    rows: its latent attention has no decode path of its own (``B_k`` is folded into ``q_proj``)."""
+    rows: its latent attention has no decode path of its own (``B_k`` is folded into ``q_proj``).
+    ``on_point`` gets each point as it is measured."""
     latents = [m for m in model.modules() if isinstance(m, LatentAttentionBase)]
     if latents and not any(isinstance(m, DECODING_ATTENTIONS) for m in latents):
         return []
@@ -449,7 +472,10 @@ def measure_kernels(
     out = []
     for i, context in enumerate(contexts):
         roofs = {"copy_bytes_per_s": copy, "matmul_flop_per_s": peak}
-        out += measure_attention(model, context=context, batch=batch, steps=steps, warmup=warmup, **roofs)
+        points = measure_attention(model, context=context, batch=batch, steps=steps, warmup=warmup, **roofs)
+        for point in points if on_point is not None else ():
+            on_point(point)
+        out += points
         if progress is not None:
             progress(i + 1, len(contexts))
     return out

@@ -3,6 +3,7 @@ and its compressed versions, logged to a real MLflow server, and served from the
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -14,7 +15,8 @@ from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
 from tests.support.models import tiny_model_dir
 
 
-def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_server, tmp_path):
+def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_server, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lrkv")
     model_dir = tiny_model_dir(tmp_path)
     tracking = TrackingRecipe(mlflow_uri=mlflow_server, experiment="bench-test")
     kwargs = dict(
@@ -56,6 +58,17 @@ def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_ser
         assert r["matmul_gflop_per_s"] > 0
         assert math.isclose(r["fraction_of_matmul"], r["gflop_per_s"] / r["matmul_gflop_per_s"])
     assert len({r["time_ms"] for r in kernel.values()}) > 1
+    # each point is in the log as soon as it is measured (a run cut short keeps the figures it reached)
+    lines = [r.getMessage() for r in caplog.records if r.name == "lrkv"]
+    half48 = rows["lrkv r0.5", 48]
+    assert any(
+        line.startswith(f"bench lrkv r0.5: context 48 × batch 2: decode {half48['decode_ms']:.3f} ms/step")
+        for line in lines
+    ), lines
+    k48 = kernel["original", 48]
+    assert f"kernel original: context 48 × batch 2, torch sdpa: {k48['time_ms'] * 1e3:.1f} µs" in "\n".join(
+        lines
+    )
     assert (
         kernel["lrkv r0.5 4-bit", 48]["bytes"]
         < kernel["lrkv r0.5", 48]["bytes"]
