@@ -109,8 +109,8 @@ def quality_gate(
     before = quality.get("before_lora_kl")
     if kl is not None and before is not None and kl > before:
         return False, (
-            f"LoRA recovery moved the model away from the original (KL {before:.5f} → {kl:.5f} nats/token): "
-            "it fitted the text, not the original's predictions (lora.objective=distill fits those)"
+            f"LoRA recovery moved the model away from the original (KL {before:.5f} → {kl:.5f} nats/token; "
+            "lora.objective=distill trains on the original's predictions)"
         )
     if champion is None:
         return True, within + ", first champion"
