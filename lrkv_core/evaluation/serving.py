@@ -26,6 +26,7 @@ bandwidth and matrix-multiply rate measured in the same call (:func:`copy_bandwi
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import sys
@@ -215,10 +216,14 @@ def measure_grid(
 
 
 def batch_within_budget(budget_bytes: float, kv_bytes_per_token: float, context: int) -> int:
-    """The largest batch whose cache of ``context`` tokens per row fits ``budget_bytes`` (at least 1)."""
+    """The largest batch whose cache of ``context`` tokens per row fits ``budget_bytes`` (at least 1).
+
+    The bytes per token are a measured cache's bytes over its rows and tokens, which spreads the few bytes a
+    cache holds once (a static layer's counters) over the rows, so a batch whose cache fits the budget
+    exactly may come out a few bytes above it: batches within 0.01 % of the budget count as fitting."""
     if kv_bytes_per_token <= 0 or context < 1:
         raise ValueError(f"bytes per token and context must be positive, got {kv_bytes_per_token}, {context}")
-    return max(1, int(budget_bytes // (kv_bytes_per_token * context)))
+    return max(1, math.floor(budget_bytes / (kv_bytes_per_token * context) * (1 + 1e-4)))
 
 
 # --- the decode attention alone, against its roofline ------------------------------------------------------

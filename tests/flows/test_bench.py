@@ -106,6 +106,12 @@ def test_batch_within_budget() -> None:
     assert serving.batch_within_budget(1000, 10.0, 10) == 10
     assert serving.batch_within_budget(999, 10.0, 10) == 9
     assert serving.batch_within_budget(5, 10.0, 10) == 1  # never below one row
+    # static caches of SmolLM2 at 4,096 tokens (float32; the original and 0.5 width): two rows of the latents
+    # take the original's bytes exactly, but the 240 bytes of counters each cache holds once count per row
+    original, half = 189_204_720, 94_602_480
+    assert 2 * half > original and 2 * (half - 240) + 240 == original
+    assert serving.batch_within_budget(original, half / 4096, 4096) == 2
+    assert serving.batch_within_budget(0.999 * original, half / 4096, 4096) == 1
 
 
 def test_bench_flow_measures_data_free_versions_with_rotated_keys(prefect_api, mlflow_server, tmp_path):
