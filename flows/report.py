@@ -20,6 +20,22 @@ if TYPE_CHECKING:
 console = Console()
 
 
+def print_table(table: Table) -> None:
+    """A table on the terminal's width; where the output is not a terminal (a pipe, a log file), at the
+    table's own width, so that no cell is cut to fit 80 columns."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    from rich.measure import Measurement
+
+    width, before = Measurement.get(console, console.options.update(width=10_000), table).maximum, console.width
+    console.width = max(width, before)  # print() clamps its width to the console's
+    try:
+        console.print(table)
+    finally:
+        console.width = before
+
+
 def fail(message: str, code: int = 1):
     """Print one error line and return the ``typer.Exit`` to raise (no traceback)."""
     import typer

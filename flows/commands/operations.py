@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from ..options import dask_option, device_name_option, path_option
-from ..report import console, fail
+from ..report import console, fail, print_table
 
 MlflowUriOption = Annotated[
     Optional[str], typer.Option(help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else local SQLite)")
@@ -195,14 +195,16 @@ def runs_list(
     except _mlflow_errors() as e:
         raise fail(_first_line(e)) from None
     table = Table(title=f"runs of {experiment}")
-    for col in ("run", "name", "status", "started", *SUMMARY_METRICS):
-        table.add_column(col, no_wrap=col == "run")
+    for col in ("run", "name", "status", "started (UTC)"):
+        table.add_column(col, no_wrap=True)
+    for col in SUMMARY_METRICS.values():
+        table.add_column(col, justify="right")
     for r in rows:
         started = datetime.fromtimestamp(r["start_time"] / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M")
         table.add_row(
             r["run_id"], escape(r["name"] or ""), r["status"], started, *(_fmt(r[k]) for k in SUMMARY_METRICS)
         )
-    console.print(table)
+    print_table(table)
 
 
 def _tree(node: Tree, items: list[dict]) -> None:
@@ -258,10 +260,10 @@ def runs_compare(
         raise fail(_first_line(e)) from None
     table = Table(title=f"metrics: a={a[:8]} b={b[:8]}")
     for col in ("metric", "a", "b", "b − a"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for m in cmp["metrics"]:
         table.add_row(escape(m["metric"]), _fmt(m["a"]), _fmt(m["b"]), _fmt(m["diff"]))
-    console.print(table)
+    print_table(table)
     params = Table(title="params that differ")
     for col in ("param", "a", "b"):
         params.add_column(col, overflow="fold")

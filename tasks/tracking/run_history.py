@@ -6,7 +6,12 @@ from typing import Any
 
 from .mlflow_runs import client
 
-SUMMARY_METRICS = ("achieved_ratio", "base_prefill_ppl", "compressed_prefill_ppl", "kv_bytes_ratio")
+SUMMARY_METRICS = {  # metric -> the column ``lrkv runs list`` shows it under
+    "achieved_ratio": "width ratio",
+    "base_prefill_ppl": "original PPL",
+    "compressed_prefill_ppl": "PPL",
+    "kv_bytes_ratio": "KV bytes ratio",
+}
 
 
 def list_runs(uri: str | None, experiment: str, limit: int = 20) -> list[dict[str, Any]]:

@@ -71,6 +71,7 @@ def test_up_serves_the_cli_runs_inspects_and_down_stops_everything(tmp_path):
         run_full, run_half = (text.split("MLflow run ")[1].split()[0] for text in (full, half))
         listing, _ = _lrkv(["runs", "list"], env)
         assert run_full in listing and run_half in listing and "FINISHED" in listing
+        assert "original PPL" in listing and "…" not in listing  # a pipe gets the table whole, not 80 columns
         shown, _ = _lrkv(["runs", "show", run_half], env)
         for expected in (
             "compressed_prefill_ppl",
