@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -90,8 +93,34 @@ app = typer.Typer(
 )
 
 
+def version() -> str:
+    """lrkv's version, read without importing lrkv (the installed distribution's, else the source's)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+    from importlib.util import find_spec
+
+    try:
+        return installed("lrkv")
+    except PackageNotFoundError:  # run from a source tree on PYTHONPATH
+        source = Path(find_spec("lrkv_core").submodule_search_locations[0]) / "version.py"
+        return re.search(r'__version__ = "([^"]+)"', source.read_text()).group(1)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"lrkv {version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _start() -> None:
+def _start(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Show lrkv's version and exit."
+        ),
+    ] = False,
+) -> None:
     """Before any command runs: glibc's malloc arenas capped, ahead of the flows' task threads (and inherited
     by the workers they start)."""
     with loading():

@@ -28,7 +28,10 @@ def print_table(table: Table) -> None:
         return
     from rich.measure import Measurement
 
-    width, before = Measurement.get(console, console.options.update(width=10_000), table).maximum, console.width
+    width, before = (
+        Measurement.get(console, console.options.update(width=10_000), table).maximum,
+        console.width,
+    )
     console.width = max(width, before)  # print() clamps its width to the console's
     try:
         console.print(table)

@@ -145,6 +145,9 @@ def test_the_command_list_loads_no_command_and_each_command_loads_on_its_own(tmp
 
     listing, loaded = lrkv("--help")
     assert loaded == [], loaded
+    from lrkv_core.version import __version__
+
+    assert lrkv("--version") == (f"lrkv {__version__}", [])
     for name, (_, summary) in COMMANDS.items():
         assert f" {name} {summary} " in listing, (name, listing)
     assert not (tmp_path / "home").exists()
