@@ -146,13 +146,13 @@ def _device(value: str, here: bool) -> str:
     return value
 
 
-def parse_group_size(value: str | None) -> int | str | None:
+def parse_group_size(value: str | None, flag: str = "--group-size") -> int | str | None:
     if value is None or value == "auto":
         return value
     try:
         return int(value)
     except ValueError:
-        raise typer.BadParameter(f"--group-size takes a positive integer or 'auto', got {value!r}") from None
+        raise typer.BadParameter(f"{flag} takes a positive integer or 'auto', got {value!r}") from None
 
 
 KINDS = {int: "integers", float: "numbers"}

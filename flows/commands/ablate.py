@@ -62,14 +62,15 @@ def ablate(
 
     try:
         ratio_list = csv_list(ratios, float, "--ratios")
-    except ValueError as e:
+        group_size_list = csv_list(group_sizes, lambda v: parse_group_size(v, "--group-sizes"))
+    except (ValueError, typer.BadParameter) as e:
         raise fail(f"invalid option: {e}", 2) from None
     flags = {
         "base.model": model,
         "base.calibration.dataset": dataset,
         "base.eval.dataset": eval_dataset,
         "decompositions": csv_list(decompositions),
-        "group_sizes": csv_list(group_sizes, parse_group_size),
+        "group_sizes": group_size_list,
         "allocators": csv_list(allocators),
         "ratios": ratio_list,
     }

@@ -173,6 +173,12 @@ def test_a_list_budget_or_bits_that_do_not_parse_are_one_line_naming_the_flag(tm
         ("search", "--ratios", "0.5,x", "invalid option: --ratios takes a comma list of numbers, got 'x'"),
         ("ablate", "--ratios", "0.5,,x", "invalid option: --ratios takes a comma list of numbers, got 'x'"),
         (
+            "ablate",
+            "--group-sizes",
+            "2,y",
+            "invalid option: --group-sizes takes a positive integer or 'auto', got 'y'",
+        ),
+        (
             "bench",
             "--contexts",
             "64,1e3",
