@@ -180,8 +180,9 @@ def register_version(
     ``"before_lora_kl"``) where measured (None: not evaluated); the gate's bounds: :func:`quality_gate`.
     Returns ``{"name", "version", "aliases", "gate"}``.
     """
+    bounds = {"max_ppl_rise": max_ppl_rise, "max_kl": max_kl}
     with _registration_lock(name):
-        return _register_version(run, logged, sha256, name, quality, max_ppl_rise, max_kl)
+        return _register_version(run, logged, sha256, name, quality, bounds)
 
 
 def _registration_lock(name: str):
@@ -199,13 +200,7 @@ def _registration_lock(name: str):
 
 
 def _register_version(
-    run: dict,
-    logged: dict,
-    sha256: str,
-    name: str,
-    quality: dict | None,
-    max_ppl_rise: float,
-    max_kl: float | None,
+    run: dict, logged: dict, sha256: str, name: str, quality: dict | None, bounds: dict
 ) -> dict:
     mc = client(run["tracking_uri"])
     _ensure_registered(mc, name)
@@ -224,7 +219,7 @@ def _register_version(
         name, logged["source"], run_id=run["run_id"], tags=tags, model_id=logged["model_id"]
     )
     try:
-        ok, why = quality_gate(quality, _quality_of(before[CHAMPION]), max_ppl_rise, max_kl)
+        ok, why = quality_gate(quality, _quality_of(before[CHAMPION]), **bounds)
         mc.set_model_version_tag(name, version.version, GATE_TAG, ("passed: " if ok else "failed: ") + why)
         mc.set_registered_model_alias(name, CANDIDATE, version.version)
         if ok:
