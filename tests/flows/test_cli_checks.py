@@ -164,30 +164,42 @@ def test_the_command_list_loads_no_command_and_each_command_loads_on_its_own(tmp
         assert (command.name, command.short_help) == (name, summary) and command.help
 
 
-def test_a_list_budget_or_bits_that_do_not_parse_are_one_line_naming_the_flag(tmp_path):
+def test_a_search_budget_or_bits_that_do_not_parse_are_one_line_naming_the_flag(tmp_path):
     model_dir = tiny_model_dir(tmp_path)
     data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
-    for command, flag, value, message in [
-        ("search", "--max-ppl-rise", "abc", "invalid option: --max-ppl-rise takes 1% or 0.01, got 'abc'"),
-        ("search", "--bits", "3,x", "invalid option: --bits takes e.g. 3,4,dense, got '3,x'"),
-        ("search", "--ratios", "0.5,x", "invalid option: --ratios takes a comma list of numbers, got 'x'"),
-        ("ablate", "--ratios", "0.5,,x", "invalid option: --ratios takes a comma list of numbers, got 'x'"),
-        (
-            "ablate",
-            "--group-sizes",
-            "2,y",
-            "invalid option: --group-sizes takes a positive integer or 'auto', got 'y'",
-        ),
-        (
-            "bench",
-            "--contexts",
-            "64,1e3",
-            "invalid option: --contexts takes a comma list of integers, got '1e3'",
-        ),
+    for flag, value, message in [
+        ("--max-ppl-rise", "abc", "invalid option: --max-ppl-rise takes 1% or 0.01, got 'abc'"),
+        ("--bits", "3,x", "invalid option: --bits takes e.g. 3,4,dense, got '3,x'"),
     ]:
-        args = [command, "--model", str(model_dir)] + (["--dataset", data] if command != "bench" else [])
-        res = _lrkv([*args, flag, value], tmp_path / "home")
+        res = _lrkv(["search", "--model", str(model_dir), "--dataset", data, flag, value], tmp_path / "home")
         output = res.stdout + res.stderr
         assert res.returncode == 2, output[-2000:]
         assert f"error: {message}" in " ".join(output.split()), output[-2000:]
         assert "Traceback" not in output
+
+
+def test_a_list_of_numbers_that_does_not_parse_is_one_line_naming_the_flag_and_the_item(
+    tmp_path, monkeypatch
+):
+    from typer.testing import CliRunner
+
+    from lrkv_flows.cli import app
+
+    monkeypatch.setenv("LRKV_HOME", str(tmp_path / "home"))
+    model = ["--model", str(tiny_model_dir(tmp_path))]
+    for args, message in [
+        (["search", *model, "--ratios", "0.5,x"], "--ratios takes a comma list of numbers, got 'x'"),
+        (["ablate", *model, "--ratios", "0.5,,x"], "--ratios takes a comma list of numbers, got 'x'"),
+        (
+            ["ablate", *model, "--group-sizes", "2,y"],
+            "--group-sizes takes a positive integer or 'auto', got 'y'",
+        ),
+        (["bench", *model, "--contexts", "64,1e3"], "--contexts takes a comma list of integers, got '1e3'"),
+        (["bench", *model, "--bits", "3,4.5"], "--bits takes a comma list of integers, got '4.5'"),
+    ]:
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and res.exception is None or isinstance(res.exception, SystemExit), (
+            res.output
+        )
+        assert " ".join(res.output.split()) == f"error: invalid option: {message}", (args, res.output)
+    assert not (tmp_path / "home").exists()  # refused before any set-up
