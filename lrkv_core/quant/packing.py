@@ -90,6 +90,10 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"{packed.shape[-1]} bytes cannot hold exactly {n} codes of {bits} bits")
     if bits == 8:
         return packed.clone()
+    if nbytes == 1:  # 2 and 4 bits: a byte's codes cut with byte-wide shifts, no wider word
+        mask = (1 << bits) - 1
+        fields = [(packed >> (bits * j)) & mask for j in range(per_block)]
+        return torch.stack(fields, dim=-1).flatten(-2)[..., :n]
     blocks = packed.unflatten(-1, (-1, nbytes)).to(torch.int32)  # (..., nb, nbytes)
     byte_shifts = torch.arange(nbytes, dtype=torch.int32, device=packed.device) * 8
     word = (blocks << byte_shifts).sum(-1, dtype=torch.int32)  # (..., nb)
