@@ -17,6 +17,8 @@ import yaml
 
 from lrkv_tasks.store.artifacts import STORE_FORMS, is_s3, local_dir
 
+from .report import fail
+
 
 def local_path(flag: str, accepts: str = "a local path") -> Callable[[str], Path]:
     """A typer ``parser`` for ``flag``: the value as a local ``Path`` (refusing what looks like a URI)."""
@@ -173,3 +175,12 @@ def csv_list(value: str | None, cast=str, flag: str = "the option") -> list | No
                 raise
             raise ValueError(f"{flag} takes a comma list of {KINDS[cast]}, got {item!r}") from None
     return out
+
+
+def list_option(value: str | None, cast: Callable, flag: str) -> list | None:
+    """:func:`csv_list` of a command's ``flag``: an item that does not parse ends the command with one line
+    naming the flag (exit code 2)."""
+    try:
+        return csv_list(value, cast, flag)
+    except (ValueError, typer.BadParameter) as err:
+        raise fail(f"invalid option: {err}", 2) from None

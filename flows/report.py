@@ -28,11 +28,9 @@ def print_table(table: Table) -> None:
         return
     from rich.measure import Measurement
 
-    width, before = (
-        Measurement.get(console, console.options.update(width=10_000), table).maximum,
-        console.width,
-    )
-    console.width = max(width, before)  # print() clamps its width to the console's
+    before = console.width
+    needed = Measurement.get(console, console.options.update(width=10_000), table).maximum
+    console.width = max(needed, before)  # print() clamps its width to the console's
     try:
         console.print(table)
     finally:

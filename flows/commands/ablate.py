@@ -14,6 +14,7 @@ from lrkv_core.decompositions import DECOMPOSITIONS
 from ..options import (
     csv_list,
     flag_overrides,
+    list_option,
     parse_group_size,
     parse_set,
     path_option,
@@ -60,19 +61,16 @@ def ablate(
     """Run a grid of conversions on one model and write a comparison table, a plot and an MLflow run."""
     from lrkv_tasks.recipes.convert_recipe import AblateRecipe, apply_overrides, read_yaml
 
-    try:
-        ratio_list = csv_list(ratios, float, "--ratios")
-        group_size_list = csv_list(group_sizes, lambda v: parse_group_size(v, "--group-sizes"))
-    except (ValueError, typer.BadParameter) as e:
-        raise fail(f"invalid option: {e}", 2) from None
     flags = {
         "base.model": model,
         "base.calibration.dataset": dataset,
         "base.eval.dataset": eval_dataset,
         "decompositions": csv_list(decompositions),
-        "group_sizes": group_size_list,
+        "group_sizes": list_option(
+            group_sizes, lambda v: parse_group_size(v, "--group-sizes"), "--group-sizes"
+        ),
         "allocators": csv_list(allocators),
-        "ratios": ratio_list,
+        "ratios": list_option(ratios, float, "--ratios"),
     }
     overrides = flag_overrides(flags, "base.eval.dataset") | parse_set(set_ or [])
     try:

@@ -10,6 +10,7 @@ import typer
 
 from ..options import (
     csv_list,
+    list_option,
     path_option,
 )
 from ..report import console, fail, rich_progress
@@ -70,12 +71,10 @@ def bench(
     from lrkv_core.decompositions import KEY_LATENTS
     from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
 
-    try:
-        ratio_list, context_list = csv_list(ratios, float, "--ratios"), csv_list(contexts, int, "--contexts")
-        bit_list = csv_list(bits, int, "--bits") or []
-        key_list = csv_list(keys, str)
-    except ValueError as e:
-        raise fail(f"invalid option: {e}", 2) from None
+    ratio_list = list_option(ratios, float, "--ratios")
+    context_list = list_option(contexts, int, "--contexts")
+    bit_list = list_option(bits, int, "--bits") or []
+    key_list = csv_list(keys, str)
     bad_bits = any(b not in (2, 3, 4, 8) for b in bit_list)
     if not ratio_list or any(not 0 < r <= 1 for r in ratio_list) or bad_bits:
         raise fail("--ratios must be in (0, 1] and --bits among 2, 3, 4, 8", 2)

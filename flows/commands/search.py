@@ -14,6 +14,7 @@ from lrkv_tasks.recipes.search_recipe import SearchRecipe
 from ..options import (
     csv_list,
     flag_overrides,
+    list_option,
     parse_set,
     path_option,
     store_root,
@@ -95,10 +96,6 @@ def search(
         caches = csv_list(bits, lambda b: "dense" if b == "dense" else {"name": "quantized", "bits": int(b)})
     except ValueError:
         raise fail(f"invalid option: --bits takes e.g. 3,4,dense, got {bits!r}", 2) from None
-    try:
-        ratio_list = csv_list(ratios, float, "--ratios")
-    except ValueError as e:
-        raise fail(f"invalid option: {e}", 2) from None
     flags = {
         "base.model": model,
         "base.calibration.dataset": dataset,
@@ -107,7 +104,7 @@ def search(
         "base.store": store,
         "search.max_ppl_rise": rise,
         "search.max_kl": max_kl,
-        "search.ratios": ratio_list,
+        "search.ratios": list_option(ratios, float, "--ratios"),
         "search.caches": caches,
         "search.allocators": csv_list(allocators),
     }

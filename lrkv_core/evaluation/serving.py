@@ -478,8 +478,9 @@ def measure_kernels(
     for i, context in enumerate(contexts):
         roofs = {"copy_bytes_per_s": copy, "matmul_flop_per_s": peak}
         points = measure_attention(model, context=context, batch=batch, steps=steps, warmup=warmup, **roofs)
-        for point in points if on_point is not None else ():
-            on_point(point)
+        if on_point is not None:
+            for point in points:
+                on_point(point)
         out += points
         if progress is not None:
             progress(i + 1, len(contexts))
