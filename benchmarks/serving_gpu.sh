@@ -90,7 +90,7 @@ run() {
   local model=/tmp/${SHAPE:-smollm2}-random python=$PYTHON out=$OUT
   environment
   [ -d "$model" ] || "$python" benchmarks/random_model.py --shape "${SHAPE:-smollm2}" --out "$model"
-  local contexts=${CONTEXTS:-65536} keys=${KEYS:-rebuilt,rotated} ratios=${RATIOS:-0.5} bits=${BITS-3}
+  local contexts=${CONTEXTS:-65536} keys=${KEYS:-rotated,rebuilt} ratios=${RATIOS:-0.5} bits=${BITS-3}
   local name="bench-${contexts//,/_}-${keys//,/_}"
   set -o pipefail
   "$python" -c "from lrkv_flows.main import main; main()" bench --model "$model" --ratios "$ratios" \

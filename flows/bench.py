@@ -26,6 +26,7 @@ from lrkv_core.evaluation.serving import batch_within_budget
 from lrkv_tasks import bench as b
 from lrkv_tasks import convert as t
 from lrkv_tasks.device import task_device
+from lrkv_tasks.progress import note
 from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
 from lrkv_tasks.store.artifact_store import open_store
 from lrkv_tasks.tracking.mlflow_runs import close_run, log_results, open_run
@@ -92,26 +93,34 @@ def bench_flow(
         )
         return _record(timings, f"bench_model[{label}, batch {','.join(map(str, batches))}]", future)
 
-    measured = {label: measure(label, contexts, [batch]) for label in models}
-    longest = contexts[-1]
-    base = _point(measured["original"], longest, batch)
-    budget = base["kv_bytes"]
-    serving = []
+    # each model whole (its decode grid, then its batch at the original's cache budget) before the next, so
+    # that a run stopped by a time limit has logged every figure of the models it reached
+    longest, measured, serving = contexts[-1], {}, []
     for label in models:
+        measured[label] = measure(label, contexts, [batch])
+        for context in contexts if label != "original" else []:
+            ratio = _point(measured[label], context, batch)["decode_ms"]
+            ratio /= _point(measured["original"], context, batch)["decode_ms"]
+            note(f"decode step of {label} at {context} tokens, batch {batch}: {ratio:.2f}× the original's")
+        base = _point(measured["original"], longest, batch)
         point = _point(measured[label], longest, batch)
-        fits = batch_within_budget(budget, point["kv_bytes_per_token"], longest)
+        fits = batch_within_budget(base["kv_bytes"], point["kv_bytes_per_token"], longest)
         if fits != batch:
             point = _point(measure(label, [longest], [fits]), longest, fits)
-        serving.append(
-            {
-                "model": label,
-                "batch": fits,
-                "decode_ms": point["decode_ms"],
-                "tokens_per_s": point["tokens_per_s"],
-                "tokens_per_s_over_original": point["tokens_per_s"] / base["tokens_per_s"],
-                "kv_bytes": point["kv_bytes"],
-            }
+        row = {
+            "model": label,
+            "batch": fits,
+            "decode_ms": point["decode_ms"],
+            "tokens_per_s": point["tokens_per_s"],
+            "tokens_per_s_over_original": point["tokens_per_s"] / base["tokens_per_s"],
+            "kv_bytes": point["kv_bytes"],
+        }
+        serving.append(row)
+        note(
+            f"serving {label} within the original's cache at {longest} tokens: batch {fits}, "
+            f"{row['tokens_per_s']:.1f} tokens/s ({row['tokens_per_s_over_original']:.2f}× the original's)"
         )
+    budget = base["kv_bytes"]
     rows = _rows(measured, contexts, batch)
     kernel_rows = []
     for label in models:

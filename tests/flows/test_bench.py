@@ -65,6 +65,20 @@ def test_bench_flow_measures_logs_and_resumes_from_cache(prefect_api, mlflow_ser
         line.startswith(f"bench lrkv r0.5: context 48 × batch 2: decode {half48['decode_ms']:.3f} ms/step")
         for line in lines
     ), lines
+    ratio = half48["decode_over_original"]
+    assert f"decode step of lrkv r0.5 at 48 tokens, batch 2: {ratio:.2f}× the original's" in lines, lines
+    q = trade["lrkv r0.5 4-bit"]
+    serving_line = (
+        f"serving lrkv r0.5 4-bit within the original's cache at 48 tokens: batch {q['batch']}, "
+        f"{q['tokens_per_s']:.1f} tokens/s ({q['tokens_per_s_over_original']:.2f}× the original's)"
+    )
+    assert serving_line in lines, lines
+    # one model whole (its decode grid, then its batch at the budget) before the next is measured
+    order = [row["task"] for row in first["timings"] if row["task"].startswith("bench_model[")]
+    assert order[1:3] == [
+        "bench_model[lrkv r0.5, batch 2]",
+        f"bench_model[lrkv r0.5, batch {trade['lrkv r0.5']['batch']}]",
+    ]
     k48 = kernel["original", 48]
     assert f"kernel original: context 48 × batch 2, torch sdpa: {k48['time_ms'] * 1e3:.1f} µs" in "\n".join(
         lines
