@@ -34,7 +34,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import unquote
 
-from lrkv_core.system.paths import lrkv_home, setup_lock, writable_home
+# lrkv_core's paths are imported where used: importing lrkv_core imports torch and transformers (seconds),
+# which the server and migration processes this module runs as never need
 
 SERVICES = "services.json"  # written by `lrkv up`: {"prefect_api": ..., "mlflow": ..., "pids": [...]}
 
@@ -42,6 +43,8 @@ SERVICES = "services.json"  # written by `lrkv up`: {"prefect_api": ..., "mlflow
 def database_url() -> str:
     """The Prefect database lrkv's servers share (``$LRKV_HOME/prefect.db``), so ``lrkv up``'s UI shows the
     runs made before it started; ``$PREFECT_API_DATABASE_CONNECTION_URL`` overrides it."""
+    from lrkv_core.system.paths import writable_home
+
     return f"sqlite+aiosqlite:///{writable_home() / 'prefect.db'}"
 
 
@@ -111,6 +114,8 @@ def healthy(api_url: str, timeout: float = 2.0) -> bool:
 
 def running_services() -> dict:
     """What ``lrkv up`` recorded, if its Prefect API still answers ({} otherwise)."""
+    from lrkv_core.system.paths import lrkv_home
+
     path = lrkv_home() / SERVICES
     if not path.is_file():
         return {}
@@ -123,6 +128,8 @@ class OwnedServer:
 
     # a busy machine (many lrkv commands starting at once on two cores) can take minutes to import the server
     def __init__(self, timeout: float = 600.0) -> None:
+        from lrkv_core.system.paths import setup_lock, writable_home
+
         home = writable_home()
         log = home / "logs"
         log.mkdir(parents=True, exist_ok=True)
@@ -130,6 +137,7 @@ class OwnedServer:
         self.log_path.write_text("")
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"}
         env.setdefault("PREFECT_API_DATABASE_CONNECTION_URL", database_url())
+        env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # as `lrkv up`'s server: no telemetry
         with setup_lock(home):  # one server of this home starts (and migrates its database) at a time
             prepare_database(env["PREFECT_API_DATABASE_CONNECTION_URL"], self.log_path)
             with socket.socket() as s:
