@@ -32,12 +32,20 @@ from .attention import FusedDecode, LatentAttention, LatentAttentionBase, Latent
 def check_rotated_keys(adapter: ArchAdapter, config: PretrainedConfig) -> None:
     """Raise ``ValueError`` unless the model's attention can read latents of rotated keys: one RoPE for
     every layer (over whole heads or their first dims), no QK-norm."""
+    rebuilt = "; convert it with key_latents: rebuilt (the default)"
     if not adapter.rope:
-        raise ValueError(f"{adapter.model_type} has no RoPE: latents of rotated keys are for RoPE models")
+        raise ValueError(
+            f"{adapter.model_type} has no RoPE: latents of rotated keys are for RoPE models{rebuilt}"
+        )
     if adapter.qk_norms(config) is not None:
-        raise ValueError(f"{adapter.model_type}: latents of rotated keys do not support QK-norm yet")
+        raise ValueError(
+            f"{adapter.model_type}: latents of rotated keys do not support QK-norm (its keys are normed per "
+            f"head before RoPE){rebuilt}"
+        )
     if adapter.rope_per_layer_type:
-        raise ValueError(f"{adapter.model_type}: latents of rotated keys need one RoPE for every layer")
+        raise ValueError(
+            f"{adapter.model_type}: latents of rotated keys need one RoPE for every layer{rebuilt}"
+        )
 
 
 def rotary_dims(adapter: ArchAdapter, config: PretrainedConfig) -> int:

@@ -207,7 +207,9 @@ def test_models_it_cannot_serve_and_bad_options_are_refused() -> None:
             rotated(tiny_model(arch, 4 if arch == "opt" else 2), 2, 1.0)
     gemma = tiny_model("gemma3", 2).config
     without_norms = dataclasses.replace(get_adapter(gemma), qk_norm=None)  # Gemma 3's RoPE per layer type
-    with pytest.raises(ValueError, match="need one RoPE for every layer"):
+    with pytest.raises(
+        ValueError, match="need one RoPE for every layer; convert it with key_latents: rebuilt"
+    ):
         check_rotated_keys(without_norms, gemma)
     with pytest.raises(ValueError, match="rank multiple must be even, got 3"):
         CompressionConfig(key_latents="rotated", rank_multiple=3)
