@@ -28,6 +28,7 @@ from lrkv_tasks import convert as t
 from lrkv_tasks.device import task_device
 from lrkv_tasks.progress import note
 from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
+from lrkv_tasks.recipes.preflight import check_bench_models
 from lrkv_tasks.store.artifact_store import open_store
 from lrkv_tasks.tracking.mlflow_runs import close_run, log_results, open_run
 
@@ -64,6 +65,7 @@ def bench_flow(
         raise ValueError("batch, steps and every context must be ≥ 1 and warmup ≥ 0")
     if compiled and (not static or warmup < 1):
         raise ValueError("a compiled decode step needs static caches (static=True) and warmup ≥ 1")
+    check_bench_models(model, compressed or [], keys)  # as the CLI does before Prefect starts
     tracking = tracking or TrackingRecipe()
     st = open_store(store)
     root, storage = st.root, st.result_storage()

@@ -87,6 +87,10 @@ def bench(
     if compile_steps and warmup < 1:
         raise fail("--compile needs --warmup ≥ 1 (the first decode step runs uncompiled)", 2)
     start_command(store, verbose, model)
+    with user_errors():
+        from lrkv_tasks.recipes.preflight import check_bench_models
+
+        check_bench_models(model, compressed or [], key_list)  # before Prefect starts
     use_device(device)
     with prefect_api() as supervise:
         from lrkv_flows.bench import bench_flow

@@ -29,23 +29,25 @@ from .adapters import ArchAdapter
 from .attention import FusedDecode, LatentAttention, LatentAttentionBase, LatentLayout, joined
 
 
-def check_rotated_keys(adapter: ArchAdapter, config: PretrainedConfig) -> None:
-    """Raise ``ValueError`` unless the model's attention can read latents of rotated keys: one RoPE for
-    every layer (over whole heads or their first dims), no QK-norm."""
-    rebuilt = "; convert it with key_latents: rebuilt (the default)"
+def check_rotated_keys(
+    adapter: ArchAdapter,
+    config: PretrainedConfig,
+    remedy: str = "convert it with key_latents: rebuilt (the default)",
+) -> None:
+    """Raise ``ValueError`` (its reason, then ``remedy``) unless the model's attention can read latents of
+    rotated keys: one RoPE for every layer (over whole heads or their first dims), no QK-norm."""
+    reason = None
     if not adapter.rope:
-        raise ValueError(
-            f"{adapter.model_type} has no RoPE: latents of rotated keys are for RoPE models{rebuilt}"
-        )
-    if adapter.qk_norms(config) is not None:
-        raise ValueError(
+        reason = f"{adapter.model_type} has no RoPE: latents of rotated keys are for RoPE models"
+    elif adapter.qk_norms(config) is not None:
+        reason = (
             f"{adapter.model_type}: latents of rotated keys do not support QK-norm (its keys are normed per "
-            f"head before RoPE){rebuilt}"
+            "head before RoPE)"
         )
-    if adapter.rope_per_layer_type:
-        raise ValueError(
-            f"{adapter.model_type}: latents of rotated keys need one RoPE for every layer{rebuilt}"
-        )
+    elif adapter.rope_per_layer_type:
+        reason = f"{adapter.model_type}: latents of rotated keys need one RoPE for every layer"
+    if reason is not None:
+        raise ValueError(f"{reason}; {remedy}")
 
 
 def rotary_dims(adapter: ArchAdapter, config: PretrainedConfig) -> int:

@@ -140,6 +140,30 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
     return Prepared(concrete, notes)
 
 
+def check_bench_models(model: str, compressed: list[str], keys: list[str]) -> None:
+    """The bench's models, checked before Prefect starts: the original a supported model with safetensors
+    weights (and, for ``rotated`` keys, one whose attention can read latents of rotated keys), each
+    ``compressed`` directory an lrkv model. Raises ``ValueError`` or ``FileNotFoundError`` with one line."""
+    from lrkv_core.model.attention_rotated import check_rotated_keys
+
+    model_dir = resolve_model_dir(model)
+    if is_compressed_dir(model_dir):
+        raise ValueError(
+            f"--model {model} is an lrkv compressed model; --model takes the original (a compressed model is "
+            "measured beside it with --compressed)"
+        )
+    problem = missing_safetensors(model_dir)
+    if problem is not None:
+        raise ValueError(f"--model {model} {problem}")
+    config = AutoConfig.from_pretrained(str(model_dir))
+    adapter = get_adapter(config)  # unsupported architectures fail here, naming the supported ones
+    if "rotated" in keys:
+        check_rotated_keys(adapter, config, remedy="--keys rebuilt measures it")
+    for path in compressed:
+        if not is_compressed_dir(resolve_model_dir(path)):
+            raise ValueError(f"--compressed {path} is not an lrkv compressed model (lrkv convert writes one)")
+
+
 def _check_source_model(model_dir: Path, ref: str) -> None:
     """The model to convert: not already an lrkv model, and with safetensors weights (no pickle is read)."""
     if is_compressed_dir(model_dir):

@@ -341,3 +341,27 @@ def test_bench_refuses_a_compiled_step_without_a_static_cache_or_a_warmup(tmp_pa
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2 and why in " ".join(res.output.split()), (args, res.output)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_refuses_models_it_cannot_measure_before_prefect_starts(tmp_path, monkeypatch):
+    """A compressed model given as the original, a directory that is not an lrkv model given as
+    ``--compressed``, rotated keys of a QK-norm model: one line and exit 1, before any Prefect server."""
+    from typer.testing import CliRunner
+
+    from lrkv_core.conversion.pipeline import convert_data_free_dir
+    from lrkv_flows.cli import app
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("LRKV_HOME", str(home))
+    llama, qwen3 = tiny_model_dir(tmp_path), tiny_model_dir(tmp_path, "qwen3")
+    half = tmp_path / "half"
+    convert_data_free_dir(str(llama), str(half), ratio=0.5)
+    for args, why in [
+        (["--model", str(half)], f"--model {half} is an lrkv compressed model; --model takes the original"),
+        (["--model", str(llama), "--compressed", str(qwen3)], f"--compressed {qwen3} is not an lrkv"),
+        (["--model", str(qwen3), "--keys", "rotated"], "do not support QK-norm (its keys are normed"),
+    ]:
+        res = CliRunner().invoke(app, ["bench", *args, "--contexts", "16", "--batch", "1"])
+        assert res.exit_code == 1 and why in " ".join(res.output.split()), (args, res.output)
+    assert "--keys rebuilt measures it" in " ".join(res.output.split())
+    assert not (home / "prefect.db").exists() and not list(home.glob("logs/prefect-api-*"))
