@@ -78,6 +78,10 @@ def ablate(
     except (ValueError, OSError, yaml.YAMLError) as e:
         raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
     start_command(rec.base.store, verbose, rec.base.model)
+    with user_errors():
+        from lrkv_tasks.recipes.preflight import check_ablation
+
+        check_ablation(rec)  # before Prefect starts
     use_device(device)
     with dask_block(dask, rec.base.store), prefect_api() as supervise:
         from lrkv_flows.ablate import ablate_flow

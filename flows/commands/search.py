@@ -114,6 +114,10 @@ def search(
     except (ValueError, OSError, yaml.YAMLError) as e:
         raise fail(f"invalid recipe: {recipe_error(e)}", 2) from None
     start_command(rec.base.store, verbose, rec.base.model)
+    with user_errors():
+        from lrkv_tasks.recipes.preflight import prepare
+
+        prepare(rec.base)  # before Prefect starts (the flow prepares it again)
     use_device(device)
     with dask_block(dask, rec.base.store), prefect_api() as supervise:
         from lrkv_flows.search import search_flow

@@ -27,7 +27,7 @@ from lrkv_core.model.loading import TOKENIZER_FILES, missing_safetensors, resolv
 
 from ..device import pass_limit
 from ..store.artifacts import is_s3
-from .convert_recipe import HELD_OUT, ConvertRecipe, LoraRecipe
+from .convert_recipe import HELD_OUT, AblateRecipe, ConvertRecipe, LoraRecipe
 
 DEFAULT_CALIBRATION = "hf:wikitext:wikitext-2-raw-v1:train"  # Palu's and SVD-LLM's calibration text
 
@@ -140,6 +140,19 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
     return Prepared(concrete, notes)
 
 
+def check_ablation(recipe: AblateRecipe) -> None:
+    """Before Prefect starts: raise the first grid point's error when no point passes :func:`prepare` (a
+    missing model or dataset fails them all); a point that fails alone is one of the flow's failed rows."""
+    errors: list[Exception] = []
+    for compression in recipe.grid():
+        try:
+            prepare(recipe.base.model_copy(update={"compression": compression, "out": None}))
+            return
+        except (ValueError, OSError) as e:
+            errors.append(e)
+    raise errors[0]
+
+
 def check_bench_models(model: str, compressed: list[str], keys: list[str]) -> None:
     """The bench's models, checked before Prefect starts: the original a supported model with safetensors
     weights (and, for ``rotated`` keys, one whose attention can read latents of rotated keys), each
@@ -147,14 +160,11 @@ def check_bench_models(model: str, compressed: list[str], keys: list[str]) -> No
     from lrkv_core.model.attention_rotated import check_rotated_keys
 
     model_dir = resolve_model_dir(model)
-    if is_compressed_dir(model_dir):
-        raise ValueError(
-            f"--model {model} is an lrkv compressed model; --model takes the original (a compressed model is "
-            "measured beside it with --compressed)"
-        )
-    problem = missing_safetensors(model_dir)
-    if problem is not None:
-        raise ValueError(f"--model {model} {problem}")
+    _check_source_model(
+        model_dir,
+        model,
+        "--model takes the original (a compressed model is measured beside it with --compressed)",
+    )
     config = AutoConfig.from_pretrained(str(model_dir))
     adapter = get_adapter(config)  # unsupported architectures fail here, naming the supported ones
     if "rotated" in keys:
@@ -164,13 +174,15 @@ def check_bench_models(model: str, compressed: list[str], keys: list[str]) -> No
             raise ValueError(f"--compressed {path} is not an lrkv compressed model (lrkv convert writes one)")
 
 
-def _check_source_model(model_dir: Path, ref: str) -> None:
-    """The model to convert: not already an lrkv model, and with safetensors weights (no pickle is read)."""
+def _check_source_model(
+    model_dir: Path,
+    ref: str,
+    instead: str = "convert takes the original model it was made from (to evaluate this one: lrkv eval)",
+) -> None:
+    """The original model: not already an lrkv model (``instead`` says what to do), and with safetensors
+    weights (no pickle is read)."""
     if is_compressed_dir(model_dir):
-        raise ValueError(
-            f"--model {ref} is already an lrkv compressed model; convert takes the original model it was "
-            "made from (to evaluate this one: lrkv eval)"
-        )
+        raise ValueError(f"--model {ref} is already an lrkv compressed model; {instead}")
     problem = missing_safetensors(model_dir)
     if problem is not None:
         raise ValueError(f"--model {ref} {problem}")

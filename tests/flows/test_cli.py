@@ -357,7 +357,7 @@ def test_bench_refuses_models_it_cannot_measure_before_prefect_starts(tmp_path, 
     half = tmp_path / "half"
     convert_data_free_dir(str(llama), str(half), ratio=0.5)
     for args, why in [
-        (["--model", str(half)], f"--model {half} is an lrkv compressed model; --model takes the original"),
+        (["--model", str(half)], f"--model {half} is already an lrkv compressed model; --model takes the"),
         (["--model", str(llama), "--compressed", str(qwen3)], f"--compressed {qwen3} is not an lrkv"),
         (["--model", str(qwen3), "--keys", "rotated"], "do not support QK-norm (its keys are normed"),
     ]:
@@ -365,3 +365,30 @@ def test_bench_refuses_models_it_cannot_measure_before_prefect_starts(tmp_path, 
         assert res.exit_code == 1 and why in " ".join(res.output.split()), (args, res.output)
     assert "--keys rebuilt measures it" in " ".join(res.output.split())
     assert not (home / "prefect.db").exists() and not list(home.glob("logs/prefect-api-*"))
+
+
+def test_ablate_and_search_refuse_a_missing_model_or_dataset_before_prefect_starts(tmp_path, monkeypatch):
+    """What fails every conversion (no model, no data, a ratio that leaves every grid point at rank 0) ends
+    ablate and search with one line before any Prefect server starts; a grid with one good point passes."""
+    from typer.testing import CliRunner
+
+    from lrkv_flows.cli import app
+    from lrkv_tasks.recipes.convert_recipe import AblateRecipe
+    from lrkv_tasks.recipes.preflight import check_ablation
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("LRKV_HOME", str(home))
+    model = tiny_model_dir(tmp_path)
+    data = f"parquet:{token_parquet(tmp_path / 'data.parquet', rows=12, seq_len=32)}"
+    missing = tmp_path / "missing"
+    for args, why in [
+        (["ablate", "--model", str(missing), "--dataset", data], f"model directory {missing} does not exist"),
+        (["search", "--model", str(missing), "--dataset", data], f"model directory {missing} does not exist"),
+        (["ablate", "--model", str(model), "--dataset", f"parquet:{missing}", "--ratios", "1"], "not found"),
+        (["ablate", "--model", str(model), "--dataset", data, "--ratios", "0.001"], "leaves rank 0"),
+    ]:
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 1 and why in " ".join(res.output.split()), (args, res.output)
+    assert not (home / "prefect.db").exists() and not list(home.glob("logs/prefect-api-*"))
+    grid = {"base": {"model": str(model), "calibration": {"dataset": data}}, "ratios": [0.001, 1.0]}
+    check_ablation(AblateRecipe.model_validate(grid))  # the point at full rank passes: no error
