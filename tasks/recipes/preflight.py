@@ -22,6 +22,7 @@ from lrkv_core.data.heldout import overlap
 from lrkv_core.data.refs import absolute_dataset_spec, absolute_model_ref, absolute_path
 from lrkv_core.lora import check_targets, check_training_dataset
 from lrkv_core.model.adapters import get_adapter
+from lrkv_core.model.attention_rotated import check_rotated_keys
 from lrkv_core.model.io import is_compressed_dir
 from lrkv_core.model.loading import TOKENIZER_FILES, missing_safetensors, resolve_model_dir
 
@@ -157,8 +158,6 @@ def check_bench_models(model: str, compressed: list[str], keys: list[str]) -> No
     """The bench's models, checked before Prefect starts: the original a supported model with safetensors
     weights (and, for ``rotated`` keys, one whose attention can read latents of rotated keys), each
     ``compressed`` directory an lrkv model. Raises ``ValueError`` or ``FileNotFoundError`` with one line."""
-    from lrkv_core.model.attention_rotated import check_rotated_keys
-
     model_dir = resolve_model_dir(model)
     _check_source_model(
         model_dir,
