@@ -343,7 +343,22 @@ def test_bench_refuses_a_compiled_step_without_a_static_cache_or_a_warmup(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_refuses_models_it_cannot_measure_before_prefect_starts(tmp_path, monkeypatch):
+@pytest.fixture
+def command_settings():
+    """The process's environment and MLflow's log level restored after a command that ran in-process got as
+    far as setting Prefect's settings for its run (they would reach later tests' subprocesses)."""
+    import logging
+
+    environ, mlflow_level = dict(os.environ), logging.getLogger("mlflow").level
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    logging.getLogger("mlflow").setLevel(mlflow_level)
+
+
+def test_bench_refuses_models_it_cannot_measure_before_prefect_starts(
+    tmp_path, monkeypatch, command_settings
+):
     """A compressed model given as the original, a directory that is not an lrkv model given as
     ``--compressed``, rotated keys of a QK-norm model: one line and exit 1, before any Prefect server."""
     from typer.testing import CliRunner
@@ -367,7 +382,9 @@ def test_bench_refuses_models_it_cannot_measure_before_prefect_starts(tmp_path, 
     assert not (home / "prefect.db").exists() and not list(home.glob("logs/prefect-api-*"))
 
 
-def test_ablate_and_search_refuse_a_missing_model_or_dataset_before_prefect_starts(tmp_path, monkeypatch):
+def test_ablate_and_search_refuse_a_missing_model_or_dataset_before_prefect_starts(
+    tmp_path, monkeypatch, command_settings
+):
     """What fails every conversion (no model, no data, a ratio that leaves every grid point at rank 0) ends
     ablate and search with one line before any Prefect server starts; a grid with one good point passes."""
     from typer.testing import CliRunner
