@@ -97,13 +97,16 @@ def bench_flow(
 
     # each model whole (its decode grid, then its batch at the original's cache budget) before the next, so
     # that a run stopped by a time limit has logged every figure of the models it reached
-    longest, measured, serving = contexts[-1], {}, []
+    longest, measured, rows, serving = contexts[-1], {}, [], []
     for label in models:
         measured[label] = measure(label, contexts, [batch])
-        for context in contexts if label != "original" else []:
-            ratio = _point(measured[label], context, batch)["decode_ms"]
-            ratio /= _point(measured["original"], context, batch)["decode_ms"]
-            note(f"decode step of {label} at {context} tokens, batch {batch}: {ratio:.2f}× the original's")
+        model_rows = _rows(label, measured, contexts, batch)
+        rows += model_rows
+        for r in model_rows if label != "original" else []:
+            note(
+                f"decode step of {label} at {r['context']} tokens, batch {batch}: "
+                f"{r['decode_over_original']:.2f}× the original's"
+            )
         base = _point(measured["original"], longest, batch)
         point = _point(measured[label], longest, batch)
         fits = batch_within_budget(base["kv_bytes"], point["kv_bytes_per_token"], longest)
@@ -123,7 +126,6 @@ def bench_flow(
             f"{row['tokens_per_s']:.1f} tokens/s ({row['tokens_per_s_over_original']:.2f}× the original's)"
         )
     budget = base["kv_bytes"]
-    rows = _rows(measured, contexts, batch)
     kernel_rows = []
     for label in models:
         future = stored(b.bench_kernel).submit(
@@ -157,24 +159,24 @@ def _point(measured: dict, context: int, batch: int) -> dict:
     return next(p for p in measured["points"] if p["context"] == context and p["batch"] == batch)
 
 
-def _rows(measured: dict[str, dict], contexts: list[int], batch: int) -> list[dict]:
+def _rows(label: str, measured: dict[str, dict], contexts: list[int], batch: int) -> list[dict]:
+    """The decode table's rows of model ``label``, one per context, each against the original's step."""
     rows = []
-    for label, result in measured.items():
-        for context in contexts:
-            p, base = _point(result, context, batch), _point(measured["original"], context, batch)
-            rows.append(
-                {
-                    "model": label,
-                    "context": context,
-                    "batch": batch,
-                    "decode_ms": p["decode_ms"],
-                    "decode_over_original": p["decode_ms"] / base["decode_ms"],
-                    "tokens_per_s": p["tokens_per_s"],
-                    "prefill_tokens_per_s": p["prefill_tokens_per_s"],
-                    "kv_bytes_per_token": p["kv_bytes_per_token"],
-                    "peak_memory_bytes": p["peak_memory_bytes"],
-                }
-            )
+    for context in contexts:
+        p, base = _point(measured[label], context, batch), _point(measured["original"], context, batch)
+        rows.append(
+            {
+                "model": label,
+                "context": context,
+                "batch": batch,
+                "decode_ms": p["decode_ms"],
+                "decode_over_original": p["decode_ms"] / base["decode_ms"],
+                "tokens_per_s": p["tokens_per_s"],
+                "prefill_tokens_per_s": p["prefill_tokens_per_s"],
+                "kv_bytes_per_token": p["kv_bytes_per_token"],
+                "peak_memory_bytes": p["peak_memory_bytes"],
+            }
+        )
     return rows
 
 
