@@ -65,7 +65,7 @@ def bench_flow(
         raise ValueError("batch, steps and every context must be ≥ 1 and warmup ≥ 0")
     if compiled and (not static or warmup < 1):
         raise ValueError("a compiled decode step needs static caches (static=True) and warmup ≥ 1")
-    check_bench_models(model, compressed or [], keys)  # as the CLI does before Prefect starts
+    check_bench_models(model, compressed or [], keys, contexts[-1], warmup + steps)  # as the CLI does
     tracking = tracking or TrackingRecipe()
     st = open_store(store)
     root, storage = st.root, st.result_storage()

@@ -90,7 +90,8 @@ def bench(
     with user_errors():
         from lrkv_tasks.recipes.preflight import check_bench_models
 
-        check_bench_models(model, compressed or [], key_list)  # before Prefect starts
+        # before Prefect starts
+        check_bench_models(model, compressed or [], key_list, max(context_list), warmup + steps)
     use_device(device)
     with prefect_api() as supervise:
         from lrkv_flows.bench import bench_flow

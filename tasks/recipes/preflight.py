@@ -154,10 +154,13 @@ def check_ablation(recipe: AblateRecipe) -> None:
     raise errors[0]
 
 
-def check_bench_models(model: str, compressed: list[str], keys: list[str]) -> None:
+def check_bench_models(
+    model: str, compressed: list[str], keys: list[str], context: int, decode_steps: int
+) -> None:
     """The bench's models, checked before Prefect starts: the original a supported model with safetensors
-    weights (and, for ``rotated`` keys, one whose attention can read latents of rotated keys), each
-    ``compressed`` directory an lrkv model. Raises ``ValueError`` or ``FileNotFoundError`` with one line."""
+    weights that holds the longest ``context`` and its ``decode_steps`` (warmup and timed) in its positions
+    (and, for ``rotated`` keys, one whose attention can read latents of rotated keys), each ``compressed``
+    directory an lrkv model. Raises ``ValueError`` or ``FileNotFoundError`` with one line."""
     model_dir = resolve_model_dir(model)
     _check_source_model(
         model_dir,
@@ -166,6 +169,12 @@ def check_bench_models(model: str, compressed: list[str], keys: list[str]) -> No
     )
     config = AutoConfig.from_pretrained(str(model_dir))
     adapter = get_adapter(config)  # unsupported architectures fail here, naming the supported ones
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and context + decode_steps > limit:
+        raise ValueError(
+            f"context {context} + {decode_steps} decode steps passes {model}'s {limit} positions: give "
+            f"--contexts up to {limit - decode_steps}"
+        )
     if "rotated" in keys:
         check_rotated_keys(adapter, config, remedy="--keys rebuilt measures it")
     for path in compressed:

@@ -360,7 +360,8 @@ def test_bench_refuses_models_it_cannot_measure_before_prefect_starts(
     tmp_path, monkeypatch, command_settings
 ):
     """A compressed model given as the original, a directory that is not an lrkv model given as
-    ``--compressed``, rotated keys of a QK-norm model: one line and exit 1, before any Prefect server."""
+    ``--compressed``, rotated keys of a QK-norm model, a context past the model's positions: one line and exit
+    1, before any Prefect server."""
     from typer.testing import CliRunner
 
     from lrkv_core.conversion.pipeline import convert_data_free_dir
@@ -374,11 +375,14 @@ def test_bench_refuses_models_it_cannot_measure_before_prefect_starts(
     for args, why in [
         (["--model", str(half)], f"--model {half} is already an lrkv compressed model; --model takes the"),
         (["--model", str(llama), "--compressed", str(qwen3)], f"--compressed {qwen3} is not an lrkv"),
-        (["--model", str(qwen3), "--keys", "rotated"], "do not support QK-norm (its keys are normed"),
+        (
+            ["--model", str(qwen3), "--keys", "rotated"],
+            "(its keys are normed per head before RoPE); --keys rebuilt",
+        ),
+        (["--model", str(llama), "--contexts", "16,120"], "passes " + str(llama) + "'s 128 positions: give"),
     ]:
-        res = CliRunner().invoke(app, ["bench", *args, "--contexts", "16", "--batch", "1"])
+        res = CliRunner().invoke(app, ["bench", "--contexts", "16", *args, "--batch", "1"])
         assert res.exit_code == 1 and why in " ".join(res.output.split()), (args, res.output)
-    assert "--keys rebuilt measures it" in " ".join(res.output.split())
     assert not (home / "prefect.db").exists() and not list(home.glob("logs/prefect-api-*"))
 
 
