@@ -345,7 +345,7 @@ class KernelPoint:
     flops: int
     copy_bytes_per_s: float
     matmul_flop_per_s: float
-    taken: bool = True  # the path the model's decode step takes here (False: the torch path beside a kernel)
+    taken: bool = True  # the path the model's decode step takes here (False: the other path, timed beside)
 
     @property
     def bytes_per_s(self) -> float:
@@ -387,10 +387,11 @@ def measure_attention(
     """The first layer's decode attention alone, after a prefill of ``batch`` × ``context`` random tokens:
     torch SDPA over the original's dense K/V cache, or a compressed model's latent path as its decode step
     takes it on this device (``attend_latents`` of :class:`~lrkv_core.model.attention.LatentAttention`, or
-    of ``RotatedKeyAttention`` for latents of rotated keys: the flash or the absorbed kernel on CUDA, else
-    the unfused torch path), with random queries; the median of ``steps`` calls. Where the step takes a
-    kernel, the unfused torch path over the same cache is timed too (a second point, ``taken=False``): what
-    the kernel is worth on this device."""
+    of ``RotatedKeyAttention`` for latents of rotated keys: the flash or the absorbed kernel on CUDA, except
+    where SDPA is faster, else the unfused torch path), with random queries; the median of ``steps`` calls.
+    Where a kernel can run, the path the step does not take over the same cache is timed too (a second
+    point, ``taken=False``): the torch path beside a kernel, or the kernel beside torch's SDPA where that
+    reads the latents faster (``RotatedKeyAttention.sdpa_is_faster``)."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(model.config.vocab_size, (batch, context), generator=gen).to(device)
@@ -424,8 +425,9 @@ def measure_attention(
             batch, view.keys[0].shape[1], H, D, layout.group_size, layout.ranks_k, layout.ranks_v,
             view_nbytes(view), sum(p.numel() * p.element_size() for p in ups), itemsize, rotated,
         )  # fmt: skip
-        fused = latent.decodes_fused(q)
-        path = ("triton absorbed" if rotated else "triton flash") if fused else "torch unfused"
+        kernel_path = "triton absorbed" if rotated else "triton flash"
+        fused = latent.takes_kernel(q, view, None)
+        path = kernel_path if fused else "torch unfused"
 
         def step() -> torch.Tensor:  # a fresh view per step, as the model's decode step reads the store
             return latent.attend_latents(q, store.view(), None)
@@ -439,10 +441,10 @@ def measure_attention(
         )  # fmt: skip
 
     points = [point(path, True)]
-    if latent is not None and fused:  # the torch path over the same cache, beside the kernel
-        chosen, latent.fused_decode = latent.fused_decode, False
+    if latent is not None and latent.decodes_fused(q):  # the kernel could run: the other path beside
+        chosen, latent.fused_decode = latent.fused_decode, not fused
         try:
-            points.append(point("torch unfused", False))
+            points.append(point("torch unfused" if fused else kernel_path, False))
         finally:
             latent.fused_decode = chosen
     return points

@@ -170,6 +170,11 @@ class FusedDecode:
             return False
         return self.config._attn_implementation in ("eager", "sdpa")  # flash kernels take no 4D mask
 
+    def takes_kernel(self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None) -> bool:
+        """Whether this forward's attention (queries q (B, H, T, D) over ``view``) runs the decode kernel:
+        where :meth:`decodes_fused`."""
+        return self.decodes_fused(q)
+
     def masked_decode_step(self, q: torch.Tensor) -> bool:
         """Whether this forward (queries q (B, H, T, D)) is a decode step (one query token, not training)
         whose attention mask says all the interface would be told (any window is in it)."""
@@ -231,7 +236,7 @@ class LatentAttention(FusedDecode, LatentAttentionBase):
         """The attention of queries q (B, H, T, D) (RoPE'd) over the cached latents ``view``, before
         ``o_proj``: (B, T, Σ_g nq·r_v). The fused decode kernel where :meth:`decodes_fused`, else keys rebuilt
         per group and the model's attention interface."""
-        if self.decodes_fused(q):
+        if self.takes_kernel(q, view, attention_mask):
             return self.fused_decode_attention(q, view, attention_mask)
         B = q.shape[0]
         s = self.layout.group_size

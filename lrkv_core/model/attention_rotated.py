@@ -28,6 +28,8 @@ from ..cache import LatentCache, LatentView
 from .adapters import ArchAdapter
 from .attention import FusedDecode, LatentAttention, LatentAttentionBase, LatentLayout, joined
 
+SDPA_MAX_HEAD_DIM = 256  # the widest head torch's fast attention kernels (cuDNN, flash) take
+
 
 def check_rotated_keys(
     adapter: ArchAdapter,
@@ -68,12 +70,14 @@ def rotated_key_inputs(
 class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
     """Drop-in replacement for a RoPE attention module, caching latents of its rotated keys.
 
-    A decode step (one query token) on CUDA goes through the absorbed flash-decoding kernel
-    (:func:`~lrkv_kernels.latent_rope.absorbed_decode_attention`: the whole layer in one launch, a quantized
-    cache's packed codes read in the kernel; ``fused_decode`` chooses: :class:`FusedDecode`). Elsewhere a
-    decode step under SDPA calls torch's attention once per group with the group's query heads as the query
-    rows of its one latent head (:meth:`decodes_packed`: no copy of the latents per query head, compiled or
-    not); everything else calls the model's attention interface.
+    A decode step (one query token) under SDPA calls torch's attention once per group with the group's
+    query heads as the query rows of its one latent head (:meth:`decodes_packed`: no copy of the latents per
+    query head, compiled or not). On CUDA the absorbed flash-decoding kernel
+    (:func:`~lrkv_kernels.latent_rope.absorbed_decode_attention`: the whole layer in one launch) takes the
+    steps SDPA cannot read as fast (:meth:`takes_kernel`): a quantized cache's packed codes (read in the
+    kernel), latents in float32 or wider than SDPA's fast kernels take, a model under eager attention
+    (``fused_decode`` forces either way: :class:`FusedDecode`). Everything else calls the model's attention
+    interface.
     """
 
     k_norm = None  # no QK-norm (refused): the kernel layout's keys are not normed
@@ -121,14 +125,14 @@ class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
     ) -> torch.Tensor:
         """The attention of queries q (B, H, T, D) (RoPE'd) over the cached latents ``view``, before
         ``o_proj``: (B, T, Σ_g nq·r_v). Each query head absorbs its ``B_g`` rows; then the absorbed kernel
-        where :meth:`decodes_fused`, else the model's attention interface per group."""
+        where :meth:`takes_kernel`, else torch's attention per group."""
         s, D, nq = self.layout.group_size, self.shape.D, self.q_heads_per_group
         q_lats = []  # per group (B, s·n_rep, T, r_g)
         for g, up in enumerate(self.k_up):
             q_g = q[:, g * nq : (g + 1) * nq].unflatten(1, (s, nq // s))  # (B, s, n_rep, T, D)
             b_g = up.weight.view(s, D, -1)  # (s, D, r_g): B_g's rows of each local KV head
             q_lats.append(torch.einsum("bsntd,sdr->bsntr", q_g, b_g).flatten(1, 2))
-        if self.decodes_fused(q):
+        if self.takes_kernel(q, view, attention_mask):
             return self.fused_decode_attention(q_lats, view, attention_mask)
         packed = self.decodes_packed(q, attention_mask)
         outs = []
@@ -151,6 +155,29 @@ class RotatedKeyAttention(FusedDecode, LatentAttentionBase):
         attention)."""
         shared = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))
         return self.masked_decode_step(q) and self.config._attn_implementation == "sdpa" and shared
+
+    def takes_kernel(self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None) -> bool:
+        """Whether this forward runs the absorbed kernel: where :meth:`decodes_fused`, unless the choice is
+        lrkv's (``fused_decode`` None) and torch's SDPA reads these latents faster
+        (:meth:`sdpa_is_faster`)."""
+        if not self.decodes_fused(q):
+            return False
+        return self.fused_decode is True or not self.sdpa_is_faster(q, view, attention_mask)
+
+    def sdpa_is_faster(self, q: torch.Tensor, view: LatentView, attention_mask: torch.Tensor | None) -> bool:
+        """Whether a decode step reads the cache faster through torch's SDPA (:meth:`decodes_packed`) than
+        through the absorbed kernel: dense latents (a quantized cache's codes are read by the kernel only) in
+        half precision, every group's key and value rank a multiple of 8 up to :data:`SDPA_MAX_HEAD_DIM`, the
+        head dims cuDNN's and flash attention take. On an H200 (docs/fused-decode.md) SDPA took 0.57–0.79 of
+        the kernel's time over such latents, at 16K and 64K tokens, ranks 48 to 256; past 256 it falls back
+        to its math path, 35× the kernel's time at rank 384."""
+        ranks = (*self.layout.ranks_k, *self.layout.ranks_v)
+        return (
+            view.packed is None
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and all(r % 8 == 0 and r <= SDPA_MAX_HEAD_DIM for r in ranks)
+            and self.decodes_packed(q, attention_mask)
+        )
 
     def fused_decode_attention(
         self, q_lats: list[torch.Tensor], view: LatentView, attention_mask: torch.Tensor | None

@@ -77,6 +77,44 @@ def test_generate_on_cuda_uses_the_fused_kernel(dtype, cache):
         assert (stepped_fused.float() - stepped.float()).abs().max() < 0.1 * stepped.float().abs().max()
 
 
+@pytest.mark.parametrize(
+    "cache, kernel",
+    [({"name": "dense"}, False), ({"name": "quantized", "bits": 3}, True)],
+    ids=["dense", "3bit"],
+)
+def test_rotated_keys_on_cuda_decode_through_sdpa_or_the_kernel(monkeypatch, cache, kernel):
+    """Latents of rotated keys in bfloat16 on CUDA: dense ones decode through torch's SDPA (faster there than
+    the absorbed kernel), a quantized cache's packed codes through the kernel; generation agrees with the
+    other path's (step by step) to bfloat16's precision, and the attention alone is timed on both, the
+    one taken first."""
+    import lrkv_core.model.attention_rotated as rotated_module
+    from lrkv_core.evaluation import serving
+
+    comp = convert(
+        tiny_model("llama", 2), ids_for(8, 24, seed=3), ratio=0.5, allocator="uniform", rank_multiple=8,
+        key_latents="rotated", cache=cache,
+    ).to("cuda", torch.bfloat16)  # fmt: skip
+    calls = []
+    absorbed = rotated_module.absorbed_decode_attention
+    monkeypatch.setattr(
+        rotated_module, "absorbed_decode_attention", lambda *a, **k: calls.append(1) or absorbed(*a, **k)
+    )
+    ids, mask = (t.cuda() for t in left_padded((9, 4, 7)))
+    greedy(comp, ids, mask, max_new_tokens=4)  # left-padded prompts: steps with a mask
+    assert bool(calls) == kernel
+    ids = ids_for(2, 14).cuda()
+    chosen, _ = stepwise(comp, ids, prefix=4)
+    set_fused_decode(comp, not kernel)
+    other, _ = stepwise(comp, ids, prefix=4)
+    set_fused_decode(comp, None)
+    assert (chosen.float() - other.float()).abs().max() < 0.1 * other.float().abs().max()
+    taken, beside = serving.measure_attention(
+        comp, context=64, batch=2, copy_bytes_per_s=1e12, matmul_flop_per_s=1e12, steps=2, warmup=1
+    )
+    assert (taken.path, beside.path) == (("triton absorbed", "torch unfused")[:: 1 if kernel else -1])
+    assert taken.taken and not beside.taken and taken.time_ms > 0 and beside.time_ms > 0
+
+
 def test_pipeline_steps_on_cuda_give_the_cpu_results(tmp_path):
     """What the flow's tasks run with ``--device cuda``: a statistic, the evaluation (with KL against the
     original) and LoRA recovery compute on the GPU and give the CPU's numbers."""

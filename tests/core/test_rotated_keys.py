@@ -315,6 +315,48 @@ def test_a_decode_step_through_the_absorbed_kernel_is_the_unfused_step(monkeypat
     assert max_diff(torch.stack(fused.scores), torch.stack(unfused.scores)) <= 1e-4
 
 
+def test_sdpa_takes_the_decode_steps_it_reads_faster_than_the_kernel() -> None:
+    """Where the choice is lrkv's, a decode step over dense latents in half precision, ranks multiples of 8
+    up to 256, under SDPA with a mask shared by the heads goes through SDPA; the kernel keeps a quantized
+    cache's codes, float32 latents, other ranks, a per-head mask, eager attention. Forcing the kernel takes
+    it; on the CPU (no kernel) neither choice runs it."""
+    model = tiny_model("llama", 2)
+    dense, quantized = rotated(model, 2, 0.5), rotated(model, 2, 0.5, cache={"name": "quantized", "bits": 4})
+    ids = ids_for(2, 6)
+    views = {}
+    for name, comp in (("dense", dense), ("quantized", quantized)):
+        with torch.no_grad():
+            views[name] = output_cache(comp(ids, use_cache=True)).layers[0].store.view()
+    assert views["dense"].packed is None and views["quantized"].packed is not None
+    attn = next(m for m in dense.modules() if isinstance(m, RotatedKeyAttention))
+    H, D = attn.shape.H, attn.shape.D
+    q = torch.zeros(2, H, 1, D, dtype=torch.bfloat16)
+    shared_mask = torch.zeros(2, 1, 1, 6)
+
+    def faster(ranks: int = 64, q: torch.Tensor = q, view: str = "dense", mask=shared_mask, module=attn):
+        module.layout = dataclasses.replace(module.layout, ranks_k=(ranks,), ranks_v=(ranks,))
+        return module.sdpa_is_faster(q, views[view], mask)
+
+    assert faster() and faster(256) and faster(8) and faster(q=q.half()) and faster(mask=None)
+    assert not faster(q=q.float())  # float32: no fast SDPA kernel
+    assert not faster(264) and not faster(60)  # past the fast kernels' widest head, not a multiple of 8
+    assert not faster(view="quantized")  # packed codes: only the kernel reads them without decoding
+    assert not faster(mask=torch.zeros(2, H, 1, 6))  # a mask per head: not one latent head's query rows
+    assert not faster(q=torch.zeros(2, H, 2, D, dtype=torch.bfloat16))  # not a decode step
+    eager = copy.deepcopy(dense)
+    eager.set_attn_implementation("eager")
+    assert not faster(module=next(m for m in eager.modules() if isinstance(m, RotatedKeyAttention)))
+
+    faster()  # ranks SDPA reads faster
+    assert not attn.takes_kernel(q, views["dense"], shared_mask)  # CPU: the kernel needs CUDA unless forced
+    attn.fused_decode = True
+    assert attn.takes_kernel(q, views["dense"], shared_mask) and attn.takes_kernel(
+        q.float(), views["dense"], None
+    )
+    attn.fused_decode = False
+    assert not attn.takes_kernel(q, views["quantized"], shared_mask)
+
+
 def _shifted(model, ids: torch.Tensor, offset: int) -> torch.Tensor:
     """Logits of ``ids`` (B, T) at positions ``offset … offset + T − 1``."""
     positions = (torch.arange(ids.shape[1]) + offset).expand(ids.shape[0], -1)
