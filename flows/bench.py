@@ -222,8 +222,8 @@ def bench_markdown(model: str, result: dict) -> str:
         "",
         "One layer's decode attention alone, against the bytes it must move (cache + key up-projections + "
         "queries and output) and a copy's bandwidth, and its FLOPs against a matrix product's rate, both "
-        "measured in the same task; where a model's step takes a Triton kernel, the torch path over the same "
-        "cache is timed beside it (not taken):",
+        "measured in the same task; where a Triton kernel can run, the path the model's step does not take "
+        "over the same cache is timed beside the one it takes (not taken):",
         "",
         "| model | context | path | µs | KB moved | GB/s | of copy | copy GB/s | GFLOP/s | of matmul | "
         "matmul GFLOP/s |",
