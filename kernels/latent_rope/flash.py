@@ -15,11 +15,11 @@ and a split of the cached tokens. It walks its split in tiles of ``BLOCK_S`` tok
   into ``o_proj``.
 
 A quantized cache's latents (:class:`~lrkv_kernels.latent_rope.packed.PackedLatents`) are read as their
-packed b-bit codes (2, 3, 4 or 8 bits) with float16 scales and zero-points: :func:`_latent_tile` gathers each
-latent's byte (and, for a 3-bit code that crosses a byte boundary, the next one), shifts and masks the code
-out and dequantizes it, ``z + q·s`` in float32 rounded to the latents' dtype, exactly as the cache's own
-dequantization, so no dequantized copy of the cache is ever written. Tokens of the cache's unquantized
-residual window (after the packed ones) are read as they are.
+packed b-bit codes (2, 3, 4 or 8 bits) with float16 scales and zero-points: :func:`_latent_tile` loads the
+bytes that hold a whole number of codes once, cuts every code out of them in the registers of the thread
+that loaded them, and dequantizes it, ``z + q·s`` in float32 rounded to the latents' dtype, exactly as the
+cache's own dequantization, so no dequantized copy of the cache is ever written. Tokens of the cache's
+unquantized residual window (after the packed ones) are read as they are.
 
 Each program writes its split's partial sums; :func:`_combine_kernel` merges the splits of every query head
 into the layout ``o_proj`` reads (per group, head after head, ``r_v`` latents each). Splitting the sequence
@@ -74,8 +74,9 @@ def _latent_tile(
 
     Codes are read one by one (``WORD_BYTES`` 0: one or two byte loads per code), or a word at a time: the
     ``WORD_BYTES`` bytes (1, or 3 for 3-bit codes) that hold a whole number of codes are loaded once and
-    every code is cut from its word in registers, which needs ``start`` to be a multiple of the codes per
-    word (the host checks the groups' ranks)."""
+    every code is cut from its word in registers (:func:`_word_codes`), which needs ``start`` to be a
+    multiple of the codes per word (the host checks the groups' ranks). A code becomes a float by
+    :func:`_exact_float`."""
     cols = start + tl.arange(0, C)
     mask_c = tl.arange(0, C) < n
     if BITS == 0:
@@ -96,9 +97,8 @@ def _latent_tile(
             for i in tl.static_range(1, WORD_BYTES):
                 word = word | (tl.load(at + i, mask=in_words, other=0).to(tl.int32) << (8 * i))
             rows: tl.constexpr = word.shape[0]
-            word = tl.reshape(tl.broadcast_to(word[:, :, None], (rows, C // PER_WORD, PER_WORD)), (rows, C))
-            shift = ((tl.arange(0, C) % PER_WORD) * BITS)[None, :]
-            code = tl.where(in_codes, (word >> shift) & ((1 << BITS) - 1), 0).to(tl.float32)
+            code = _word_codes(word, BITS, PER_WORD)  # (rows, C // PER_WORD, 2[, 2[, 2]]) in registers
+            code = _exact_float(tl.where(in_codes, tl.reshape(code, (rows, C)), 0))
         else:
             bit = cols * BITS
             byte = (bit // 8)[None, :]
@@ -125,6 +125,42 @@ def _latent_tile(
             ).to(DTYPE)  # fmt: skip
             out = tl.where(packed[:, None], out, recent)
     return out
+
+
+@triton.jit
+def _word_codes(word, BITS: tl.constexpr, PER_WORD: tl.constexpr):
+    """The ``PER_WORD`` (2, 4 or 8) codes of every word (rows, W), (rows, W, 2[, 2[, 2]]): read in row-major
+    order, code j of word w at ``w·PER_WORD + j`` (column order). A join keeps each word's codes in the
+    registers of the thread that holds the word (no shuffle through shared memory). Each join adds a last
+    dim, so the innermost join picks the most significant bit of a code's place within its word: the leaves
+    are listed in the bit-reversed order of j."""
+    m: tl.constexpr = (1 << BITS) - 1
+    if PER_WORD == 2:
+        out = tl.join(word & m, (word >> BITS) & m)
+    elif PER_WORD == 4:  # leaves j = 0, 2, 1, 3
+        out = tl.join(
+            tl.join(word & m, (word >> (2 * BITS)) & m), tl.join((word >> BITS) & m, (word >> (3 * BITS)) & m)
+        )
+    else:  # leaves j = 0, 4, 2, 6, 1, 5, 3, 7
+        out = tl.join(
+            tl.join(
+                tl.join(word & m, (word >> (4 * BITS)) & m),
+                tl.join((word >> (2 * BITS)) & m, (word >> (6 * BITS)) & m),
+            ),
+            tl.join(
+                tl.join((word >> BITS) & m, (word >> (5 * BITS)) & m),
+                tl.join((word >> (3 * BITS)) & m, (word >> (7 * BITS)) & m),
+            ),
+        )
+    return out
+
+
+@triton.jit
+def _exact_float(code):
+    """Codes (int32, 0 ≤ code < 2²³) as float32, exactly: the code in the mantissa of 2²³, minus 2²³ (an
+    integer OR and a float add at full rate, where the GPU's integer-to-float conversion runs at a
+    fraction of it)."""
+    return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 def word_bytes(bits: int, align: int) -> int:
@@ -225,6 +261,7 @@ def _flash_decode_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
     DTYPE: tl.constexpr, HEADS_P: tl.constexpr, HOIST: tl.constexpr,
     K_SUB: tl.constexpr, K_RECENT: tl.constexpr, V_SUB: tl.constexpr, V_RECENT: tl.constexpr,
+    K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -234,6 +271,12 @@ def _flash_decode_kernel(
     rv = tl.load(rv_ptr + g)
     koff = tl.load(koff_ptr + g)
     voff = tl.load(voff_ptr + g)
+    if K_ALIGN > 1:  # every group's key rank (so its first column) a multiple: rows load as vectors
+        rk = tl.multiple_of(rk, K_ALIGN)
+        koff = tl.multiple_of(koff, K_ALIGN)
+    if V_ALIGN > 1:
+        rv = tl.multiple_of(rv, V_ALIGN)
+        voff = tl.multiple_of(voff, V_ALIGN)
 
     offs_h = tl.arange(0, NQ_P)  # the group's query heads, padded (tl.dot wants ≥ 16 rows)
     mask_h = offs_h < NQ
@@ -588,6 +631,7 @@ def latent_decode_attention_triton(
         K_WORDS=k_words, V_WORDS=v_words,
         K_SUB=src_k.group_width > 0, K_RECENT=src_k.has_recent, V_SUB=src_v.group_width > 0,
         V_RECENT=src_v.has_recent,
+        K_ALIGN=weights.k_align, V_ALIGN=weights.v_align,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if stats is not None:

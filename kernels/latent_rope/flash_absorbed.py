@@ -44,6 +44,7 @@ def _absorbed_decode_kernel(
     HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, DTYPE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
     K_SUB: tl.constexpr, K_RECENT: tl.constexpr, V_SUB: tl.constexpr, V_RECENT: tl.constexpr,
+    K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -53,6 +54,12 @@ def _absorbed_decode_kernel(
     rv = tl.load(rv_ptr + g)
     koff = tl.load(koff_ptr + g)
     voff = tl.load(voff_ptr + g)
+    if K_ALIGN > 1:  # every group's key rank (so its first column) a multiple: rows load as vectors
+        rk = tl.multiple_of(rk, K_ALIGN)
+        koff = tl.multiple_of(koff, K_ALIGN)
+    if V_ALIGN > 1:
+        rv = tl.multiple_of(rv, V_ALIGN)
+        voff = tl.multiple_of(voff, V_ALIGN)
     offs_h = tl.arange(0, NQ_P)
     mask_h = offs_h < NQ
     offs_r = tl.arange(0, RK_P)
@@ -143,6 +150,7 @@ def absorbed_decode_attention_triton(
         K_WORDS=k_words, V_WORDS=v_words,
         K_SUB=src_k.group_width > 0, K_RECENT=src_k.has_recent, V_SUB=src_v.group_width > 0,
         V_RECENT=src_v.has_recent,
+        K_ALIGN=weights.k_align, V_ALIGN=weights.v_align,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     splits.combine(weights, out, G, nq, nq_p, rv_p)
