@@ -93,10 +93,17 @@ def _latent_tile(
             words = tl.arange(0, C // PER_WORD)
             in_words = packed[:, None] & (words * PER_WORD < n)[None, :]
             at = row + ((start // PER_WORD + words) * WORD_BYTES)[None, :]
-            word = tl.load(at, mask=in_words, other=0).to(tl.int32)
-            for i in tl.static_range(1, WORD_BYTES):
-                word = word | (tl.load(at + i, mask=in_words, other=0).to(tl.int32) << (8 * i))
-            rows: tl.constexpr = word.shape[0]
+            rows: tl.constexpr = at.shape[0]
+            if WORD_BYTES == 1:
+                word = tl.load(at, mask=in_words, other=0).to(tl.int32)
+            else:  # loaded as one flat run of words: a thread holds neighbouring words of one token
+                n_w: tl.constexpr = rows * (C // PER_WORD)
+                at = tl.reshape(at, (n_w,))
+                in_words = tl.reshape(in_words, (n_w,))
+                word = tl.load(at, mask=in_words, other=0).to(tl.int32)
+                for i in tl.static_range(1, WORD_BYTES):
+                    word = word | (tl.load(at + i, mask=in_words, other=0).to(tl.int32) << (8 * i))
+                word = tl.reshape(word, (rows, C // PER_WORD))
             code = _word_codes(word, BITS, PER_WORD)  # (rows, C // PER_WORD, 2[, 2[, 2]]) in registers
             code = _exact_float(tl.where(in_codes, tl.reshape(code, (rows, C)), 0))
         else:
