@@ -11,9 +11,10 @@ batch 8, 65,536 tokens), stops at the launch, specializes the launch's arguments
 GPU (integers equal to 1 become constants, pointers and integers divisible by 16 are marked so), compiles
 for the target (``--arch``, default 90: H100/H200) with the ptxas that ships with Triton, and reads the
 cubin with its cuobjdump. Per kernel, storage and tiling it prints one line: registers per thread, bytes of
-local memory per thread (spills), shared memory, SASS instructions in the kernel, and counts of global
-loads (and how many of them read 128 bits at once), shared loads and stores, local stores and loads, matrix
-instructions and conversions (int↔float, float→bf16), with ``--out`` as JSON lines.
+local memory per thread (spills), shared memory, the warps a multiprocessor holds at once (what the
+registers and shared memory allow; more hide more latency), SASS instructions in the kernel, and counts
+of global loads (and how many of them read 128 bits at once), shared loads and stores, local stores and
+loads, matrix instructions and conversions (int↔float, float→bf16), with ``--out`` as JSON lines.
 
 Counts are static (instructions in the code, not executed ones), and the loop over the cached tokens is
 most of the code: a fewer-instruction kernel of the same tiling issues fewer per token. They are a guide
@@ -105,6 +106,15 @@ def compile_launch(kernel, launch: _Launch, arch: int):
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def resident_warps(registers: int, shared: int, warps: int) -> int:
+    """Warps of one kernel that an sm_90 multiprocessor holds at once: 64K registers (allocated per warp in
+    units of 256), 228 KB of shared memory (1 KB of it reserved per block), at most 32 blocks and 64
+    warps."""
+    per_warp = -(-registers * 32 // 256) * 256
+    blocks = min(65536 // (per_warp * warps), (228 * 1024) // (shared + 1024), 32, 64 // warps)
+    return blocks * warps
+
+
 def resources(compiled) -> dict:
     """Registers, local memory (spills), shared memory and instruction counts of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,6 +133,7 @@ def resources(compiled) -> dict:
         "registers": int(regs),
         "local_bytes": int(stack),
         "shared_bytes": compiled.metadata.shared,
+        "resident_warps": resident_warps(int(regs), compiled.metadata.shared, compiled.metadata.num_warps),
         "instructions": sum(ops.values()),
         "global_loads": ops["LDG"],
         "global_loads_128bit": sum(
