@@ -22,7 +22,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from lrkv_core.decompositions import KEY_LATENTS
-from lrkv_core.evaluation.serving import batch_within_budget
+from lrkv_core.evaluation.serving import batch_within_budget, path_note
 from lrkv_tasks import bench as b
 from lrkv_tasks import convert as t
 from lrkv_tasks.device import task_device
@@ -231,7 +231,7 @@ def bench_markdown(model: str, result: dict) -> str:
     ]
     for r in result["kernel"]:
         lines.append(
-            f"| {r['model']} | {r['context']} | {r['path'] + ('' if r['taken'] else ' (not taken)')} | "
+            f"| {r['model']} | {r['context']} | {r['path']}{path_note(r['taken'], r.get('difference'))} | "
             f"{r['time_ms'] * 1e3:.1f} | "
             f"{r['bytes'] / 1e3:.1f} | {r['achieved_gb_per_s']:.3g} | {r['fraction_of_copy']:.3g} | "
             f"{r['copy_gb_per_s']:.3g} | {r['gflop_per_s']:.3g} | {r['fraction_of_matmul']:.3g} | "
@@ -279,4 +279,5 @@ def _log(model: str, result: dict, tracking: TrackingRecipe) -> dict:
 
 
 def _columns(rows: list[dict]) -> dict[str, list]:
-    return {key: [r[key] for r in rows] for key in rows[0]} if rows else {}
+    keys = dict.fromkeys(key for r in rows for key in r)  # every row's, in order (a cached row may lack one)
+    return {key: [r.get(key) for r in rows] for key in keys}

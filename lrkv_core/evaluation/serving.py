@@ -332,6 +332,15 @@ def matmul_flops(
     return 2 * n**3 / (ms * 1e-3)
 
 
+def path_note(taken: bool, difference: float | None) -> str:
+    """`` (not taken, output within 3.1e-03 of the taken path's)`` for a path timed beside the one a decode
+    step takes, else ``""``."""
+    if taken:
+        return ""
+    within = "" if difference is None else f", output within {difference:.1e} of the taken path's"
+    return f" (not taken{within})"
+
+
 @dataclass(frozen=True)
 class KernelPoint:
     """One layer's decode attention alone at one (context, batch), set against the copy bandwidth and the
@@ -346,6 +355,7 @@ class KernelPoint:
     copy_bytes_per_s: float
     matmul_flop_per_s: float
     taken: bool = True  # the path the model's decode step takes here (False: the other path, timed beside)
+    difference: float | None = None  # the other path's: max |its output − the taken path's| / max |taken|
 
     @property
     def bytes_per_s(self) -> float:
@@ -355,10 +365,14 @@ class KernelPoint:
         """The point in one line, as a log shows it while a run goes on."""
         d = self.to_dict()
         return (
-            f"context {self.context} × batch {self.batch}, {self.path}"
-            f"{'' if self.taken else ' (not taken)'}: {self.time_ms * 1e3:.1f} µs, "
-            f"{d['fraction_of_copy']:.3f} of copy, {d['fraction_of_matmul']:.3f} of matmul"
+            f"context {self.context} × batch {self.batch}, {self.path}{self.note()}: "
+            f"{self.time_ms * 1e3:.1f} µs, {d['fraction_of_copy']:.3f} of copy, "
+            f"{d['fraction_of_matmul']:.3f} of matmul"
         )
+
+    def note(self) -> str:
+        """What follows the path's name where it is shown: :func:`path_note`."""
+        return path_note(self.taken, self.difference)
 
     def to_dict(self) -> dict[str, Any]:
         gbs = self.bytes_per_s / 1e9
@@ -391,7 +405,8 @@ def measure_attention(
     where SDPA is faster, else the unfused torch path), with random queries; the median of ``steps`` calls.
     Where a kernel can run, the path the step does not take over the same cache is timed too (a second
     point, ``taken=False``): the torch path beside a kernel, or the kernel beside torch's SDPA where that
-    reads the latents faster (``RotatedKeyAttention.sdpa_is_faster``)."""
+    reads the latents faster (``RotatedKeyAttention.sdpa_is_faster``); its ``difference`` says how far its
+    output is from the taken path's (the kernel's check on this device, at this context)."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(model.config.vocab_size, (batch, context), generator=gen).to(device)
@@ -432,19 +447,21 @@ def measure_attention(
         def step() -> torch.Tensor:  # a fresh view per step, as the model's decode step reads the store
             return latent.attend_latents(q, store.view(), None)
 
-    def point(path: str, taken: bool) -> KernelPoint:
+    def point(path: str, taken: bool, difference: float | None = None) -> KernelPoint:
         times = time_call(step, device, steps=steps, warmup=warmup)
         return KernelPoint(
             context=context, batch=batch, path=path, time_ms=statistics.median(times), bytes=cost.bytes,
             flops=cost.flops, copy_bytes_per_s=copy_bytes_per_s, matmul_flop_per_s=matmul_flop_per_s,
-            taken=taken,
+            taken=taken, difference=difference,
         )  # fmt: skip
 
     points = [point(path, True)]
     if latent is not None and latent.decodes_fused(q):  # the kernel could run: the other path beside
+        taken_out = step().float()
         chosen, latent.fused_decode = latent.fused_decode, not fused
         try:
-            points.append(point("torch unfused" if fused else kernel_path, False))
+            other = (step().float() - taken_out).abs().max() / taken_out.abs().max()
+            points.append(point("torch unfused" if fused else kernel_path, False, float(other)))
         finally:
             latent.fused_decode = chosen
     return points

@@ -103,8 +103,8 @@ def test_attention_alone_counts_the_caches_it_reads(compress) -> None:
 @pytest.mark.parametrize("key_latents", ["rebuilt", "rotated"])
 def test_where_the_step_takes_a_kernel_the_torch_path_is_timed_beside_it(key_latents) -> None:
     """With the kernel on (here in Triton's interpreter), the kernel's point is the one taken, and the
-    unfused torch path over the same cache and with the same floor is timed beside it; the module's choice
-    is left as it was."""
+    unfused torch path over the same cache and with the same floor is timed beside it, its output compared
+    with the kernel's; the module's choice is left as it was."""
     from lrkv_core.conversion.convert import CompressionConfig, plan_conversion
     from lrkv_core.model.attention import set_fused_decode
     from tests.support.models import tiny_model
@@ -116,6 +116,8 @@ def test_where_the_step_takes_a_kernel_the_torch_path_is_timed_beside_it(key_lat
     kernel, torch_path = serving.measure_attention(comp, **ROOFS)
     assert kernel.path == ("triton absorbed" if key_latents == "rotated" else "triton flash") and kernel.taken
     assert torch_path.path == "torch unfused" and not torch_path.taken
+    assert kernel.difference is None and 0 <= torch_path.difference < 1e-5  # the same output, float32
+    assert torch_path.line().startswith("context 12 × batch 2, torch unfused (not taken, output within ")
     assert (torch_path.bytes, torch_path.flops) == (kernel.bytes, kernel.flops)
     assert kernel.time_ms > 0 and torch_path.time_ms > 0
     assert all(m.fused_decode is True for m in modules)
