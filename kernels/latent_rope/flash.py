@@ -135,6 +135,19 @@ def _latent_tile(
 
 
 @triton.jit
+def _group_columns(rank_ptr, offset_ptr, g, ALIGN: tl.constexpr):
+    """Group g's rank and first column in the row, loaded, and told to the compiler as multiples of
+    ``ALIGN`` where every group's are (the host's ``k_align``/``v_align``): a tile's rows then load as
+    vectors. The hint is given here, on the loaded values: on a function's argument it would be lost."""
+    rank = tl.load(rank_ptr + g)
+    offset = tl.load(offset_ptr + g)
+    if ALIGN > 1:
+        rank = tl.multiple_of(rank, ALIGN)
+        offset = tl.multiple_of(offset, ALIGN)
+    return rank, offset
+
+
+@triton.jit
 def _word_codes(word, BITS: tl.constexpr, PER_WORD: tl.constexpr):
     """The ``PER_WORD`` (2, 4 or 8) codes of every word (rows, W), (rows, W, 2[, 2[, 2]]): read in row-major
     order, code j of word w at ``w·PER_WORD + j`` (column order). A join keeps each word's codes in the
@@ -274,16 +287,8 @@ def _flash_decode_kernel(
     split = tl.program_id(1)
     b = (pid // G).to(tl.int64)  # b · stride can pass 2³¹ elements on long, wide batches
     g = pid % G
-    rk = tl.load(rk_ptr + g)
-    rv = tl.load(rv_ptr + g)
-    koff = tl.load(koff_ptr + g)
-    voff = tl.load(voff_ptr + g)
-    if K_ALIGN > 1:  # every group's key rank (so its first column) a multiple: rows load as vectors
-        rk = tl.multiple_of(rk, K_ALIGN)
-        koff = tl.multiple_of(koff, K_ALIGN)
-    if V_ALIGN > 1:
-        rv = tl.multiple_of(rv, V_ALIGN)
-        voff = tl.multiple_of(voff, V_ALIGN)
+    rk, koff = _group_columns(rk_ptr, koff_ptr, g, K_ALIGN)
+    rv, voff = _group_columns(rv_ptr, voff_ptr, g, V_ALIGN)
 
     offs_h = tl.arange(0, NQ_P)  # the group's query heads, padded (tl.dot wants ≥ 16 rows)
     mask_h = offs_h < NQ

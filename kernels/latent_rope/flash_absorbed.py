@@ -19,6 +19,7 @@ from .flash import (
     NUM_STAGES,
     NUM_WARPS,
     Splits,
+    _group_columns,
     _latent_tile,
     _online_softmax,
     _pow2,
@@ -50,16 +51,8 @@ def _absorbed_decode_kernel(
     split = tl.program_id(1)
     b = (pid // G).to(tl.int64)
     g = pid % G
-    rk = tl.load(rk_ptr + g)
-    rv = tl.load(rv_ptr + g)
-    koff = tl.load(koff_ptr + g)
-    voff = tl.load(voff_ptr + g)
-    if K_ALIGN > 1:  # every group's key rank (so its first column) a multiple: rows load as vectors
-        rk = tl.multiple_of(rk, K_ALIGN)
-        koff = tl.multiple_of(koff, K_ALIGN)
-    if V_ALIGN > 1:
-        rv = tl.multiple_of(rv, V_ALIGN)
-        voff = tl.multiple_of(voff, V_ALIGN)
+    rk, koff = _group_columns(rk_ptr, koff_ptr, g, K_ALIGN)
+    rv, voff = _group_columns(rv_ptr, voff_ptr, g, V_ALIGN)
     offs_h = tl.arange(0, NQ_P)
     mask_h = offs_h < NQ
     offs_r = tl.arange(0, RK_P)
