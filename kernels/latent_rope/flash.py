@@ -105,7 +105,7 @@ def _latent_tile(
                     word = word | (tl.load(at + i, mask=in_words, other=0).to(tl.int32) << (8 * i))
                 word = tl.reshape(word, (rows, C // PER_WORD))
             code = _word_codes(word, BITS, PER_WORD)  # (rows, C // PER_WORD, 2[, 2[, 2]]) in registers
-            code = _exact_float(tl.where(in_codes, tl.reshape(code, (rows, C)), 0))
+            code = _exact_float(tl.reshape(code, (rows, C)))  # past n: words read as 0, so codes are 0
         else:
             bit = cols * BITS
             byte = (bit // 8)[None, :]
