@@ -88,13 +88,13 @@ def launch_of(module, name: str, call) -> _Launch:
 def compile_launch(kernel, launch: _Launch, arch: int):
     """``kernel`` compiled for ``arch`` with ``launch``'s arguments specialized as Triton's JIT does."""
     values = list(launch.args) + [launch.kwargs[p.name] for p in kernel.params[len(launch.args) :]]
-    fixed = set(kernel.do_not_specialize)
     signature, constants, attrs = {}, {}, {}
     for i, (param, value) in enumerate(zip(kernel.params, values, strict=True)):
         if param.is_constexpr:
             signature[param.name], constants[(i,)] = "constexpr", value
             continue
-        kind, spec = native_specialize_impl(BaseBackend, value, False, i not in fixed, True)
+        specialize, align = not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        kind, spec = native_specialize_impl(BaseBackend, value, False, specialize, align)
         if kind == "constexpr":
             signature[param.name], constants[(i,)] = "constexpr", spec
         else:

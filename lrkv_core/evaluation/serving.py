@@ -363,16 +363,12 @@ class KernelPoint:
 
     def line(self) -> str:
         """The point in one line, as a log shows it while a run goes on."""
-        d = self.to_dict()
+        d, note = self.to_dict(), path_note(self.taken, self.difference)
         return (
-            f"context {self.context} × batch {self.batch}, {self.path}{self.note()}: "
+            f"context {self.context} × batch {self.batch}, {self.path}{note}: "
             f"{self.time_ms * 1e3:.1f} µs, {d['fraction_of_copy']:.3f} of copy, "
             f"{d['fraction_of_matmul']:.3f} of matmul"
         )
-
-    def note(self) -> str:
-        """What follows the path's name where it is shown: :func:`path_note`."""
-        return path_note(self.taken, self.difference)
 
     def to_dict(self) -> dict[str, Any]:
         gbs = self.bytes_per_s / 1e9

@@ -144,14 +144,14 @@ def prepare(recipe: ConvertRecipe) -> Prepared:
 def check_ablation(recipe: AblateRecipe) -> None:
     """Before Prefect starts: raise the first grid point's error when no point passes :func:`prepare` (a
     missing model or dataset fails them all); a point that fails alone is one of the flow's failed rows."""
-    errors: list[Exception] = []
+    first: Exception | None = None
     for compression in recipe.grid():
         try:
             prepare(recipe.base.model_copy(update={"compression": compression, "out": None}))
             return
         except (ValueError, OSError) as e:
-            errors.append(e)
-    raise errors[0]
+            first = first or e
+    raise first
 
 
 def check_bench_models(
