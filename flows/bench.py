@@ -28,7 +28,7 @@ from lrkv_tasks import convert as t
 from lrkv_tasks.device import task_device
 from lrkv_tasks.progress import note
 from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
-from lrkv_tasks.recipes.preflight import check_bench_models
+from lrkv_tasks.recipes.preflight import bench_contexts, check_bench_models
 from lrkv_tasks.store.artifact_store import open_store
 from lrkv_tasks.tracking.mlflow_runs import close_run, log_results, open_run
 
@@ -60,7 +60,7 @@ def bench_flow(
     keys = keys or ["rebuilt"]
     if not set(keys) <= set(KEY_LATENTS) or len(set(keys)) != len(keys):
         raise ValueError(f"keys must be distinct among {', '.join(KEY_LATENTS)}, got {keys}")
-    contexts = sorted(contexts or [1024, 4096, 16384])
+    contexts = bench_contexts(model, contexts, warmup + steps)  # the defaults the model's positions hold
     if batch < 1 or steps < 1 or warmup < 0 or not contexts or min(contexts) < 1:
         raise ValueError("batch, steps and every context must be ≥ 1 and warmup ≥ 0")
     if compiled and (not static or warmup < 1):

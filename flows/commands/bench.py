@@ -42,7 +42,13 @@ def bench(
     compressed: Annotated[
         Optional[list[str]], typer.Option(help="a compressed model directory to measure too (repeatable)")
     ] = None,
-    contexts: Annotated[str, typer.Option(help="context lengths, comma list")] = "1024,4096,16384",
+    contexts: Annotated[
+        Optional[str],
+        typer.Option(
+            help="context lengths, comma list [default: 1024,4096,16384, each past the model's positions "
+            "replaced by the longest they hold]"
+        ),
+    ] = None,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 8,
     steps: Annotated[int, typer.Option(help="timed decode steps per point (their median is reported)")] = 16,
     warmup: Annotated[int, typer.Option(help="untimed decode steps before them")] = 2,
@@ -72,13 +78,13 @@ def bench(
     from lrkv_tasks.recipes.convert_recipe import TrackingRecipe
 
     ratio_list = list_option(ratios, float, "--ratios")
-    context_list = list_option(contexts, int, "--contexts")
+    context_list = list_option(contexts, int, "--contexts")  # None: the defaults the model holds
     bit_list = list_option(bits, int, "--bits") or []
     key_list = csv_list(keys, str)
     bad_bits = any(b not in (2, 3, 4, 8) for b in bit_list)
     if not ratio_list or any(not 0 < r <= 1 for r in ratio_list) or bad_bits:
         raise fail("--ratios must be in (0, 1] and --bits among 2, 3, 4, 8", 2)
-    if not context_list or min(context_list) < 1 or batch < 1 or steps < 1 or warmup < 0:
+    if context_list == [] or min(context_list or [1]) < 1 or batch < 1 or steps < 1 or warmup < 0:
         raise fail("--contexts, --batch and --steps must be ≥ 1 and --warmup ≥ 0", 2)
     if not key_list or not set(key_list) <= set(KEY_LATENTS) or len(set(key_list)) != len(key_list):
         raise fail(f"--keys takes rebuilt and/or rotated, each once (got {keys!r})", 2)
@@ -87,11 +93,11 @@ def bench(
     if compile_steps and warmup < 1:
         raise fail("--compile needs --warmup ≥ 1 (the first decode step runs uncompiled)", 2)
     start_command(store, verbose, model)
-    with user_errors():
-        from lrkv_tasks.recipes.preflight import check_bench_models
+    with user_errors():  # before Prefect starts
+        from lrkv_tasks.recipes.preflight import bench_contexts, check_bench_models
 
-        # before Prefect starts
-        check_bench_models(model, compressed or [], key_list, max(context_list), warmup + steps)
+        context_list = bench_contexts(model, context_list, warmup + steps)
+        check_bench_models(model, compressed or [], key_list, context_list[-1], warmup + steps)
     use_device(device)
     with prefect_api() as supervise:
         from lrkv_flows.bench import bench_flow

@@ -31,6 +31,7 @@ from ..store.artifacts import is_s3
 from .convert_recipe import HELD_OUT, AblateRecipe, ConvertRecipe, LoraRecipe
 
 DEFAULT_CALIBRATION = "hf:wikitext:wikitext-2-raw-v1:train"  # Palu's and SVD-LLM's calibration text
+BENCH_CONTEXTS = (1024, 4096, 16384)  # lrkv bench's contexts when none are given
 
 
 @dataclass
@@ -152,6 +153,23 @@ def check_ablation(recipe: AblateRecipe) -> None:
         except (ValueError, OSError) as e:
             first = first or e
     raise first
+
+
+def bench_contexts(model: str, contexts: list[int] | None, decode_steps: int) -> list[int]:
+    """The contexts ``lrkv bench`` measures, shortest first: those given, else :data:`BENCH_CONTEXTS`, each
+    that the model's positions cannot hold with ``decode_steps`` after it replaced by the longest they can
+    (1,024, 4,096 and 8,174 tokens on an 8K-position model with 18 decode steps)."""
+    if contexts:
+        return sorted(contexts)
+    try:
+        limit = getattr(
+            AutoConfig.from_pretrained(str(resolve_model_dir(model))), "max_position_embeddings", None
+        )
+    except (OSError, ValueError):  # check_bench_models says what is wrong with the model
+        limit = None
+    if limit is None:
+        return list(BENCH_CONTEXTS)
+    return sorted({min(c, limit - decode_steps) for c in BENCH_CONTEXTS})
 
 
 def check_bench_models(

@@ -149,3 +149,15 @@ def test_long_calibration_rows_say_how_many_rows_the_kl_response_reads(tmp_path,
     assert not [n for n in prepare(load_recipe(None, recipe)).notes if "rows of 32 tokens" in n]  # no cap
     recipe["compression"]["statistics"] = [{"name": "kl_response", "tokens": 64}]
     assert "kl_response reads 2 calibration rows of 32 tokens" in prepare(load_recipe(None, recipe)).notes
+
+
+def test_bench_contexts_default_to_the_ones_the_model_holds(tmp_path):
+    """Given contexts are measured as given (shortest first); without them the defaults, each past the
+    model's positions (with the decode steps after it) replaced by the longest that fits; a model that
+    cannot be read keeps the defaults (its own check says what is wrong)."""
+    from lrkv_tasks.recipes.preflight import BENCH_CONTEXTS, bench_contexts
+
+    llama = tiny_model_dir(tmp_path)  # 128 positions
+    assert bench_contexts(str(llama), [64, 16], 18) == [16, 64]
+    assert bench_contexts(str(llama), None, 18) == [110]
+    assert bench_contexts(str(tmp_path / "nope"), None, 18) == list(BENCH_CONTEXTS)
