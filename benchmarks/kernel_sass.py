@@ -174,6 +174,10 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: H100, H200)")
     parser.add_argument("--out", type=Path, help="append each row as JSON here")
     args = parser.parse_args()
+    if not set(args.kernels.split(",")) <= {"absorbed", "rebuilt"}:
+        parser.error(f"--kernels takes absorbed and/or rebuilt, got {args.kernels!r}")
+    if not set(args.bits.split(",")) <= {"0", "2", "3", "4", "8"}:
+        parser.error(f"--bits takes 0 (dense), 2, 3, 4 or 8, got {args.bits!r}")
 
     B, S, r, s, D, nq = args.batch, args.context, args.rank, args.heads, args.head_dim, args.q_heads
     gen = torch.Generator().manual_seed(0)
