@@ -7,6 +7,12 @@ not waited for (their results were never recorded, so a re-run computes them aga
 during that clean-up exits immediately. If the owned API server dies while the flow runs, the run is
 failed the same way (exit 1) instead of going on to export and register results the orchestrator never
 recorded.
+
+Prefect's flow engine swaps SIGTERM for its own handler while a flow runs: it raises in the main thread and
+then waits for the running tasks to end (minutes inside a long torch call) before passing the signal on.
+That bridge lets a Prefect worker cancel a flow-run process it started; a CLI run has no such worker, so
+while it is supervised the engine leaves SIGTERM to the handler here (``timeout`` and ``kill`` stop it as
+Ctrl-C does).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from .apiserver import OwnedServer
 
@@ -75,6 +81,19 @@ def require_api() -> None:
 
 
 @contextmanager
+def _engine_keeps_our_sigterm() -> Iterator[None]:
+    """Inside: flow runs leave SIGTERM to the handler of :func:`supervised` (see the module docstring)."""
+    from prefect import flow_engine
+
+    bridge = flow_engine.capture_sigterm
+    flow_engine.capture_sigterm = nullcontext
+    try:
+        yield
+    finally:
+        flow_engine.capture_sigterm = bridge
+
+
+@contextmanager
 def supervised(server: OwnedServer | None, say: Callable[[str], None]) -> Iterator[None]:
     """Run the block with SIGINT/SIGTERM handlers and an API watchdog (see the module docstring)."""
     exiting = threading.Event()
@@ -107,7 +126,8 @@ def supervised(server: OwnedServer | None, say: Callable[[str], None]) -> Iterat
     if server is not None:
         threading.Thread(target=watch_server, daemon=True, name="api-watchdog").start()
     try:
-        yield
+        with _engine_keeps_our_sigterm():
+            yield
     finally:
         exiting.set()
         for sig, handler in previous.items():
