@@ -35,6 +35,26 @@ COMMANDS = {
 }
 
 
+def untyped_flags(command: TyperCommand | TyperGroup) -> TyperCommand | TyperGroup:
+    """``command`` (and its subcommands) with its flags shown in the help without a type: typer writes
+    ``<bool>`` beside ``--static`` or ``--help``, as if they took a value."""
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    help_option = command.get_help_option
+
+    def get_help_option(ctx: typer.Context):
+        option = help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = get_help_option
+    for sub in getattr(command, "commands", {}).values():
+        untyped_flags(sub)
+    return command
+
+
 def load_command(name: str) -> TyperCommand | TyperGroup:
     """The click command ``name`` of :data:`COMMANDS`, its module imported (a SIGINT meanwhile: one line and
     exit code 130, :func:`lrkv_flows.loading.loading`)."""
@@ -48,7 +68,7 @@ def load_command(name: str) -> TyperCommand | TyperGroup:
         app.command(name)(target)
         command = typer.main.get_command(app)
     command.name, command.short_help = name, COMMANDS[name][1]
-    return command
+    return untyped_flags(command)
 
 
 class LazyCommands(TyperGroup):
@@ -58,6 +78,7 @@ class LazyCommands(TyperGroup):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.listing = False
+        untyped_flags(self)
 
     def list_commands(self, ctx: typer.Context) -> list[str]:
         return list(COMMANDS)

@@ -127,8 +127,10 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(tmp_path):
 def test_the_command_list_loads_no_command_and_each_command_loads_on_its_own(tmp_path):
     """``lrkv --help`` lists every command with its summary without importing any command's module (nor
     torch, Prefect or MLflow); a command's own help loads that command only; a mistyped command names the
-    close ones, loaded or not."""
-    from lrkv_flows.cli import COMMANDS, load_command
+    close ones, loaded or not. No help shows a flag with a type, as if it took a value."""
+    from typer.testing import CliRunner
+
+    from lrkv_flows.cli import COMMANDS, app, load_command
 
     probe = (
         "import sys\nfrom lrkv_flows.main import main\nsys.argv = ['lrkv', *sys.argv[1:]]\ntry:\n    main()\n"
@@ -151,6 +153,7 @@ def test_the_command_list_loads_no_command_and_each_command_loads_on_its_own(tmp
     for name, (_, summary) in COMMANDS.items():
         assert f" {name} {summary} " in listing, (name, listing)
     assert not (tmp_path / "home").exists()
+    assert " --help Show this message and exit. " in listing and "<bool>" not in listing
 
     text, loaded = lrkv("eval", "--help")
     assert "Usage: lrkv eval [OPTIONS] {model_dir}" in text and "--dataset" in text
@@ -162,6 +165,9 @@ def test_the_command_list_loads_no_command_and_each_command_loads_on_its_own(tmp
     for name, (_, summary) in COMMANDS.items():  # each entry names a command that loads, under its name
         command = load_command(name)
         assert (command.name, command.short_help) == (name, summary) and command.help
+        for words in [[name], *([name, sub] for sub in getattr(command, "commands", {}))]:
+            help_text = CliRunner().invoke(app, [*words, "--help"], env={"COLUMNS": "200"}).output
+            assert " --help " in help_text and "<bool>" not in help_text, (words, help_text)
 
 
 def test_a_search_budget_or_bits_that_do_not_parse_are_one_line_naming_the_flag(tmp_path):
