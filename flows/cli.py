@@ -151,4 +151,7 @@ def _start(
 
 
 if __name__ == "__main__":
+    from .exiting import freeze_at_exit
+
+    freeze_at_exit()
     app()

@@ -83,7 +83,8 @@ def ablate(
 
         check_ablation(rec)  # before Prefect starts
     use_device(device)
-    with dask_block(dask, rec.base.store), prefect_api() as supervise:
+    cluster = dask_block(dask, rec.base.store)  # checked before any API server starts
+    with prefect_api() as supervise, cluster:
         from lrkv_flows.ablate import ablate_flow
 
         with user_errors(), supervise, rich_progress():

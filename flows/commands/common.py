@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Annotated, Optional
 
 import typer
@@ -145,19 +145,28 @@ def prefect_api():
             server.stop()
 
 
-@contextmanager
-def dask_block(value: str | None, store: str | None):
-    """``--dask``: the flow's tasks on a Dask cluster for the block (:mod:`lrkv_flows.cluster`)."""
-    from lrkv_tasks.store.artifact_store import default_store_root, is_s3
-
+def dask_block(value: str | None, store: str | None) -> AbstractContextManager:
+    """``--dask``: checked when called, before any API server starts; the returned context runs the flow's
+    tasks on a Dask cluster (:mod:`lrkv_flows.cluster`). Enter it inside :func:`prefect_api`: a local
+    cluster's workers report to that API until they exit, so the cluster must close before the API stops
+    (else each worker waits on the gone API until its nanny kills it)."""
     from ..apiserver import running_services
-    from ..cluster import dask_cluster, parse_dask
+    from ..cluster import parse_dask
 
     if value and parse_dask(value).address and not (os.environ.get("PREFECT_API_URL") or running_services()):
         raise fail(
             f"--dask {value} needs a Prefect server its workers can reach: run `lrkv up` or set "
             "PREFECT_API_URL (the API this command would start for itself is on 127.0.0.1 and ends with it)"
         )
+    return _dask_cluster(value, store)
+
+
+@contextmanager
+def _dask_cluster(value: str | None, store: str | None):
+    from lrkv_tasks.store.artifact_store import default_store_root, is_s3
+
+    from ..cluster import dask_cluster
+
     with ExitStack() as stack:
         try:
             spec = stack.enter_context(dask_cluster(value))

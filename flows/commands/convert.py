@@ -136,7 +136,8 @@ def convert(
         )
         console.print(f"{label} {escape(text)}", soft_wrap=True)
     use_device(device)
-    with dask_block(dask, prepared.recipe.store), prefect_api() as supervise:
+    cluster = dask_block(dask, prepared.recipe.store)  # checked before any API server starts
+    with prefect_api() as supervise, cluster:
         from lrkv_flows.convert import convert_flow  # imports Prefect: after the cheap checks
 
         with user_errors(), supervise, rich_progress():

@@ -119,7 +119,8 @@ def search(
 
         prepare(rec.base)  # before Prefect starts (the flow prepares it again)
     use_device(device)
-    with dask_block(dask, rec.base.store), prefect_api() as supervise:
+    cluster = dask_block(dask, rec.base.store)  # checked before any API server starts
+    with prefect_api() as supervise, cluster:
         from lrkv_flows.search import search_flow
 
         with user_errors(), supervise, rich_progress():

@@ -124,6 +124,21 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(tmp_path):
     assert "interrupted (SIGINT) while lrkv was starting" in errors and "Traceback" not in errors + rest
 
 
+def test_the_command_skips_the_interpreter_s_last_collection_at_exit(tmp_path):
+    """The objects a command loaded are frozen by its last exit handler (:mod:`lrkv_flows.exiting`), after
+    every other one: an exit handler registered before the command runs sees them frozen."""
+    probe = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('FROZEN', gc.get_freeze_count(), flush=True))\n"
+        "from lrkv_flows.main import main\nsys.argv = ['lrkv', '--version']\nmain()\n"
+    )
+    env = {**os.environ, "LRKV_HOME": str(tmp_path / "home")}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("lrkv "), res.stdout + res.stderr
+    frozen = int(res.stdout.split("FROZEN")[1])
+    assert frozen > 10_000, res.stdout  # the modules' objects, not a handful
+
+
 def test_the_command_list_loads_no_command_and_each_command_loads_on_its_own(tmp_path):
     """``lrkv --help`` lists every command with its summary without importing any command's module (nor
     torch, Prefect or MLflow); a command's own help loads that command only; a mistyped command names the

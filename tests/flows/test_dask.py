@@ -64,6 +64,8 @@ def test_convert_on_a_dask_cluster_matches_threads_and_shares_their_cached_resul
         assert os.environ[ENV] == spec.address and spec.workers == 2
         dask = convert_flow(on_dask)
         ran = _tasks_run_by(spec.address)
+        with Client(spec.address) as client:  # each worker exits quickly (lrkv_flows.exiting)
+            assert set(client.run(_freezes_at_exit).values()) == {True}
     assert ENV not in os.environ  # restored (unset) after the block
     states = {row["task"]: row["state"] for row in dask.timings}
     assert set(states.values()) == {"Completed"}, states
@@ -95,6 +97,13 @@ def test_convert_on_a_dask_cluster_matches_threads_and_shares_their_cached_resul
     again = convert_flow(on_dask.model_copy(update={"calibration": cal}))
     assert {row["state"] for row in again.timings} == {"Cached"}, again.timings
     assert again.mlflow["run_id"] == dask.mlflow["run_id"]
+
+
+def _freezes_at_exit() -> bool:
+    import sys
+
+    exiting = sys.modules.get("lrkv_flows.exiting")
+    return exiting is not None and exiting._registered
 
 
 def _lrkv(args, home, env_extra=None):
