@@ -148,8 +148,8 @@ def prefect_api():
 def dask_block(value: str | None, store: str | None) -> AbstractContextManager:
     """``--dask``: checked when called, before any API server starts; the returned context runs the flow's
     tasks on a Dask cluster (:mod:`lrkv_flows.cluster`). Enter it inside :func:`prefect_api`: a local
-    cluster's workers report to that API until they exit, so the cluster must close before the API stops
-    (else each worker waits on the gone API until its nanny kills it)."""
+    cluster's workers send their task runs' states and logs to that API, so the cluster closes before the
+    API stops."""
     from ..apiserver import running_services
     from ..cluster import parse_dask
 
