@@ -84,7 +84,8 @@ def bench(
     bad_bits = any(b not in (2, 3, 4, 8) for b in bit_list)
     if not ratio_list or any(not 0 < r <= 1 for r in ratio_list) or bad_bits:
         raise fail("--ratios must be in (0, 1] and --bits among 2, 3, 4, 8", 2)
-    if context_list == [] or min(context_list or [1]) < 1 or batch < 1 or steps < 1 or warmup < 0:
+    bad_contexts = context_list is not None and (not context_list or min(context_list) < 1)
+    if bad_contexts or batch < 1 or steps < 1 or warmup < 0:
         raise fail("--contexts, --batch and --steps must be ≥ 1 and --warmup ≥ 0", 2)
     if not key_list or not set(key_list) <= set(KEY_LATENTS) or len(set(key_list)) != len(key_list):
         raise fail(f"--keys takes rebuilt and/or rotated, each once (got {keys!r})", 2)
