@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from lrkv_core.evaluation.metrics import EvalResult
     from lrkv_tasks.results import ConvertResult
 
-console = Console()
+console = Console(emoji=False)  # names and paths as they are: `…-v1:train:` is not rich's :train: emoji
 
 
 def print_table(table: Table) -> None:

@@ -104,6 +104,18 @@ def test_progress_lines_are_printed_as_they_come_when_the_output_is_not_a_termin
     assert None not in found and found == sorted(found), (found, steps)
 
 
+def test_progress_lines_print_names_as_they_are():
+    """A line's text is printed as it is: ``…-v1:train: started`` is not rich's ``:train:`` emoji."""
+    import logging
+
+    from lrkv_flows.report import console, progress_lines
+
+    line = "extract calibration from hf:wikitext:wikitext-2-raw-v1:train: started"
+    with console.capture() as captured, progress_lines():
+        logging.getLogger("lrkv").info(line)
+    assert captured.get().rstrip("\n").endswith(f" {line}"), captured.get()
+
+
 def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(tmp_path):
     """SIGINT while ``lrkv`` imports torch and transformers: one line and 130, no traceback. The signal is
     sent once the child reports (``-X importtime``, in import order) that torch has loaded, so it lands
